@@ -1,0 +1,121 @@
+// Paged storage of a session's per-layer cache entries (DESIGN.md §3): a
+// capacity-bounded arena cut into fixed-size pages, and per-session page
+// tables. Used by the KARAT-node devices and, with a large arena, by the
+// reference engine, so both read entries through the same code.
+//
+// Page layout (one layer, `tokens_per_page` tokens), structure of arrays:
+//   [kv:    tpp x kv_dim   bf16 ]   mla_dsa: c (kv_lora) | k_pe (rope)
+//   [ikey:  tpp x index_dim fp8 ]   DSA index keys (codes)
+//   [iscale: tpp x f32          ]   their scales
+// each section padded to 64 bytes.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/model_config.h"
+
+namespace karat {
+
+struct KvLayout {
+  int tokens_per_page = 64;
+  int kv_dim = 0;     // bf16 values per token
+  int index_dim = 0;  // fp8 codes per token (0: no index keys)
+  size_t kv_offset = 0, ikey_offset = 0, iscale_offset = 0;
+  size_t page_bytes = 0;
+  int num_layers = 0;
+  // Bytes of one token's entries in one layer (without padding).
+  size_t TokenBytes() const;
+};
+KvLayout MakeKvLayout(const ModelConfig& config, int tokens_per_page);
+
+// A fixed-capacity arena of pages. Thread-safe.
+class PageArena {
+ public:
+  // capacity_bytes is rounded down to whole pages. Memory is reserved with
+  // mmap (MADV_HUGEPAGE) and touched only when used.
+  static absl::StatusOr<std::unique_ptr<PageArena>> Create(
+      size_t capacity_bytes, size_t page_bytes);
+  ~PageArena();
+  // Allocates `n` pages or none: RESOURCE_EXHAUSTED when fewer are free.
+  absl::Status Allocate(int n, std::vector<int32_t>* pages);
+  void Free(const std::vector<int32_t>& pages);
+  uint8_t* Page(int32_t id) const { return base_ + size_t(id) * page_bytes_; }
+  size_t page_bytes() const { return page_bytes_; }
+  int total_pages() const { return total_pages_; }
+  int free_pages() const;
+  size_t used_bytes() const;
+
+ private:
+  PageArena() = default;
+  uint8_t* base_ = nullptr;
+  size_t map_bytes_ = 0;
+  size_t page_bytes_ = 0;
+  int total_pages_ = 0;
+  mutable std::mutex mu_;
+  std::vector<int32_t> free_list_;
+};
+
+// One layer of one session, as the kernels read it.
+struct LayerView {
+  const KvLayout* layout = nullptr;
+  const std::vector<int32_t>* pages = nullptr;
+  const PageArena* arena = nullptr;
+  int length = 0;  // tokens stored
+
+  const uint16_t* Kv(int pos) const {
+    const uint8_t* p = arena->Page((*pages)[pos / layout->tokens_per_page]);
+    return reinterpret_cast<const uint16_t*>(p + layout->kv_offset) +
+           size_t(pos % layout->tokens_per_page) * layout->kv_dim;
+  }
+  const uint8_t* IndexKey(int pos) const {
+    const uint8_t* p = arena->Page((*pages)[pos / layout->tokens_per_page]);
+    return p + layout->ikey_offset +
+           size_t(pos % layout->tokens_per_page) * layout->index_dim;
+  }
+  float IndexScale(int pos) const {
+    const uint8_t* p = arena->Page((*pages)[pos / layout->tokens_per_page]);
+    return reinterpret_cast<const float*>(p + layout->iscale_offset)
+        [pos % layout->tokens_per_page];
+  }
+};
+
+// A session's cache on one arena: per layer a page table and a length.
+// Not thread-safe; its owner serialises access.
+class SessionCache {
+ public:
+  SessionCache(const KvLayout* layout, PageArena* arena);
+  ~SessionCache();  // frees its pages
+  SessionCache(const SessionCache&) = delete;
+  SessionCache& operator=(const SessionCache&) = delete;
+
+  // Makes room for `tokens` positions in every layer (all or nothing).
+  absl::Status Reserve(int tokens);
+  int reserved_tokens() const { return reserved_tokens_; }
+  // Drops positions >= length in `layer` (a resent position overwrites).
+  void Truncate(int layer, int length);
+  int length(int layer) const { return lengths_[layer]; }
+  // Appends one token's entries at position length(layer); the caller has
+  // reserved room. `index_key` may be null when the layout has none.
+  absl::Status Append(int layer, const uint16_t* kv, const uint8_t* index_key,
+                      float index_scale);
+  LayerView View(int layer) const;
+  size_t bytes() const;  // pages held x page bytes
+  // Frees pages beyond what `tokens` positions need.
+  void Shrink(int tokens);
+
+ private:
+  const KvLayout* layout_;
+  PageArena* arena_;
+  int reserved_tokens_ = 0;
+  std::vector<std::vector<int32_t>> pages_;  // per layer
+  std::vector<int> lengths_;
+};
+
+}  // namespace karat

@@ -1,0 +1,103 @@
+// The GPU-node half of the forward pass (DESIGN.md §2): everything that reads
+// weights. Attention's KARAT half sits behind AttentionBackend, so the same
+// runner drives the single-process reference engine (LocalAttentionBackend)
+// and the GPU-node daemon (a backend that talks libfabric to KARAT nodes).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/attention.h"
+#include "common/kv_store.h"
+#include "common/weights.h"
+
+namespace karat {
+
+// New tokens of one request in a step: positions [pos_start, pos_start + n).
+struct Segment {
+  uint64_t session = 0;
+  int pos_start = 0;
+  std::vector<int32_t> tokens;
+};
+
+// One layer's attention traffic for a step, token-major over all segments
+// in order (segment i's tokens start at row `offsets[i]`).
+struct LayerTraffic {
+  bool has_indexer = false;
+  std::vector<int> offsets;
+  std::vector<uint8_t> index_q_codes;   // N x Hi x Di
+  std::vector<float> index_q_scales;    // N x Hi
+  std::vector<float> index_weights;     // N x Hi
+  std::vector<uint8_t> index_k_codes;   // N x Di
+  std::vector<float> index_k_scales;    // N
+  std::vector<float> q;                 // N x H x q_dim
+  std::vector<uint16_t> kv;             // N x kv_dim
+  std::vector<float> out;               // N x H x out_dim (backend fills)
+
+  IndexInputs IndexFor(int seg, const AttnShapes& s) const;
+  AttnInputs AttnFor(int seg, const AttnShapes& s) const;
+  float* OutFor(int seg, const AttnShapes& s);
+};
+
+// Runs the KARAT half of one layer for every segment of a step. Called once
+// per layer in layer order; must fill traffic->out.
+class AttentionBackend {
+ public:
+  virtual ~AttentionBackend() = default;
+  virtual absl::Status RunLayer(int layer, const std::vector<Segment>& segs,
+                                LayerTraffic* traffic) = 0;
+};
+
+// Holds the packed weights. Immutable after Create; Step() is thread-safe
+// as long as each caller uses its own backend.
+class ModelRunner {
+ public:
+  static absl::StatusOr<std::unique_ptr<ModelRunner>> Create(
+      const ModelFiles& files);
+  ~ModelRunner();
+  const ModelConfig& config() const;
+  const AttnShapes& shapes() const;
+
+  // Runs one step over `segs` and returns the logits (vocab floats) of the
+  // last token of each segment, in segment order.
+  absl::StatusOr<std::vector<std::vector<float>>> Step(
+      const std::vector<Segment>& segs, AttentionBackend* backend) const;
+
+ private:
+  ModelRunner();
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Attention on local session caches (the reference engine's backend and the
+// building block of the KARAT node's devices).
+class LocalAttentionBackend : public AttentionBackend {
+ public:
+  LocalAttentionBackend(const ModelConfig& config, int tokens_per_page,
+                        size_t capacity_bytes);
+  ~LocalAttentionBackend() override;
+  absl::Status Init();
+  // Ensures room for `tokens` positions of `session` (creating it).
+  absl::Status Reserve(uint64_t session, int tokens);
+  void Drop(uint64_t session);
+  absl::Status RunLayer(int layer, const std::vector<Segment>& segs,
+                        LayerTraffic* traffic) override;
+  const KvLayout& layout() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Sampling (MODEL.md): greedy (temperature <= 0) takes the highest logit,
+// ties to the lower id; otherwise
+// u = (splitmix64(seed ^ (0x9E3779B97F4A7C15 * (position + 1))) >> 11) * 2^-53
+// and the first id whose cumulative softmax(logits / T) exceeds u.
+int32_t SampleToken(const std::vector<float>& logits, float temperature,
+                    uint64_t seed, int64_t position);
+uint64_t SplitMix64(uint64_t x);
+
+}  // namespace karat

@@ -1,0 +1,59 @@
+// Model weights: the tensor names and shapes a config implies (MODEL.md
+// "Files"), loading a model directory (config.json + model.safetensors) into
+// fp32, and the deterministic generator behind `karat-weights`.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/model_config.h"
+#include "common/safetensors.h"
+
+namespace karat {
+
+struct TensorSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+};
+
+// Every tensor the config requires, in a fixed order (embeddings, then per
+// layer, then final norm, lm_head; `model.lsh_hyperplanes` for magicpig).
+std::vector<TensorSpec> ExpectedTensors(const ModelConfig& config);
+
+// A dense fp32 tensor, row-major.
+struct Tensor {
+  std::vector<int64_t> shape;
+  std::vector<float> data;
+  int64_t rows() const { return shape.empty() ? 0 : shape[0]; }
+  int64_t cols() const { return shape.size() < 2 ? 1 : shape[1]; }
+};
+
+struct ModelFiles {
+  ModelConfig config;
+  std::map<std::string, Tensor> tensors;  // fp32 copies
+  const Tensor& at(const std::string& name) const { return tensors.at(name); }
+};
+
+// Loads DIR/config.json and DIR/model.safetensors. Refuses, naming the file
+// and the field/tensor: a malformed config, a truncated or corrupt
+// safetensors file, a missing tensor, a tensor whose shape disagrees with the
+// config. Extra tensors are ignored.
+absl::StatusOr<ModelFiles> LoadModel(const std::string& model_dir);
+
+// Deterministic weights for `config` from `seed` (each tensor from its own
+// stream keyed by seed and name, so adding a tensor changes no other). Linear
+// weights ~ N(0, 1/in); norm weights 1 + N(0, 0.02^2); LayerNorm bias
+// N(0, 0.02^2); embeddings N(0, 1).
+std::map<std::string, Tensor> GenerateWeights(const ModelConfig& config,
+                                              uint64_t seed);
+
+// Writes DIR/config.json and DIR/model.safetensors (creating DIR).
+absl::Status WriteModel(const std::string& model_dir,
+                        const ModelConfig& config,
+                        const std::map<std::string, Tensor>& tensors,
+                        DType dtype);
+
+}  // namespace karat
