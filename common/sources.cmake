@@ -5,6 +5,7 @@ target_link_libraries(karat_common PUBLIC
   karat_proto absl::status absl::statusor absl::strings absl::str_format
   absl::synchronization absl::flat_hash_map absl::time
   protobuf::libprotobuf PkgConfig::FABRIC OpenMP::OpenMP_CXX Threads::Threads)
+include(common/base.cmake)                # logging
 include(common/numerics.cmake OPTIONAL)   # numeric, config, safetensors, weights
 include(common/linear.cmake OPTIONAL)     # batch-invariant linear kernel
 include(common/transport.cmake OPTIONAL)  # libfabric transport, frames
