@@ -105,6 +105,14 @@ class SessionCache {
   // reserved room. `index_key` may be null when the layout has none.
   absl::Status Append(int layer, const uint16_t* kv, const uint8_t* index_key,
                       float index_scale);
+  // Writes one entry at `pos` (< reserved_tokens(), else RESOURCE_EXHAUSTED)
+  // without changing length(layer): the index key arrives before the KV entry
+  // of the same token (DESIGN.md §2), so the two are written separately.
+  absl::Status WriteKv(int layer, int pos, const uint16_t* kv);
+  absl::Status WriteIndexKey(int layer, int pos, const uint8_t* codes,
+                             float scale);
+  // Sets the number of valid positions of `layer` (<= reserved_tokens()).
+  void SetLength(int layer, int length);
   LayerView View(int layer) const;
   size_t bytes() const;  // pages held x page bytes
   // Frees pages beyond what `tokens` positions need.

@@ -1,0 +1,244 @@
+#include "common/kv_store.h"
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace karat {
+namespace {
+
+size_t AlignUp(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+}  // namespace
+
+size_t KvLayout::TokenBytes() const {
+  return size_t(kv_dim) * 2 + size_t(index_dim) + (index_dim > 0 ? 4 : 0);
+}
+
+KvLayout MakeKvLayout(const ModelConfig& config, int tokens_per_page) {
+  KvLayout l;
+  l.tokens_per_page = tokens_per_page;
+  l.num_layers = config.num_hidden_layers;
+  switch (config.attention.type) {
+    case AttentionType::kMlaDsa:
+      l.kv_dim = config.kv_lora_rank + config.qk_rope_head_dim;
+      l.index_dim = config.index_head_dim;
+      break;
+    case AttentionType::kGqaBlock:
+      // k and v per KV head, plus the block indexer's keys (bf16, stored in
+      // the kv section after k|v).
+      l.kv_dim = 2 * config.num_key_value_heads * config.head_dim +
+                 config.num_key_value_heads * config.index_head_dim;
+      l.index_dim = 0;
+      break;
+    case AttentionType::kGqaDense:
+      l.kv_dim = 2 * config.num_key_value_heads * config.head_dim;
+      l.index_dim = 0;
+      break;
+  }
+  const size_t tpp = size_t(tokens_per_page);
+  l.kv_offset = 0;
+  l.ikey_offset = AlignUp(tpp * l.kv_dim * 2, 64);
+  l.iscale_offset = AlignUp(l.ikey_offset + tpp * l.index_dim, 64);
+  l.page_bytes =
+      AlignUp(l.iscale_offset + (l.index_dim > 0 ? tpp * 4 : 0), 64);
+  return l;
+}
+
+absl::StatusOr<std::unique_ptr<PageArena>> PageArena::Create(
+    size_t capacity_bytes, size_t page_bytes) {
+  if (page_bytes == 0) return absl::InvalidArgumentError("page size is 0");
+  const size_t pages = capacity_bytes / page_bytes;
+  if (pages == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("device capacity ", capacity_bytes,
+                     " bytes is smaller than one page (", page_bytes, ")"));
+  }
+  if (pages > size_t(INT32_MAX)) {
+    return absl::InvalidArgumentError("device capacity too large");
+  }
+  std::unique_ptr<PageArena> a(new PageArena());
+  a->page_bytes_ = page_bytes;
+  a->total_pages_ = static_cast<int>(pages);
+  a->map_bytes_ = AlignUp(pages * page_bytes, 2 << 20);
+  void* p = mmap(nullptr, a->map_bytes_, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot map ", a->map_bytes_, " bytes for a device"));
+  }
+  madvise(p, a->map_bytes_, MADV_HUGEPAGE);
+  a->base_ = static_cast<uint8_t*>(p);
+  a->free_list_.reserve(pages);
+  // Lowest ids are handed out first.
+  for (int i = a->total_pages_ - 1; i >= 0; --i) a->free_list_.push_back(i);
+  return a;
+}
+
+PageArena::~PageArena() {
+  if (base_ != nullptr) munmap(base_, map_bytes_);
+}
+
+absl::Status PageArena::Allocate(int n, std::vector<int32_t>* pages) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (n < 0 || size_t(n) > free_list_.size()) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("need ", n, " pages of ", page_bytes_, " bytes, ",
+                     free_list_.size(), " free of ", total_pages_));
+  }
+  for (int i = 0; i < n; ++i) {
+    pages->push_back(free_list_.back());
+    free_list_.pop_back();
+  }
+  return absl::OkStatus();
+}
+
+void PageArena::Free(const std::vector<int32_t>& pages) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (int32_t p : pages) free_list_.push_back(p);
+}
+
+int PageArena::free_pages() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int>(free_list_.size());
+}
+
+size_t PageArena::used_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return size_t(total_pages_ - int(free_list_.size())) * page_bytes_;
+}
+
+SessionCache::SessionCache(const KvLayout* layout, PageArena* arena)
+    : layout_(layout),
+      arena_(arena),
+      pages_(layout->num_layers),
+      lengths_(layout->num_layers, 0) {}
+
+SessionCache::~SessionCache() {
+  for (auto& p : pages_) arena_->Free(p);
+}
+
+absl::Status SessionCache::Reserve(int tokens) {
+  if (tokens <= reserved_tokens_) return absl::OkStatus();
+  const int tpp = layout_->tokens_per_page;
+  const int have = static_cast<int>(pages_.empty() ? 0 : pages_[0].size());
+  const int need = (tokens + tpp - 1) / tpp;
+  const int more = need - have;
+  std::vector<int32_t> fresh;
+  absl::Status st = arena_->Allocate(more * layout_->num_layers, &fresh);
+  if (!st.ok()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cannot reserve ", tokens, " tokens: ", st.message()));
+  }
+  size_t k = 0;
+  for (auto& layer_pages : pages_) {
+    for (int i = 0; i < more; ++i) layer_pages.push_back(fresh[k++]);
+  }
+  reserved_tokens_ = need * tpp;
+  return absl::OkStatus();
+}
+
+void SessionCache::Truncate(int layer, int length) {
+  if (length < lengths_[layer]) lengths_[layer] = std::max(length, 0);
+}
+
+absl::Status SessionCache::Append(int layer, const uint16_t* kv,
+                                  const uint8_t* index_key,
+                                  float index_scale) {
+  const int pos = lengths_[layer];
+  if (pos >= reserved_tokens_) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("position ", pos, " is beyond the ", reserved_tokens_,
+                     " reserved tokens"));
+  }
+  const int tpp = layout_->tokens_per_page;
+  uint8_t* page = arena_->Page(pages_[layer][pos / tpp]);
+  const int slot = pos % tpp;
+  std::memcpy(page + layout_->kv_offset + size_t(slot) * layout_->kv_dim * 2,
+              kv, size_t(layout_->kv_dim) * 2);
+  if (layout_->index_dim > 0) {
+    if (index_key == nullptr) {
+      std::memset(page + layout_->ikey_offset + size_t(slot) * layout_->index_dim,
+                  0, layout_->index_dim);
+      index_scale = 0.0f;
+    } else {
+      std::memcpy(page + layout_->ikey_offset + size_t(slot) * layout_->index_dim,
+                  index_key, layout_->index_dim);
+    }
+    reinterpret_cast<float*>(page + layout_->iscale_offset)[slot] = index_scale;
+  }
+  lengths_[layer] = pos + 1;
+  return absl::OkStatus();
+}
+
+absl::Status SessionCache::WriteKv(int layer, int pos, const uint16_t* kv) {
+  if (pos < 0 || pos >= reserved_tokens_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "position ", pos, " is beyond the ", reserved_tokens_,
+        " reserved tokens"));
+  }
+  const int tpp = layout_->tokens_per_page;
+  uint8_t* page = arena_->Page(pages_[layer][pos / tpp]);
+  std::memcpy(page + layout_->kv_offset +
+                  size_t(pos % tpp) * layout_->kv_dim * 2,
+              kv, size_t(layout_->kv_dim) * 2);
+  return absl::OkStatus();
+}
+
+absl::Status SessionCache::WriteIndexKey(int layer, int pos,
+                                         const uint8_t* codes, float scale) {
+  if (pos < 0 || pos >= reserved_tokens_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "position ", pos, " is beyond the ", reserved_tokens_,
+        " reserved tokens"));
+  }
+  if (layout_->index_dim == 0) {
+    return absl::FailedPreconditionError("this layout has no index keys");
+  }
+  const int tpp = layout_->tokens_per_page;
+  uint8_t* page = arena_->Page(pages_[layer][pos / tpp]);
+  std::memcpy(page + layout_->ikey_offset +
+                  size_t(pos % tpp) * layout_->index_dim,
+              codes, layout_->index_dim);
+  reinterpret_cast<float*>(page + layout_->iscale_offset)[pos % tpp] = scale;
+  return absl::OkStatus();
+}
+
+void SessionCache::SetLength(int layer, int length) {
+  lengths_[layer] = std::clamp(length, 0, reserved_tokens_);
+}
+
+LayerView SessionCache::View(int layer) const {
+  LayerView v;
+  v.layout = layout_;
+  v.pages = &pages_[layer];
+  v.arena = arena_;
+  v.length = lengths_[layer];
+  return v;
+}
+
+size_t SessionCache::bytes() const {
+  size_t n = 0;
+  for (const auto& p : pages_) n += p.size();
+  return n * layout_->page_bytes;
+}
+
+void SessionCache::Shrink(int tokens) {
+  const int tpp = layout_->tokens_per_page;
+  const int keep = (std::max(tokens, 0) + tpp - 1) / tpp;
+  for (size_t l = 0; l < pages_.size(); ++l) {
+    auto& lp = pages_[l];
+    if (int(lp.size()) > keep) {
+      std::vector<int32_t> drop(lp.begin() + keep, lp.end());
+      arena_->Free(drop);
+      lp.resize(keep);
+    }
+    lengths_[l] = std::min(lengths_[l], keep * tpp);
+  }
+  reserved_tokens_ = std::min(reserved_tokens_, keep * tpp);
+}
+
+}  // namespace karat

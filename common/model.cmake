@@ -1,0 +1,5 @@
+target_sources(karat_common PRIVATE
+  common/kv_store.cc
+  common/attention.cc
+  common/model_runner.cc
+  common/reference_engine.cc)

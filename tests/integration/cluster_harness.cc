@@ -1,0 +1,200 @@
+#include "tests/integration/cluster_harness.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include <grpcpp/grpcpp.h>
+
+extern char** environ;
+
+namespace karat::testing {
+namespace {
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+}  // namespace
+
+std::string BinPath(const std::string& name) {
+  return std::string(KARAT_BIN_DIR) + "/" + name;
+}
+
+int RunCommand(const std::vector<std::string>& argv, std::string* output) {
+  char tmpl[] = "/tmp/karat-cmd-XXXXXX";
+  int fd = mkstemp(tmpl);
+  if (fd < 0) return -1;
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, fd, 1);
+  posix_spawn_file_actions_adddup2(&fa, fd, 2);
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  pid_t pid;
+  int rc = posix_spawn(&pid, args[0], &fa, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&fa);
+  close(fd);
+  int status = -1;
+  if (rc == 0) waitpid(pid, &status, 0);
+  if (output != nullptr) *output = ReadFile(tmpl);
+  unlink(tmpl);
+  if (rc != 0) return -1;
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+double ProcessCpuSeconds(pid_t pid) {
+  std::string stat = ReadFile("/proc/" + std::to_string(pid) + "/stat");
+  // Fields after the command name (which is in parentheses).
+  const size_t close = stat.rfind(')');
+  if (close == std::string::npos) return -1;
+  std::istringstream in(stat.substr(close + 2));
+  std::string f;
+  std::vector<std::string> fields;
+  while (in >> f) fields.push_back(f);
+  // utime and stime are fields 14 and 15 (1-based) = index 11, 12 here.
+  if (fields.size() < 13) return -1;
+  const double ticks = double(sysconf(_SC_CLK_TCK));
+  return (std::stod(fields[11]) + std::stod(fields[12])) / ticks;
+}
+
+Cluster::Cluster(const ClusterSpec& spec) : spec_(spec) {
+  char tmpl[] = "/tmp/karat-cluster-XXXXXX";
+  REQUIRE(mkdtemp(tmpl) != nullptr);
+  dir_ = tmpl;
+  model_dir_ = dir_ + "/model";
+  std::string out;
+  const int rc = RunCommand({BinPath("karat-weights"), "--preset", spec.preset,
+                             "--seed", std::to_string(spec.weights_seed),
+                             "--out", model_dir_},
+                            &out);
+  INFO(out);
+  REQUIRE(rc == 0);
+
+  pid_t c = Start("coordinator",
+                  {BinPath("karat-coordinator"), "--listen", "127.0.0.1:0",
+                   "--port-file", dir_ + "/coordinator.addr",
+                   "--max-new-tokens-limit",
+                   std::to_string(spec.max_new_tokens_limit)});
+  coord_addr_ = WaitForPortFile(dir_ + "/coordinator.addr", c);
+  Start("karat0", {BinPath("karat-node"), "--coordinator", coord_addr_,
+                   "--listen", "127.0.0.1:0", "--name", "karat0", "--model",
+                   model_dir_, "--provider", spec.provider, "--devices",
+                   std::to_string(spec.devices), "--device-capacity",
+                   spec.device_capacity, "--cores", "1", "--tokens-per-page",
+                   std::to_string(spec.tokens_per_page), "--port-file",
+                   dir_ + "/karat0.addr"});
+  Start("gpu0", {BinPath("karat-gpu-node"), "--coordinator", coord_addr_,
+                 "--listen", "127.0.0.1:0", "--name", "gpu0", "--model",
+                 model_dir_, "--provider", spec.provider, "--max-step-tokens",
+                 std::to_string(spec.max_step_tokens), "--threads", "1",
+                 "--port-file", dir_ + "/gpu0.addr"});
+  WaitForNodes(2);
+}
+
+Cluster::~Cluster() {
+  for (auto& [name, pid] : pids_) kill(pid, SIGTERM);
+  for (auto& [name, pid] : pids_) {
+    int status;
+    bool exited = false;
+    for (int i = 0; i < 100 && !exited; ++i) {
+      exited = waitpid(pid, &status, WNOHANG) == pid;
+      if (!exited) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    if (!exited) {
+      WARN(name << " did not exit within 5 s of SIGTERM; killing it");
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+    }
+  }
+  std::error_code ec;
+  if (getenv("KARAT_KEEP_TEST_DIRS") == nullptr) {
+    std::filesystem::remove_all(dir_, ec);
+  }
+}
+
+pid_t Cluster::Start(const std::string& name,
+                     const std::vector<std::string>& argv) {
+  const std::string log = dir_ + "/" + name + ".log";
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 1, log.c_str(),
+                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&fa, 1, 2);
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  pid_t pid;
+  const int rc = posix_spawn(&pid, args[0], &fa, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&fa);
+  INFO("starting " << argv[0]);
+  REQUIRE(rc == 0);
+  pids_[name] = pid;
+  return pid;
+}
+
+std::string Cluster::WaitForPortFile(const std::string& path, pid_t pid) {
+  for (int i = 0; i < 300; ++i) {
+    std::string addr = ReadFile(path);
+    while (!addr.empty() && (addr.back() == '\n' || addr.back() == ' ')) {
+      addr.pop_back();
+    }
+    if (!addr.empty()) return addr;
+    int status;
+    if (waitpid(pid, &status, WNOHANG) == pid) {
+      FAIL("daemon exited before listening; log:\n" << ReadLog("coordinator"));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  FAIL("no address in " << path << " after 30 s");
+  return "";
+}
+
+void Cluster::WaitForNodes(int expected) {
+  auto stub = NewStub();
+  for (int i = 0; i < 600; ++i) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    karat::v1::GetClusterStatusRequest req;
+    karat::v1::ClusterStatus st;
+    if (stub->GetClusterStatus(&ctx, req, &st).ok()) {
+      int alive = 0;
+      for (const auto& n : st.nodes()) alive += n.alive() ? 1 : 0;
+      if (alive >= expected) return;
+    }
+    for (auto& [name, pid] : pids_) {
+      int status;
+      if (waitpid(pid, &status, WNOHANG) == pid) {
+        FAIL(name << " exited during start-up; log:\n" << ReadLog(name));
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  FAIL("nodes did not register within 60 s");
+}
+
+std::unique_ptr<karat::v1::Karat::Stub> Cluster::NewStub() const {
+  return karat::v1::Karat::NewStub(
+      grpc::CreateChannel(coord_addr_, grpc::InsecureChannelCredentials()));
+}
+
+std::string Cluster::ReadLog(const std::string& name) const {
+  return ReadFile(dir_ + "/" + name + ".log");
+}
+
+}  // namespace karat::testing

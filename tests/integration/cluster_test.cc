@@ -1,0 +1,399 @@
+// End to end through the real daemons: every streamed token equals the
+// single-process reference engine on the same conversation (DESIGN.md §6),
+// and bad input gets a clear answer without losing the session.
+#include <catch2/catch.hpp>
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include <grpcpp/grpcpp.h>
+
+#include "cluster.grpc.pb.h"
+#include "common/reference_engine.h"
+#include "common/tokenizer.h"
+#include "common/weights.h"
+#include "karat.grpc.pb.h"
+#include "tests/integration/cluster_harness.h"
+
+namespace karat::testing {
+namespace {
+
+using karat::v1::GenerateRequest;
+using karat::v1::GenerateResponse;
+
+struct TurnResult {
+  grpc::Status status;
+  std::vector<int32_t> tokens;
+  std::string finish_reason;
+};
+
+std::string CreateSession(karat::v1::Karat::Stub* stub, uint64_t seed) {
+  grpc::ClientContext ctx;
+  karat::v1::CreateSessionRequest req;
+  req.set_seed(seed);
+  karat::v1::Session s;
+  grpc::Status st = stub->CreateSession(&ctx, req, &s);
+  REQUIRE(st.ok());
+  return s.session_id();
+}
+
+TurnResult Generate(karat::v1::Karat::Stub* stub, const std::string& session,
+                    const std::string& prompt, int max_new_tokens,
+                    float temperature, int cancel_after = -1) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::minutes(3));
+  GenerateRequest req;
+  req.set_session_id(session);
+  req.set_prompt(prompt);
+  req.set_max_new_tokens(max_new_tokens);
+  req.set_temperature(temperature);
+  auto reader = stub->Generate(&ctx, req);
+  TurnResult r;
+  GenerateResponse ev;
+  while (reader->Read(&ev)) {
+    if (ev.has_token()) {
+      r.tokens.push_back(ev.token().token_id());
+      if (int(r.tokens.size()) == cancel_after) ctx.TryCancel();
+    }
+    if (ev.has_done()) r.finish_reason = ev.done().finish_reason();
+  }
+  r.status = reader->Finish();
+  return r;
+}
+
+std::string PromptText(int session, int turn) {
+  std::string s = "session " + std::to_string(session) + " turn " +
+                  std::to_string(turn) + ": ";
+  const int len = 40 + 23 * ((session + turn) % 4);
+  for (int i = 0; i < len; ++i) {
+    s += char('a' + (session * 7 + turn * 13 + i * 5) % 26);
+  }
+  return s;
+}
+
+ModelFiles LoadOrFail(const std::string& dir) {
+  auto files = LoadModel(dir);
+  REQUIRE(files.ok());
+  return std::move(*files);
+}
+
+TEST_CASE("cluster tokens equal the reference engine, greedy and sampled",
+          "[integration]") {
+  ClusterSpec spec;
+  Cluster cluster(spec);
+  constexpr int kSessions = 8, kTurns = 3, kMaxNew = 24;
+  // Sessions 0-3 greedy, 4-7 with a temperature and their own seed.
+  auto temperature = [](int s) { return s < 4 ? 0.0f : 0.9f; };
+  auto seed = [](int s) { return uint64_t(1000 + 17 * s); };
+
+  std::vector<std::vector<TurnResult>> got(kSessions);
+  std::vector<std::thread> threads;
+  for (int s = 0; s < kSessions; ++s) {
+    threads.emplace_back([&, s] {
+      auto stub = cluster.NewStub();
+      grpc::ClientContext ctx;
+      karat::v1::CreateSessionRequest req;
+      req.set_seed(seed(s));
+      karat::v1::Session sess;
+      if (!stub->CreateSession(&ctx, req, &sess).ok()) return;
+      for (int t = 0; t < kTurns; ++t) {
+        got[s].push_back(Generate(stub.get(), sess.session_id(),
+                                  PromptText(s, t), kMaxNew, temperature(s)));
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+
+  ModelFiles files = LoadOrFail(cluster.model_dir());
+  auto engine = ReferenceEngine::Create(files);
+  REQUIRE(engine.ok());
+  for (int s = 0; s < kSessions; ++s) {
+    REQUIRE(got[s].size() == kTurns);
+    ReferenceSession ref;
+    ref.key = uint64_t(s + 1);
+    ref.seed = seed(s);
+    for (int t = 0; t < kTurns; ++t) {
+      INFO("session " << s << " turn " << t);
+      INFO(got[s][t].status.error_message());
+      REQUIRE(got[s][t].status.ok());
+      auto want = (*engine)->RunTurn(&ref, EncodeText(PromptText(s, t)),
+                                     kMaxNew, temperature(s));
+      REQUIRE(want.ok());
+      CHECK(got[s][t].tokens == *want);
+    }
+  }
+
+  // Idle daemons: no busy polling. Not a speed figure: a spinning thread
+  // would use a whole core (100%); idle means a few percent at most.
+  std::map<std::string, double> before;
+  for (const auto& [name, pid] : cluster.pids()) {
+    before[name] = ProcessCpuSeconds(pid);
+  }
+  std::this_thread::sleep_for(std::chrono::seconds(3));
+  for (const auto& [name, pid] : cluster.pids()) {
+    const double share = (ProcessCpuSeconds(pid) - before[name]) / 3.0;
+    INFO(name << " used " << share * 100 << "% of a core while idle");
+    CHECK(share < 0.10);
+  }
+}
+
+TEST_CASE("bad requests get clear statuses and sessions survive",
+          "[integration]") {
+  ClusterSpec spec;
+  spec.device_capacity = "2M";  // room for a few hundred tokens per device
+  spec.max_new_tokens_limit = 4096;
+  Cluster cluster(spec);
+  auto stub = cluster.NewStub();
+  ModelFiles files = LoadOrFail(cluster.model_dir());
+  auto engine = ReferenceEngine::Create(files);
+  REQUIRE(engine.ok());
+
+  SECTION("unknown and closed sessions are NOT_FOUND") {
+    TurnResult r = Generate(stub.get(), "s-does-not-exist", "hi", 4, 0);
+    CHECK(r.status.error_code() == grpc::StatusCode::NOT_FOUND);
+    const std::string id = CreateSession(stub.get(), 1);
+    grpc::ClientContext ctx;
+    karat::v1::CloseSessionRequest req;
+    req.set_session_id(id);
+    karat::v1::CloseSessionResponse resp;
+    REQUIRE(stub->CloseSession(&ctx, req, &resp).ok());
+    r = Generate(stub.get(), id, "hi", 4, 0);
+    CHECK(r.status.error_code() == grpc::StatusCode::NOT_FOUND);
+  }
+
+  SECTION("max_new_tokens out of range is INVALID_ARGUMENT") {
+    const std::string id = CreateSession(stub.get(), 1);
+    CHECK(Generate(stub.get(), id, "hi", 0, 0).status.error_code() ==
+          grpc::StatusCode::INVALID_ARGUMENT);
+    CHECK(Generate(stub.get(), id, "hi", -3, 0).status.error_code() ==
+          grpc::StatusCode::INVALID_ARGUMENT);
+    CHECK(Generate(stub.get(), id, "hi", 5000, 0).status.error_code() ==
+          grpc::StatusCode::INVALID_ARGUMENT);
+  }
+
+  SECTION("a turn that fits no device is RESOURCE_EXHAUSTED, session intact") {
+    const std::string id = CreateSession(stub.get(), 3);
+    ReferenceSession ref;
+    ref.seed = 3;
+    TurnResult r = Generate(stub.get(), id, "first turn", 8, 0);
+    REQUIRE(r.status.ok());
+    auto want = (*engine)->RunTurn(&ref, EncodeText("first turn"), 8, 0);
+    REQUIRE(want.ok());
+    CHECK(r.tokens == *want);
+    r = Generate(stub.get(), id, "too much", 4000, 0);
+    CHECK(r.status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED);
+    CHECK(r.tokens.empty());
+    r = Generate(stub.get(), id, "second turn", 8, 0);
+    REQUIRE(r.status.ok());
+    want = (*engine)->RunTurn(&ref, EncodeText("second turn"), 8, 0);
+    REQUIRE(want.ok());
+    CHECK(r.tokens == *want);
+  }
+
+  SECTION("a second concurrent generate is FAILED_PRECONDITION") {
+    const std::string id = CreateSession(stub.get(), 4);
+    std::atomic<bool> started{false};
+    TurnResult first;
+    std::thread t([&] {
+      auto s2 = cluster.NewStub();
+      grpc::ClientContext ctx;
+      GenerateRequest req;
+      req.set_session_id(id);
+      req.set_prompt("a long generation");
+      req.set_max_new_tokens(200);
+      auto reader = s2->Generate(&ctx, req);
+      GenerateResponse ev;
+      while (reader->Read(&ev)) {
+        if (ev.has_token()) {
+          first.tokens.push_back(ev.token().token_id());
+          started = true;
+        }
+      }
+      first.status = reader->Finish();
+      started = true;
+    });
+    while (!started) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    TurnResult second = Generate(stub.get(), id, "again", 4, 0);
+    t.join();
+    if (!first.tokens.empty() && int(first.tokens.size()) < 200 &&
+        first.tokens.back() == kEosToken) {
+      WARN("the first generation ended before the second call was made");
+    } else {
+      CHECK(second.status.error_code() ==
+            grpc::StatusCode::FAILED_PRECONDITION);
+    }
+    CHECK(first.status.ok());
+  }
+
+  SECTION("a cancelled stream leaves the session usable") {
+    const std::string id = CreateSession(stub.get(), 5);
+    TurnResult r = Generate(stub.get(), id, "cancel me", 200, 0,
+                            /*cancel_after=*/3);
+    CHECK(r.status.error_code() == grpc::StatusCode::CANCELLED);
+    CHECK(r.tokens.size() >= 3);
+    // The session keeps what was streamed; the next turn continues from it.
+    grpc::ClientContext ctx;
+    karat::v1::GetSessionRequest greq;
+    greq.set_session_id(id);
+    greq.set_include_tokens(true);
+    karat::v1::Session sess;
+    REQUIRE(stub->GetSession(&ctx, greq, &sess).ok());
+    std::vector<int32_t> history(sess.tokens().begin(), sess.tokens().end());
+    REQUIRE(history.size() >= 2);
+    CHECK(history[0] == kBosToken);
+    TurnResult next = Generate(stub.get(), id, "and now?", 8, 0);
+    REQUIRE(next.status.ok());
+    // Reference: the same history fed in one turn.
+    ReferenceSession ref;
+    ref.seed = 5;
+    std::vector<int32_t> prompt(history.begin() + 1, history.end());
+    auto tail = EncodeText("and now?");
+    prompt.insert(prompt.end(), tail.begin(), tail.end());
+    auto want = (*engine)->RunTurn(&ref, prompt, 8, 0);
+    REQUIRE(want.ok());
+    CHECK(next.tokens == *want);
+  }
+}
+
+TEST_CASE("KV ingestion per turn is proportional to the new tokens",
+          "[integration]") {
+  ClusterSpec spec;
+  Cluster cluster(spec);
+  auto stub = cluster.NewStub();
+  std::ifstream in(cluster.dir() + "/karat0.addr");
+  std::string addr;
+  in >> addr;
+  REQUIRE(!addr.empty());
+  auto node = karat::cluster::KaratNode::NewStub(
+      grpc::CreateChannel(addr, grpc::InsecureChannelCredentials()));
+  auto ingested = [&] {
+    grpc::ClientContext ctx;
+    karat::cluster::StatsRequest req;
+    karat::cluster::StatsResponse resp;
+    REQUIRE(node->GetStats(&ctx, req, &resp).ok());
+    REQUIRE(resp.stats().count("kv_bytes_ingested") == 1);
+    return resp.stats().at("kv_bytes_ingested");
+  };
+  const std::string id = CreateSession(stub.get(), 9);
+  // Turn 1 fixes the history; turns 2 and 3 feed 1 + prompt + generated - 1
+  // new positions each: the last sampled token plus the new prompt, then
+  // each decoded token but the last.
+  REQUIRE(Generate(stub.get(), id, std::string(150, 'x'), 6, 0).status.ok());
+  double prev = ingested();
+  std::vector<double> per_token;
+  for (int len : {20, 80}) {
+    TurnResult r = Generate(stub.get(), id, std::string(len, 'y'), 6, 0);
+    REQUIRE(r.status.ok());
+    const double now = ingested();
+    const double fed = 1 + len + double(r.tokens.size()) - 1;
+    per_token.push_back((now - prev) / fed);
+    prev = now;
+  }
+  CHECK(per_token[0] > 0);
+  CHECK(per_token[0] == Approx(per_token[1]));
+}
+
+TEST_CASE("malformed model files and configs are refused with the field",
+          "[integration]") {
+  char tmpl[] = "/tmp/karat-bad-XXXXXX";
+  REQUIRE(mkdtemp(tmpl) != nullptr);
+  const std::string dir = tmpl;
+  std::string out;
+  REQUIRE(RunCommand({BinPath("karat-weights"), "--preset", "dsa-small",
+                      "--seed", "1", "--out", dir + "/m"},
+                     &out) == 0);
+  // Truncated safetensors.
+  std::filesystem::resize_file(dir + "/m/model.safetensors", 1000);
+  int rc = RunCommand({BinPath("karat-reference"), "--model", dir + "/m",
+                       "--prompt", "x"},
+                      &out);
+  CHECK(rc != 0);
+  CHECK(out.find("model.safetensors") != std::string::npos);
+  rc = RunCommand({BinPath("karat-gpu-node"), "--model", dir + "/m",
+                   "--coordinator", "127.0.0.1:1"},
+                  &out);
+  CHECK(rc != 0);
+  CHECK(out.find("model.safetensors") != std::string::npos);
+  // A config whose shapes disagree with the weights.
+  REQUIRE(RunCommand({BinPath("karat-weights"), "--preset", "dsa-small",
+                      "--seed", "1", "--out", dir + "/m2"},
+                     &out) == 0);
+  {
+    std::ifstream cin(dir + "/m2/config.json");
+    std::stringstream ss;
+    ss << cin.rdbuf();
+    std::string cfg = ss.str();
+    const size_t p = cfg.find("\"hidden_size\"");
+    REQUIRE(p != std::string::npos);
+    const size_t colon = cfg.find(':', p);
+    const size_t end = cfg.find_first_of(",}", colon);
+    cfg.replace(colon + 1, end - colon - 1, " 96");
+    std::ofstream cout(dir + "/m2/config.json");
+    cout << cfg;
+  }
+  rc = RunCommand({BinPath("karat-reference"), "--model", dir + "/m2",
+                   "--prompt", "x"},
+                  &out);
+  CHECK(rc != 0);
+  CHECK(out.find("model.safetensors") != std::string::npos);
+  // A malformed cluster config.
+  {
+    std::ofstream bad(dir + "/bad.textproto");
+    bad << "model_dir: \"x\"\ngpu_nodes { name: \"g\" max_step_tokens: \"many\" }\n";
+  }
+  rc = RunCommand({BinPath("karat-coordinator"), "--config",
+                   dir + "/bad.textproto"},
+                  &out);
+  CHECK(rc != 0);
+  CHECK(out.find("bad.textproto") != std::string::npos);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("a node that cannot reach the coordinator retries and says so",
+          "[integration]") {
+  char tmpl[] = "/tmp/karat-retry-XXXXXX";
+  REQUIRE(mkdtemp(tmpl) != nullptr);
+  const std::string dir = tmpl;
+  std::string out;
+  REQUIRE(RunCommand({BinPath("karat-weights"), "--preset", "dsa-small",
+                      "--seed", "1", "--out", dir + "/m"},
+                     &out) == 0);
+  // Port 9 (discard) on loopback: nothing listens there.
+  const std::string log = dir + "/node.log";
+  const std::string cmd = BinPath("karat-node") +
+                          " --coordinator 127.0.0.1:9 --model " + dir +
+                          "/m --devices 1 --device-capacity 16M > " + log +
+                          " 2>&1 & echo $!";
+  FILE* p = popen(cmd.c_str(), "r");
+  REQUIRE(p != nullptr);
+  int pid = 0;
+  REQUIRE(fscanf(p, "%d", &pid) == 1);
+  pclose(p);
+  std::string text;
+  for (int i = 0; i < 50; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    std::ifstream in(log);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    text = ss.str();
+    if (text.find("retrying") != std::string::npos) break;
+  }
+  kill(pid, SIGTERM);
+  for (int i = 0; i < 50 && kill(pid, 0) == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  kill(pid, SIGKILL);
+  INFO(text);
+  CHECK(text.find("retrying") != std::string::npos);
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace karat::testing

@@ -1,0 +1,9 @@
+add_unit_test(cluster_test
+  SOURCES tests/integration/cluster_test.cc tests/integration/cluster_harness.cc
+  LIBS karat_common karat_proto
+  LABELS integration)
+target_compile_definitions(cluster_test PRIVATE
+  KARAT_BIN_DIR="${PROJECT_BINARY_DIR}/bin")
+# The daemons and tools the test starts.
+add_dependencies(cluster_test karat-coordinator karat-node karat-gpu-node
+                 karat-weights karat-reference)
