@@ -10,3 +10,4 @@ include(common/numerics.cmake OPTIONAL)   # numeric, config, safetensors, weight
 include(common/linear.cmake OPTIONAL)     # batch-invariant linear kernel
 include(common/transport.cmake OPTIONAL)  # libfabric transport, frames
 include(common/model.cmake OPTIONAL)      # kv store, attention, runner, engine
+include(common/membership.cmake OPTIONAL)

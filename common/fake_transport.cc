@@ -1,0 +1,238 @@
+// In-process Transport for unit tests. Each endpoint has a delivery queue and
+// one thread that runs the receive handler, like the libfabric progress
+// thread does, so handlers see the same threading as in production.
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "common/log.h"
+#include "common/transport.h"
+
+namespace karat {
+namespace {
+
+constexpr const char* kLogModule = "fake_fabric";
+// Same default as FabricOptions::max_message_size.
+constexpr size_t kFakeMaxMessageSize = 8 << 20;
+
+// The receiving side of one endpoint: a queue drained by its own thread.
+class Mailbox : public std::enable_shared_from_this<Mailbox> {
+ public:
+  explicit Mailbox(std::string name) : name_(std::move(name)) {}
+  ~Mailbox() { Close(); }
+
+  // The delivery thread holds a reference, so a mailbox closed from its own
+  // handler lives until the handler returns.
+  void Start() {
+    thread_ =
+        std::thread([self = shared_from_this()] { self->DeliveryLoop(); });
+  }
+
+  const std::string& name() const { return name_; }
+
+  // False once the mailbox is closed.
+  bool Deliver(std::string message) {
+    absl::MutexLock lock(&mu_);
+    if (closed_) return false;
+    queue_.push_back(std::move(message));
+    return true;
+  }
+
+  void SetHandler(Transport::ReceiveHandler handler) {
+    absl::MutexLock lock(&handler_mu_);
+    handler_ = std::move(handler);
+  }
+
+  void Close() {
+    {
+      absl::MutexLock lock(&mu_);
+      if (closed_) return;
+      closed_ = true;
+    }
+    if (thread_.joinable()) {
+      if (thread_.get_id() == std::this_thread::get_id()) {
+        thread_.detach();  // closed from its own handler; the loop ends next
+      } else {
+        thread_.join();
+      }
+    }
+  }
+
+ private:
+  bool HasWork() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return closed_ || !queue_.empty();
+  }
+
+  void DeliveryLoop() {
+    for (;;) {
+      std::string message;
+      {
+        absl::MutexLock lock(&mu_);
+        mu_.Await(absl::Condition(this, &Mailbox::HasWork));
+        // Messages queued before Close() are dropped, as a closed libfabric
+        // endpoint drops its posted receives.
+        if (closed_) return;
+        message = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      absl::MutexLock lock(&handler_mu_);
+      if (handler_) {
+        handler_(message);
+      } else {
+        KLOG(Warning, kLogModule) << name_ << ": dropped a " << message.size()
+                                  << "-byte message: no receive handler";
+      }
+    }
+  }
+
+  const std::string name_;
+  absl::Mutex mu_;
+  std::deque<std::string> queue_ ABSL_GUARDED_BY(mu_);
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  // Held while the handler runs; SetHandler() from inside a handler would
+  // deadlock, which the Transport contract does not allow anyway.
+  absl::Mutex handler_mu_;
+  Transport::ReceiveHandler handler_ ABSL_GUARDED_BY(handler_mu_);
+  std::thread thread_;
+};
+
+// Every endpoint's mailbox by address.
+struct FakeRegistry {
+  absl::Mutex mu;
+  int next_id ABSL_GUARDED_BY(mu) = 0;
+  absl::flat_hash_map<std::string, std::shared_ptr<Mailbox>> mailboxes
+      ABSL_GUARDED_BY(mu);
+
+  std::shared_ptr<Mailbox> Find(const std::string& address) {
+    absl::MutexLock lock(&mu);
+    auto it = mailboxes.find(address);
+    return it == mailboxes.end() ? nullptr : it->second;
+  }
+};
+
+class FakeTransport final : public Transport {
+ public:
+  FakeTransport(std::shared_ptr<FakeRegistry> fabric, std::string address,
+                std::shared_ptr<Mailbox> mailbox)
+      : fabric_(std::move(fabric)),
+        address_(std::move(address)),
+        mailbox_(std::move(mailbox)) {}
+  ~FakeTransport() override { Shutdown(); }
+
+  std::string LocalAddress() const override { return address_; }
+
+  absl::StatusOr<PeerId> AddPeer(const std::string& name,
+                                 const std::string& address) override {
+    if (address.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("peer '", name, "': empty address"));
+    }
+    absl::MutexLock lock(&mu_);
+    if (auto it = peer_by_address_.find(address);
+        it != peer_by_address_.end()) {
+      return it->second;
+    }
+    const PeerId id = static_cast<PeerId>(peers_.size());
+    peers_.push_back(Peer{name, address});
+    peer_by_address_.emplace(address, id);
+    return id;
+  }
+
+  absl::Status Send(PeerId peer, const void* data, size_t len) override {
+    if (len > kFakeMaxMessageSize) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("message of ", len, " bytes exceeds the maximum of ",
+                       kFakeMaxMessageSize));
+    }
+    Peer target;
+    {
+      absl::MutexLock lock(&mu_);
+      if (shut_down_) {
+        return absl::UnavailableError(absl::StrCat(
+            address_, " is shut down; cannot send to peer ", peer));
+      }
+      if (peer < 0 || static_cast<size_t>(peer) >= peers_.size()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("unknown peer id ", peer));
+      }
+      target = peers_[peer];
+    }
+    std::shared_ptr<Mailbox> mailbox = fabric_->Find(target.address);
+    std::string message(static_cast<const char*>(data), len);
+    if (mailbox == nullptr || !mailbox->Deliver(std::move(message))) {
+      return absl::UnavailableError(absl::StrCat(
+          "peer '", target.name, "' (", target.address, ") is not reachable"));
+    }
+    return absl::OkStatus();
+  }
+
+  void SetReceiveHandler(ReceiveHandler handler) override {
+    mailbox_->SetHandler(std::move(handler));
+  }
+
+  size_t MaxMessageSize() const override { return kFakeMaxMessageSize; }
+
+  void Shutdown() override {
+    {
+      absl::MutexLock lock(&mu_);
+      if (shut_down_) return;
+      shut_down_ = true;
+    }
+    {
+      absl::MutexLock lock(&fabric_->mu);
+      fabric_->mailboxes.erase(address_);
+    }
+    mailbox_->Close();
+  }
+
+ private:
+  struct Peer {
+    std::string name;
+    std::string address;
+  };
+
+  const std::shared_ptr<FakeRegistry> fabric_;
+  const std::string address_;
+  const std::shared_ptr<Mailbox> mailbox_;
+  absl::Mutex mu_;
+  bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<Peer> peers_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, PeerId> peer_by_address_
+      ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+struct FakeFabric::Impl : FakeRegistry {};
+
+FakeFabric::FakeFabric() : impl_(std::make_shared<Impl>()) {}
+FakeFabric::~FakeFabric() = default;
+
+std::unique_ptr<Transport> FakeFabric::NewEndpoint(const std::string& name) {
+  std::string address;
+  {
+    absl::MutexLock lock(&impl_->mu);
+    address = absl::StrCat("fake:", impl_->next_id++);
+  }
+  auto mailbox =
+      std::make_shared<Mailbox>(absl::StrCat(name, " (", address, ")"));
+  mailbox->Start();
+  {
+    absl::MutexLock lock(&impl_->mu);
+    impl_->mailboxes.emplace(address, mailbox);
+  }
+  return std::make_unique<FakeTransport>(impl_, std::move(address),
+                                         std::move(mailbox));
+}
+
+}  // namespace karat

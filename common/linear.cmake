@@ -1,0 +1,1 @@
+target_sources(karat_common PRIVATE common/linear.cc)

@@ -1,0 +1,78 @@
+// Node membership (DESIGN.md §1, control plane): a node registers with the
+// coordinator and then sends heartbeats. NodeRegistrar runs both on one
+// background thread:
+//
+//   register (retry with exponential backoff 100 ms -> 5 s, each failure
+//   logged as "cannot reach coordinator at ADDR: <message>; retrying in N ms")
+//   -> heartbeat every `interval` (or the interval the coordinator asks for)
+//   -> on HeartbeatResponse.known == false, or after `max_heartbeat_failures`
+//      failed heartbeats in a row, register again.
+//
+// Re-registration may yield another node id (a restarted coordinator hands
+// out new ones); `on_registered` is called after every successful
+// registration with the id in force.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "cluster.pb.h"
+
+namespace karat {
+
+struct RegistrarOptions {
+  // The coordinator's gRPC address (host:port).
+  std::string coordinator;
+  // Builds the registration (called before every attempt, so it carries the
+  // current device occupancy).
+  std::function<cluster::RegisterNodeRequest()> make_request;
+  // Fills devices and stats of a heartbeat (node_id is set by the registrar).
+  std::function<void(cluster::HeartbeatRequest*)> fill_heartbeat;
+  // Called on the registrar's thread after each successful registration.
+  std::function<void(uint32_t node_id)> on_registered;
+  // Heartbeat period unless the coordinator's response names one.
+  absl::Duration interval = absl::Seconds(1);
+  // Deadline of one RPC.
+  absl::Duration rpc_timeout = absl::Seconds(2);
+  absl::Duration initial_backoff = absl::Milliseconds(100);
+  absl::Duration max_backoff = absl::Seconds(5);
+  // Consecutive failed heartbeats after which the node registers again.
+  int max_heartbeat_failures = 3;
+  // Module name for log lines ("gpu_node", "karat_node").
+  std::string log_module = "membership";
+};
+
+// Thread safety: every method may be called from any thread.
+class NodeRegistrar {
+ public:
+  // Starts the background thread. INVALID_ARGUMENT when the coordinator
+  // address or make_request is missing.
+  static absl::StatusOr<std::unique_ptr<NodeRegistrar>> Start(
+      RegistrarOptions options);
+  ~NodeRegistrar();  // Stop()s
+
+  // The id of the current registration; nullopt before the first one and
+  // while re-registering.
+  std::optional<uint32_t> node_id() const;
+  // Blocks until registered or `timeout`; true when registered.
+  bool WaitRegistered(absl::Duration timeout) const;
+  // Stops the thread promptly (cancels an RPC in flight). Idempotent.
+  void Stop();
+
+ private:
+  NodeRegistrar();
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Writes a node's bound gRPC address ("host:port\n") to `path` through a
+// temporary file and a rename, so a launcher polling the file never reads a
+// partial address.
+absl::Status WritePortFile(const std::string& path, const std::string& address);
+
+}  // namespace karat

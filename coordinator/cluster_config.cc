@@ -1,0 +1,112 @@
+#include "coordinator/cluster_config.h"
+
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "google/protobuf/io/tokenizer.h"
+#include "google/protobuf/text_format.h"
+
+namespace karat::coordinator {
+namespace {
+
+// Keeps the first error; protobuf reports 0-based lines and columns.
+class FirstErrorCollector : public google::protobuf::io::ErrorCollector {
+ public:
+  void AddError(int line, google::protobuf::io::ColumnNumber column,
+                const std::string& message) override {
+    if (!has_error_) {
+      has_error_ = true;
+      error_ = absl::StrCat(line + 1, ":", column + 1, ": ", message);
+    }
+  }
+  void AddWarning(int, google::protobuf::io::ColumnNumber,
+                  const std::string&) override {}
+  bool has_error() const { return has_error_; }
+  const std::string& error() const { return error_; }
+
+ private:
+  bool has_error_ = false;
+  std::string error_;
+};
+
+absl::Status Invalid(const std::string& field, const std::string& problem) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", problem));
+}
+
+}  // namespace
+
+absl::Status ValidateClusterConfig(const cluster::ClusterConfig& config) {
+  const auto& c = config.coordinator();
+  if (c.max_new_tokens_limit() < 0)
+    return Invalid("coordinator.max_new_tokens_limit", "must be >= 0");
+  if (c.heartbeat_interval_ms() < 0)
+    return Invalid("coordinator.heartbeat_interval_ms", "must be >= 0");
+  if (c.node_timeout_ms() < 0)
+    return Invalid("coordinator.node_timeout_ms", "must be >= 0");
+  std::set<std::string> names;
+  for (int i = 0; i < config.gpu_nodes_size(); ++i) {
+    const auto& g = config.gpu_nodes(i);
+    std::string f = absl::StrCat("gpu_nodes[", i, "]");
+    if (g.name().empty()) return Invalid(f + ".name", "must not be empty");
+    if (!names.insert(g.name()).second)
+      return Invalid(f + ".name", absl::StrCat("duplicate node name \"",
+                                               g.name(), "\""));
+    if (g.max_step_tokens() < 0)
+      return Invalid(f + ".max_step_tokens", "must be >= 0");
+    if (g.max_batch() < 0) return Invalid(f + ".max_batch", "must be >= 0");
+    if (g.threads() < 0) return Invalid(f + ".threads", "must be >= 0");
+  }
+  for (int i = 0; i < config.karat_nodes_size(); ++i) {
+    const auto& k = config.karat_nodes(i);
+    std::string f = absl::StrCat("karat_nodes[", i, "]");
+    if (k.name().empty()) return Invalid(f + ".name", "must not be empty");
+    if (!names.insert(k.name()).second)
+      return Invalid(f + ".name", absl::StrCat("duplicate node name \"",
+                                               k.name(), "\""));
+    if (k.tokens_per_page() < 0)
+      return Invalid(f + ".tokens_per_page", "must be >= 0");
+    if (k.devices_size() == 0)
+      return Invalid(f + ".devices", "a KARAT node needs at least one device");
+    for (int d = 0; d < k.devices_size(); ++d) {
+      std::string df = absl::StrCat(f, ".devices[", d, "]");
+      if (k.devices(d).capacity_bytes() <= 0)
+        return Invalid(df + ".capacity_bytes", "must be > 0");
+      if (k.devices(d).cores() < 0) return Invalid(df + ".cores", "must be >= 0");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<cluster::ClusterConfig> ParseClusterConfig(
+    const std::string& text, const std::string& name) {
+  cluster::ClusterConfig config;
+  FirstErrorCollector errors;
+  google::protobuf::TextFormat::Parser parser;
+  parser.RecordErrorsTo(&errors);
+  if (!parser.ParseFromString(text, &config)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        name, ":", errors.has_error() ? errors.error() : "malformed config"));
+  }
+  absl::Status valid = ValidateClusterConfig(config);
+  if (!valid.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": ", valid.message()));
+  }
+  return config;
+}
+
+absl::StatusOr<cluster::ClusterConfig> LoadClusterConfig(
+    const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return absl::NotFoundError(
+        absl::StrCat(path, ": cannot read the cluster config"));
+  }
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return ParseClusterConfig(buffer.str(), path);
+}
+
+}  // namespace karat::coordinator

@@ -1,0 +1,121 @@
+// karat-coordinator: flags -> Options -> Coordinator.
+#include <signal.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <string>
+
+#include "absl/strings/numbers.h"
+#include "common/log.h"
+#include "coordinator/cluster_config.h"
+#include "coordinator/coordinator.h"
+
+namespace {
+
+constexpr char kUsage[] =
+    "usage: karat-coordinator [--config FILE] [--listen HOST:PORT]\n"
+    "                         [--port-file PATH] [--log-level LEVEL]\n"
+    "                         [--max-new-tokens-limit N]\n";
+
+[[noreturn]] void UsageError(const std::string& message) {
+  std::fprintf(stderr, "karat-coordinator: %s\n%s", message.c_str(), kUsage);
+  std::exit(2);
+}
+
+bool WriteFileAtomically(const std::string& path, const std::string& text) {
+  std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    if (!out) return false;
+    out << text << "\n";
+    if (!out.good()) return false;
+  }
+  return std::rename(tmp.c_str(), path.c_str()) == 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string config_path, listen, port_file, log_level = "info";
+  int max_new_tokens_limit = 0;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    std::string value;
+    bool has_value = false;
+    if (auto eq = arg.find('='); arg.rfind("--", 0) == 0 && eq != std::string::npos) {
+      value = arg.substr(eq + 1);
+      arg = arg.substr(0, eq);
+      has_value = true;
+    }
+    auto next = [&]() -> std::string {
+      if (has_value) return value;
+      if (i + 1 >= argc) UsageError(arg + " needs a value");
+      return argv[++i];
+    };
+    if (arg == "--config") config_path = next();
+    else if (arg == "--listen") listen = next();
+    else if (arg == "--port-file") port_file = next();
+    else if (arg == "--log-level") log_level = next();
+    else if (arg == "--max-new-tokens-limit") {
+      std::string v = next();
+      if (!absl::SimpleAtoi(v, &max_new_tokens_limit) || max_new_tokens_limit < 1)
+        UsageError("--max-new-tokens-limit must be a positive integer, got " + v);
+    } else if (arg == "--help" || arg == "-h") {
+      std::fputs(kUsage, stdout);
+      return 0;
+    } else {
+      UsageError("unknown flag " + arg);
+    }
+  }
+  karat::LogLevel level;
+  if (!karat::ParseLogLevel(log_level, &level))
+    UsageError("unknown --log-level " + log_level);
+  karat::SetLogLevel(level);
+
+  karat::coordinator::Options options;
+  if (!config_path.empty()) {
+    auto config = karat::coordinator::LoadClusterConfig(config_path);
+    if (!config.ok()) {
+      std::fprintf(stderr, "karat-coordinator: %s\n",
+                   std::string(config.status().message()).c_str());
+      return 2;
+    }
+    const auto& c = config->coordinator();
+    if (!c.listen().empty()) options.listen = c.listen();
+    if (c.max_new_tokens_limit() > 0)
+      options.max_new_tokens_limit = c.max_new_tokens_limit();
+    if (c.heartbeat_interval_ms() > 0)
+      options.heartbeat_interval_ms = c.heartbeat_interval_ms();
+    if (c.node_timeout_ms() > 0) options.node_timeout_ms = c.node_timeout_ms();
+  }
+  if (!listen.empty()) options.listen = listen;
+  if (max_new_tokens_limit > 0) options.max_new_tokens_limit = max_new_tokens_limit;
+
+  // Signals are taken synchronously by this thread; every other thread
+  // inherits the blocked mask.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  auto coordinator = karat::coordinator::Coordinator::Start(options);
+  if (!coordinator.ok()) {
+    std::fprintf(stderr, "karat-coordinator: %s\n",
+                 std::string(coordinator.status().message()).c_str());
+    return 1;
+  }
+  if (!port_file.empty() &&
+      !WriteFileAtomically(port_file, (*coordinator)->address())) {
+    std::fprintf(stderr, "karat-coordinator: cannot write %s\n",
+                 port_file.c_str());
+    return 1;
+  }
+  int sig = 0;
+  sigwait(&signals, &sig);
+  KLOG(Info, "coordinator") << "signal " << sig << ": shutting down";
+  (*coordinator)->Shutdown(absl::Seconds(5));
+  return 0;
+}

@@ -1,0 +1,54 @@
+// Placement policies (DESIGN.md §3 "Placement", §4): pure functions over a
+// snapshot of the cluster, so they can be tested on hand-made states.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace karat::coordinator {
+
+// One KARAT device as the coordinator last saw it.
+struct DeviceState {
+  int32_t device = 0;
+  int64_t capacity_bytes = 0;
+  int64_t used_bytes = 0;
+};
+
+enum class NodeRole { kGpu, kKarat };
+
+// One registered node. `active_turns` counts the turns the coordinator is
+// currently running through it (GPU nodes).
+struct NodeState {
+  uint32_t id = 0;
+  std::string name;
+  NodeRole role = NodeRole::kKarat;
+  bool alive = false;
+  std::vector<DeviceState> devices;
+  int active_turns = 0;
+};
+
+struct ClusterState {
+  std::vector<NodeState> nodes;
+};
+
+// A place for a session's KV.
+struct HomeDevice {
+  uint32_t node_id = 0;
+  int32_t device = 0;
+  bool operator==(const HomeDevice& o) const {
+    return node_id == o.node_id && device == o.device;
+  }
+};
+
+// Every device of every alive KARAT node, least occupied first: increasing
+// used_bytes, then more free bytes, then lower node id, then lower device.
+// The caller tries them in order until one accepts the reservation.
+std::vector<HomeDevice> ChooseHomeDevices(const ClusterState& state);
+
+// The alive GPU node with the fewest active turns (ties: lower id), or
+// nullopt when no GPU node is alive.
+std::optional<uint32_t> ChooseGpuNode(const ClusterState& state);
+
+}  // namespace karat::coordinator

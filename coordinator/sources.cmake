@@ -1,0 +1,20 @@
+# karat_coordinator: client API, sessions, placement, membership.
+add_library(karat_coordinator STATIC
+  coordinator/cluster_config.cc
+  coordinator/coordinator.cc
+  coordinator/placement.cc
+  # The only compiled part of common/ the coordinator needs (tokenizer.h and
+  # status_macros.h are header-only); compiled in so that the coordinator
+  # does not pull the model kernels and libfabric.
+  common/log.cc)
+target_include_directories(karat_coordinator PUBLIC ${PROJECT_SOURCE_DIR})
+target_link_libraries(karat_coordinator PUBLIC
+  karat_proto gRPC::grpc++ gRPC::grpc++_reflection
+  protobuf::libprotobuf absl::status absl::statusor absl::strings
+  absl::str_format absl::synchronization absl::random_random absl::time
+  Threads::Threads)
+
+add_executable(karat-coordinator coordinator/main.cc)
+target_link_libraries(karat-coordinator PRIVATE karat_coordinator)
+set_target_properties(karat-coordinator PROPERTIES
+  RUNTIME_OUTPUT_DIRECTORY ${PROJECT_BINARY_DIR}/bin)

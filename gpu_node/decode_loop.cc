@@ -1,0 +1,380 @@
+#include "gpu_node/decode_loop.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+
+namespace karat {
+
+// ---------------------------------------------------------------------------
+// Validation
+
+absl::Status ValidateTurnRequest(const cluster::RunTurnRequest& r,
+                                 int vocab_size) {
+  if (r.feed_tokens_size() == 0) {
+    return absl::InvalidArgumentError("feed_tokens is empty");
+  }
+  for (int i = 0; i < r.feed_tokens_size(); ++i) {
+    const int32_t t = r.feed_tokens(i);
+    if (t < 0 || t >= vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "feed_tokens[", i, "] = ", t, " is outside [0, ", vocab_size, ")"));
+    }
+  }
+  if (r.max_new_tokens() <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_new_tokens must be > 0, got ", r.max_new_tokens()));
+  }
+  if (r.pos_start() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("pos_start must be >= 0, got ", r.pos_start()));
+  }
+  if (!(r.temperature() >= 0) || !std::isfinite(r.temperature())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "temperature must be finite and >= 0, got ", r.temperature()));
+  }
+  if (!r.has_placement()) {
+    return absl::InvalidArgumentError("placement is missing");
+  }
+  if (r.placement().fabric_address().empty()) {
+    return absl::InvalidArgumentError(
+        "placement.fabric_address is empty (the KARAT node's endpoint)");
+  }
+  if (r.placement().device() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "placement.device must be >= 0, got ", r.placement().device()));
+  }
+  return absl::OkStatus();
+}
+
+TurnRequest TurnRequestFromProto(const cluster::RunTurnRequest& r) {
+  TurnRequest t;
+  t.session = r.session();
+  t.seed = r.seed();
+  t.temperature = r.temperature();
+  t.pos_start = r.pos_start();
+  t.feed_tokens.assign(r.feed_tokens().begin(), r.feed_tokens().end());
+  t.max_new_tokens = r.max_new_tokens();
+  t.placement = r.placement();
+  return t;
+}
+
+// ---------------------------------------------------------------------------
+// TurnStream
+
+TurnStream::Next TurnStream::Pop(absl::Duration timeout,
+                                 cluster::RunTurnEvent* event) {
+  absl::MutexLock lock(&mu_);
+  auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return finished_ || !events_.empty();
+  };
+  mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
+  if (!events_.empty()) {
+    *event = std::move(events_.front());
+    events_.pop_front();
+    return Next::kEvent;
+  }
+  return finished_ ? Next::kFinished : Next::kTimeout;
+}
+
+absl::Status TurnStream::status() const {
+  absl::MutexLock lock(&mu_);
+  return status_;
+}
+
+void TurnStream::Push(cluster::RunTurnEvent event) {
+  absl::MutexLock lock(&mu_);
+  if (finished_) return;
+  events_.push_back(std::move(event));
+}
+
+void TurnStream::Finish(absl::Status status) {
+  absl::MutexLock lock(&mu_);
+  if (finished_) return;
+  finished_ = true;
+  status_ = std::move(status);
+}
+
+// ---------------------------------------------------------------------------
+// DecodeLoop
+
+struct DecodeLoop::Request {
+  TurnRequest turn;
+  std::shared_ptr<TurnStream> stream;
+  RequestState state = RequestState::kPrefill;
+  size_t fed = 0;           // feed tokens already run
+  int next_pos = 0;         // position of the next token to feed
+  int32_t next_token = -1;  // the decode feed (last sampled token)
+  int generated = 0;
+};
+
+DecodeLoop::DecodeLoop(const ModelRunner* runner, StepBackend* backend,
+                       const DecodeLoopOptions& options)
+    : runner_(runner), backend_(backend), options_(options) {}
+
+DecodeLoop::~DecodeLoop() { Stop(); }
+
+void DecodeLoop::Start() {
+  absl::MutexLock lock(&mu_);
+  if (thread_.joinable() || stopping_) return;
+  thread_ = std::thread([this] { Run(); });
+}
+
+absl::StatusOr<std::shared_ptr<TurnStream>> DecodeLoop::Submit(
+    TurnRequest turn) {
+  auto request = std::make_shared<Request>();
+  request->next_pos = turn.pos_start;
+  request->turn = std::move(turn);
+  request->stream = std::make_shared<TurnStream>();
+  absl::MutexLock lock(&mu_);
+  if (stopping_) {
+    return absl::UnavailableError("the GPU node is shutting down");
+  }
+  pending_.push_back(request);
+  return request->stream;
+}
+
+void DecodeLoop::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  if (thread_.joinable()) thread_.join();
+  // Turns queued when the loop never ran.
+  absl::MutexLock lock(&mu_);
+  for (auto& r : pending_) {
+    r->stream->Finish(absl::UnavailableError("the GPU node is shutting down"));
+  }
+  pending_.clear();
+}
+
+DecodeStats DecodeLoop::stats() const {
+  absl::MutexLock lock(&mu_);
+  DecodeStats s = stats_;
+  s.queued_requests = pending_.size();
+  if (s.steps > 0) {
+    s.mean_batch_size = double(segments_total_) / double(s.steps);
+    s.mean_step_tokens = double(step_tokens_total_) / double(s.steps);
+  }
+  return s;
+}
+
+void DecodeLoop::Retire(Request* request) {
+  request->state = RequestState::kDone;
+  backend_->ClearPlacement(request->turn.session);
+}
+
+void DecodeLoop::Run() {
+  if (options_.threads > 0) omp_set_num_threads(options_.threads);
+  std::vector<std::shared_ptr<Request>> active;
+  for (;;) {
+    std::vector<std::shared_ptr<Request>> admitted;
+    {
+      absl::MutexLock lock(&mu_);
+      if (active.empty()) {
+        auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+          return stopping_ || !pending_.empty();
+        };
+        mu_.Await(absl::Condition(&ready));
+      }
+      if (stopping_) {
+        const absl::Status down =
+            absl::UnavailableError("the GPU node is shutting down");
+        for (auto& r : active) r->stream->Finish(down);
+        for (auto& r : pending_) r->stream->Finish(down);
+        pending_.clear();
+        stats_.active_requests = 0;
+        return;
+      }
+    }
+
+    // Cancelled turns leave at the step boundary.
+    for (auto& r : active) {
+      if (r->stream->cancelled()) {
+        KLOG(Info, "gpu_node")
+            << "session=" << r->turn.session << " turn cancelled after "
+            << r->generated << " tokens";
+        r->stream->Finish(absl::CancelledError("turn cancelled"));
+        Retire(r.get());
+      }
+    }
+    active.erase(std::remove_if(active.begin(), active.end(),
+                                [](const std::shared_ptr<Request>& r) {
+                                  return r->state == RequestState::kDone;
+                                }),
+                 active.end());
+
+    // Admission: up to max_batch, one turn per session at a time.
+    {
+      absl::MutexLock lock(&mu_);
+      for (auto it = pending_.begin(); it != pending_.end();) {
+        const auto& r = *it;
+        if (r->stream->cancelled()) {
+          r->stream->Finish(absl::CancelledError("turn cancelled"));
+          it = pending_.erase(it);
+          continue;
+        }
+        if (int(active.size() + admitted.size()) >=
+            std::max(1, options_.max_batch)) {
+          break;
+        }
+        auto same = [&](const std::shared_ptr<Request>& o) {
+          return o->turn.session == r->turn.session;
+        };
+        if (std::any_of(active.begin(), active.end(), same) ||
+            std::any_of(admitted.begin(), admitted.end(), same)) {
+          ++it;
+          continue;
+        }
+        admitted.push_back(r);
+        it = pending_.erase(it);
+      }
+    }
+    for (auto& r : admitted) {
+      backend_->SetPlacement(r->turn.session, r->turn.placement);
+      KLOG(Debug, "gpu_node")
+          << "session=" << r->turn.session
+          << " turn admitted: " << r->turn.feed_tokens.size()
+          << " feed tokens from position " << r->turn.pos_start << ", up to "
+          << r->turn.max_new_tokens << " new";
+      active.push_back(r);
+    }
+    if (active.empty()) continue;
+    RunStep(&active);
+    absl::MutexLock lock(&mu_);
+    stats_.active_requests = active.size();
+  }
+}
+
+void DecodeLoop::RunStep(std::vector<std::shared_ptr<Request>>* active) {
+  // Token budget: decode tokens first (they bound the time between tokens),
+  // then prefill chunks with what is left.
+  int budget = std::max(1, options_.max_step_tokens);
+  std::vector<int> chunk(active->size(), 0);
+  for (size_t i = 0; i < active->size() && budget > 0; ++i) {
+    if ((*active)[i]->state == RequestState::kDecode) {
+      chunk[i] = 1;
+      --budget;
+    }
+  }
+  for (size_t i = 0; i < active->size() && budget > 0; ++i) {
+    Request& r = *(*active)[i];
+    if (r.state != RequestState::kPrefill) continue;
+    const int remaining = int(r.turn.feed_tokens.size() - r.fed);
+    chunk[i] = std::min(remaining, budget);
+    budget -= chunk[i];
+  }
+
+  std::vector<Segment> segs;
+  std::vector<size_t> owner;
+  for (size_t i = 0; i < active->size(); ++i) {
+    if (chunk[i] == 0) continue;
+    Request& r = *(*active)[i];
+    Segment seg;
+    seg.session = r.turn.session;
+    seg.pos_start = r.next_pos;
+    if (r.state == RequestState::kPrefill) {
+      seg.tokens.assign(r.turn.feed_tokens.begin() + r.fed,
+                        r.turn.feed_tokens.begin() + r.fed + chunk[i]);
+    } else {
+      seg.tokens.push_back(r.next_token);
+    }
+    segs.push_back(std::move(seg));
+    owner.push_back(i);
+  }
+
+  backend_->BeginStep();
+  absl::StatusOr<std::vector<std::vector<float>>> logits =
+      runner_->Step(segs, backend_);
+
+  // Outcomes are published after the statistics, so that a caller who saw
+  // its turn end also sees the steps that produced it counted.
+  struct Outcome {
+    Request* request;
+    cluster::RunTurnEvent event;
+    bool has_event = false;
+  };
+  std::vector<Outcome> outcomes;
+  uint64_t prefilled = 0, decoded = 0, generated = 0, step_tokens = 0;
+  if (logits.ok()) {
+    const int eos = runner_->config().eos_token_id;
+    for (size_t k = 0; k < segs.size(); ++k) {
+      Request* r = (*active)[owner[k]].get();
+      const int n = int(segs[k].tokens.size());
+      step_tokens += n;
+      r->next_pos += n;
+      if (r->state == RequestState::kPrefill) {
+        r->fed += n;
+        prefilled += n;
+        if (r->fed < r->turn.feed_tokens.size()) continue;
+      } else {
+        decoded += n;
+      }
+      // The new token's position is the segment's end: pos_start + n.
+      const int32_t token = SampleToken((*logits)[k], r->turn.temperature,
+                                        r->turn.seed, r->next_pos);
+      ++r->generated;
+      ++generated;
+      const bool last = token == eos || r->generated >= r->turn.max_new_tokens;
+      Outcome o{r, {}, true};
+      o.event.set_token_id(token);
+      o.event.set_position(r->next_pos);
+      o.event.set_kv_len(r->next_pos);
+      o.event.set_last(last);
+      outcomes.push_back(std::move(o));
+      if (!last) {
+        r->state = RequestState::kDecode;
+        r->next_token = token;
+      }
+    }
+  } else {
+    std::string sessions;
+    for (const Segment& s : segs) absl::StrAppend(&sessions, " ", s.session);
+    KLOG(Error, "gpu_node") << "step over " << segs.size()
+                            << " requests failed: " << logits.status()
+                            << "; failing session=" << sessions;
+    for (size_t k = 0; k < segs.size(); ++k) {
+      outcomes.push_back(Outcome{(*active)[owner[k]].get(), {}, false});
+    }
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    ++stats_.steps;
+    if (!logits.ok()) ++stats_.failed_steps;
+    stats_.tokens_prefilled += prefilled;
+    stats_.tokens_decoded += decoded;
+    stats_.tokens_generated += generated;
+    segments_total_ += segs.size();
+    step_tokens_total_ += step_tokens;
+  }
+
+  for (Outcome& o : outcomes) {
+    Request* r = o.request;
+    if (!o.has_event) {
+      r->stream->Finish(logits.status());
+      Retire(r);
+      continue;
+    }
+    const bool last = o.event.last();
+    r->stream->Push(std::move(o.event));
+    if (last) {
+      KLOG(Debug, "gpu_node")
+          << "session=" << r->turn.session << " turn done: " << r->generated
+          << " tokens, kv_len " << r->next_pos;
+      r->stream->Finish(absl::OkStatus());
+      Retire(r);
+    }
+  }
+  active->erase(std::remove_if(active->begin(), active->end(),
+                               [](const std::shared_ptr<Request>& r) {
+                                 return r->state == RequestState::kDone;
+                               }),
+                active->end());
+}
+
+}  // namespace karat

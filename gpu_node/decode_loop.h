@@ -1,0 +1,146 @@
+// The GPU node's decode loop (DESIGN.md §2, CONVENTIONS "one owner per
+// resource"): one thread owns the batch. Each iteration builds a step with
+// one Segment per active request (a prefill chunk within the step's token
+// budget, or the last sampled token), runs ModelRunner::Step, samples a
+// token for every request whose feed is complete, and streams it.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "cluster.pb.h"
+#include "common/model_runner.h"
+
+namespace karat {
+
+// An AttentionBackend the decode loop drives: it learns where each
+// session's KV lives before the session's first step and when it leaves the
+// batch, and when a new step begins. Called on the decode-loop thread only.
+class StepBackend : public AttentionBackend {
+ public:
+  virtual void SetPlacement(uint64_t session,
+                            const cluster::KaratPlacement& placement) {}
+  virtual void ClearPlacement(uint64_t session) {}
+  virtual void BeginStep() {}
+};
+
+// One turn as the decode loop takes it (cluster.proto RunTurnRequest).
+struct TurnRequest {
+  uint64_t session = 0;
+  uint64_t seed = 0;
+  float temperature = 0;
+  int pos_start = 0;
+  std::vector<int32_t> feed_tokens;
+  int max_new_tokens = 0;
+  cluster::KaratPlacement placement;
+};
+
+// INVALID_ARGUMENT unless: feed_tokens non-empty with ids in [0, vocab),
+// max_new_tokens > 0, pos_start >= 0, temperature >= 0 and finite, and a
+// placement with a fabric address.
+absl::Status ValidateTurnRequest(const cluster::RunTurnRequest& request,
+                                 int vocab_size);
+TurnRequest TurnRequestFromProto(const cluster::RunTurnRequest& request);
+
+// The events of one turn, from the decode loop to the RunTurn handler.
+// Thread-safe.
+class TurnStream {
+ public:
+  enum class Next { kEvent, kTimeout, kFinished };
+  // Waits up to `timeout` for the next event. kFinished once every event has
+  // been taken and the turn has ended (see status()).
+  Next Pop(absl::Duration timeout, cluster::RunTurnEvent* event);
+  // The turn's outcome once finished: OK after the last event, else why it
+  // stopped (CANCELLED, UNAVAILABLE, ...).
+  absl::Status status() const;
+  // Asks the decode loop to drop the turn at the next step boundary.
+  void Cancel() { cancelled_.store(true); }
+  bool cancelled() const { return cancelled_.load(); }
+
+  // Producer side (decode loop).
+  void Push(cluster::RunTurnEvent event);
+  void Finish(absl::Status status);
+
+ private:
+  mutable absl::Mutex mu_;
+  std::deque<cluster::RunTurnEvent> events_ ABSL_GUARDED_BY(mu_);
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status status_ ABSL_GUARDED_BY(mu_);
+  std::atomic<bool> cancelled_{false};
+};
+
+struct DecodeLoopOptions {
+  // Most tokens one step feeds; prefill is chunked to fit.
+  int max_step_tokens = 256;
+  // Most requests in one step.
+  int max_batch = 64;
+  // OpenMP threads of the loop thread (omp_set_num_threads); 0 keeps the
+  // OpenMP default.
+  int threads = 0;
+};
+
+struct DecodeStats {
+  uint64_t steps = 0;
+  uint64_t tokens_prefilled = 0;
+  uint64_t tokens_decoded = 0;
+  uint64_t tokens_generated = 0;
+  uint64_t failed_steps = 0;
+  uint64_t active_requests = 0;
+  uint64_t queued_requests = 0;
+  double mean_batch_size = 0;   // segments per step
+  double mean_step_tokens = 0;  // tokens per step
+};
+
+// Request lifecycle inside the loop.
+enum class RequestState { kPrefill, kDecode, kDone };
+
+class DecodeLoop {
+ public:
+  // `runner` and `backend` must outlive the loop; the backend is used on
+  // the loop thread only.
+  DecodeLoop(const ModelRunner* runner, StepBackend* backend,
+             const DecodeLoopOptions& options);
+  ~DecodeLoop();  // Stop()s
+
+  void Start();
+  // Queues a turn. The request must have passed ValidateTurnRequest.
+  // UNAVAILABLE once stopping.
+  absl::StatusOr<std::shared_ptr<TurnStream>> Submit(TurnRequest request);
+  // Ends every turn still queued or running with UNAVAILABLE and joins the
+  // loop thread. Idempotent.
+  void Stop();
+
+  DecodeStats stats() const;
+
+ private:
+  struct Request;
+  void Run();
+  // One step over `active`; removes finished and failed requests.
+  void RunStep(std::vector<std::shared_ptr<Request>>* active);
+  // Marks the request done and tells the backend the session left.
+  void Retire(Request* request);
+
+  const ModelRunner* const runner_;
+  StepBackend* const backend_;
+  const DecodeLoopOptions options_;
+
+  mutable absl::Mutex mu_;
+  std::deque<std::shared_ptr<Request>> pending_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  DecodeStats stats_ ABSL_GUARDED_BY(mu_);
+  uint64_t segments_total_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t step_tokens_total_ ABSL_GUARDED_BY(mu_) = 0;
+  std::thread thread_;
+};
+
+}  // namespace karat

@@ -1,0 +1,67 @@
+// The GPU-node daemon (DESIGN.md §1, §2): holds the model weights, runs the
+// decode loop over the batch of turns, and reaches KARAT nodes over the
+// libfabric data plane. Control plane:
+//   karat.cluster.GpuNode (RunTurn, GetStats), grpc.health.v1.Health and
+//   server reflection.
+// It registers with the coordinator (role "gpu") and logs "ready" once
+// registered.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/weights.h"
+
+namespace karat {
+
+struct GpuNodeOptions {
+  // Coordinator address; empty runs the node without registration.
+  std::string coordinator;
+  // gRPC listen address; port 0 picks a free port.
+  std::string listen = "127.0.0.1:0";
+  std::string name = "gpu-node";
+  // Model directory (config.json + model.safetensors).
+  std::string model_dir;
+  // Data plane: libfabric provider and, for tcp, the address to bind.
+  std::string provider = "shm";
+  std::string fabric_node;
+  int max_step_tokens = 256;
+  int max_batch = 64;
+  // OpenMP threads of the linear layers; 0 keeps the OpenMP default.
+  int threads = 0;
+  // When set, the bound gRPC address is written here once listening.
+  std::string port_file;
+  absl::Duration attention_timeout = absl::Seconds(30);
+  absl::Duration heartbeat_interval = absl::Seconds(1);
+};
+
+class GpuNodeDaemon {
+ public:
+  // Loads the model, opens the transport, starts the decode loop, the gRPC
+  // server and the registration. Errors name the failing part.
+  static absl::StatusOr<std::unique_ptr<GpuNodeDaemon>> Start(
+      const GpuNodeOptions& options);
+  ~GpuNodeDaemon();  // Shutdown()s
+
+  // The bound gRPC address (host:port).
+  const std::string& grpc_address() const;
+  // Graceful stop: ends running turns with UNAVAILABLE, stops the gRPC
+  // server (with a deadline), the registration and the transport.
+  // Idempotent.
+  void Shutdown();
+
+ private:
+  GpuNodeDaemon();
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Identity of the weights, sent at registration so that the coordinator can
+// refuse a node serving other weights: 16 hex digits of FNV-1a 64 over the
+// config (ModelConfigToJson) and every tensor's name, shape and fp32 data,
+// in name order.
+std::string ModelFingerprint(const ModelFiles& files);
+
+}  // namespace karat

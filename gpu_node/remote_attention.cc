@@ -1,0 +1,376 @@
+#include "gpu_node/remote_attention.h"
+
+#include <atomic>
+#include <cstring>
+#include <string>
+#include <tuple>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "common/frame.h"
+#include "common/log.h"
+#include "common/status_macros.h"
+
+namespace karat {
+namespace {
+
+std::string NodeName(const cluster::KaratPlacement& p) {
+  return p.node_name().empty() ? absl::StrCat("node-", p.node_id())
+                               : p.node_name();
+}
+
+std::string_view Bytes(const void* data, size_t len) {
+  return std::string_view(static_cast<const char*>(data), len);
+}
+
+absl::StatusCode CodeFromWire(uint32_t code) {
+  if (code == 0 || code > uint32_t(absl::StatusCode::kUnauthenticated)) {
+    return absl::StatusCode::kUnknown;
+  }
+  return static_cast<absl::StatusCode>(code);
+}
+
+}  // namespace
+
+struct RemoteAttentionBackend::Impl {
+  Impl(const AttnShapes& s, Transport* t, const RemoteAttentionOptions& o)
+      : shapes(s), transport(t), options(o) {}
+
+  void OnMessage(std::string_view message);
+  absl::StatusOr<PeerId> EnsurePeer(const cluster::KaratPlacement& p);
+  absl::Status Send(PeerId peer, const std::string& node,
+                    const FrameHeader& header,
+                    const std::vector<std::string_view>& sections);
+
+  const AttnShapes shapes;
+  Transport* const transport;
+  const RemoteAttentionOptions options;
+  std::atomic<uint32_t> node_id{0};
+  std::atomic<uint64_t> id_generation{0};
+  std::atomic<uint64_t> bytes_sent{0};
+  std::atomic<uint64_t> bytes_received{0};
+  std::atomic<uint64_t> frames_invalid{0};
+
+  // Decode-loop thread only.
+  struct Peer {
+    PeerId id = kUnknownPeer;
+    std::string name;
+    bool ready = false;  // handshake done
+  };
+  absl::flat_hash_map<std::string, Peer> peers;  // by fabric address
+  absl::flat_hash_map<uint64_t, cluster::KaratPlacement> placements;
+  uint64_t step = 0;
+  int last_layer = -1;
+  uint64_t handshake_generation =
+      0;  // id_generation the peers were greeted with
+  uint64_t hello_nonce = 0;
+  std::string buffer;
+
+  // Shared with the receive handler.
+  using Key = std::tuple<uint64_t, uint32_t, uint64_t>;  // step, layer, session
+  struct Slot {
+    float* out = nullptr;
+    size_t expected_bytes = 0;
+    std::string node;
+    bool done = false;
+    absl::Status status;
+  };
+  absl::Mutex mu;
+  absl::flat_hash_map<Key, Slot> pending ABSL_GUARDED_BY(mu);
+  int outstanding ABSL_GUARDED_BY(mu) = 0;
+  bool failed ABSL_GUARDED_BY(mu) = false;
+  bool aborted ABSL_GUARDED_BY(mu) = false;
+  absl::flat_hash_set<uint64_t> hello_waiting ABSL_GUARDED_BY(mu);
+  absl::flat_hash_set<uint64_t> hello_acked ABSL_GUARDED_BY(mu);
+};
+
+void RemoteAttentionBackend::Impl::OnMessage(std::string_view message) {
+  bytes_received.fetch_add(message.size());
+  absl::StatusOr<FrameView> frame = DecodeFrame(message);
+  if (!frame.ok()) {
+    frames_invalid.fetch_add(1);
+    KLOG(Warning, "gpu_node")
+        << "dropping an invalid frame of " << message.size()
+        << " bytes: " << frame.status().message();
+    return;
+  }
+  const FrameHeader& h = frame->header;
+  const auto type = static_cast<FrameType>(h.type);
+  absl::MutexLock lock(&mu);
+  if (type == FrameType::kHelloAck) {
+    if (hello_waiting.contains(h.step)) hello_acked.insert(h.step);
+    return;
+  }
+  if (type != FrameType::kAttnOut && type != FrameType::kError) {
+    frames_invalid.fetch_add(1);
+    KLOG(Warning, "gpu_node") << "unexpected " << FrameTypeName(h.type)
+                              << " frame from node " << h.src_node;
+    return;
+  }
+  auto it = pending.find(Key{h.step, h.layer, h.session});
+  if (it == pending.end() || it->second.done) {
+    KLOG(Debug, "gpu_node")
+        << "session=" << h.session << " stale " << FrameTypeName(h.type)
+        << " (step " << h.step << ", layer " << h.layer << ") dropped";
+    return;
+  }
+  Slot& slot = it->second;
+  slot.done = true;
+  --outstanding;
+  if (type == FrameType::kError) {
+    const std::string_view text =
+        h.n_sections > 0 ? frame->sections[0] : std::string_view();
+    slot.status = absl::Status(
+        CodeFromWire(h.status),
+        absl::StrCat("KARAT node ", slot.node, ": ", std::string(text)));
+    failed = true;
+  } else if (h.n_sections != 1 ||
+             frame->sections[0].size() != slot.expected_bytes) {
+    slot.status = absl::DataLossError(
+        absl::StrCat("KARAT node ", slot.node, " sent an attention output of ",
+                     h.n_sections > 0 ? frame->sections[0].size() : 0,
+                     " bytes; expected ", slot.expected_bytes));
+    failed = true;
+  } else {
+    std::memcpy(slot.out, frame->sections[0].data(), slot.expected_bytes);
+  }
+}
+
+absl::Status RemoteAttentionBackend::Impl::Send(
+    PeerId peer, const std::string& node, const FrameHeader& header,
+    const std::vector<std::string_view>& sections) {
+  EncodeFrame(header, sections, &buffer);
+  absl::Status s = transport->Send(peer, buffer.data(), buffer.size());
+  if (!s.ok()) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot send ", FrameTypeName(header.type),
+                     " to KARAT node ", node, ": ", s.message()));
+  }
+  bytes_sent.fetch_add(buffer.size());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PeerId> RemoteAttentionBackend::Impl::EnsurePeer(
+    const cluster::KaratPlacement& p) {
+  Peer& peer = peers[p.fabric_address()];
+  if (peer.ready) return peer.id;
+  peer.name = NodeName(p);
+  ASSIGN_OR_RETURN(peer.id, transport->AddPeer(peer.name, p.fabric_address()));
+  const uint64_t nonce = ++hello_nonce;
+  {
+    absl::MutexLock lock(&mu);
+    hello_waiting.insert(nonce);
+  }
+  FrameHeader header;
+  header.type = static_cast<uint16_t>(FrameType::kHello);
+  header.src_node = node_id.load();
+  header.step = nonce;
+  const std::string address = transport->LocalAddress();
+  absl::Status sent = Send(peer.id, peer.name, header, {address});
+  bool acked = false;
+  {
+    absl::MutexLock lock(&mu);
+    if (sent.ok()) {
+      auto done = [this, nonce]() ABSL_SHARED_LOCKS_REQUIRED(mu) {
+        return hello_acked.contains(nonce) || aborted;
+      };
+      mu.AwaitWithTimeout(absl::Condition(&done), options.timeout);
+      acked = hello_acked.contains(nonce);
+    }
+    hello_waiting.erase(nonce);
+    hello_acked.erase(nonce);
+  }
+  RETURN_IF_ERROR(sent);
+  if (!acked) {
+    return absl::UnavailableError(absl::StrCat(
+        "KARAT node ", peer.name, " did not answer the handshake within ",
+        absl::ToInt64Milliseconds(options.timeout), " ms"));
+  }
+  peer.ready = true;
+  KLOG(Info, "gpu_node") << "connected to KARAT node " << peer.name;
+  return peer.id;
+}
+
+RemoteAttentionBackend::RemoteAttentionBackend(
+    const AttnShapes& shapes, Transport* transport,
+    const RemoteAttentionOptions& options)
+    : impl_(std::make_unique<Impl>(shapes, transport, options)) {
+  Impl* impl = impl_.get();
+  transport->SetReceiveHandler(
+      [impl](std::string_view message) { impl->OnMessage(message); });
+}
+
+RemoteAttentionBackend::~RemoteAttentionBackend() = default;
+
+void RemoteAttentionBackend::set_node_id(uint32_t id) {
+  // KARAT nodes know this node by its id: a new id needs new handshakes.
+  if (impl_->node_id.exchange(id) != id) impl_->id_generation.fetch_add(1);
+}
+
+void RemoteAttentionBackend::SetPlacement(
+    uint64_t session, const cluster::KaratPlacement& placement) {
+  impl_->placements[session] = placement;
+}
+
+void RemoteAttentionBackend::ClearPlacement(uint64_t session) {
+  impl_->placements.erase(session);
+}
+
+void RemoteAttentionBackend::BeginStep() {
+  ++impl_->step;
+  impl_->last_layer = -1;
+}
+
+void RemoteAttentionBackend::Abort() {
+  absl::MutexLock lock(&impl_->mu);
+  impl_->aborted = true;
+}
+
+uint64_t RemoteAttentionBackend::bytes_sent() const {
+  return impl_->bytes_sent.load();
+}
+uint64_t RemoteAttentionBackend::bytes_received() const {
+  return impl_->bytes_received.load();
+}
+uint64_t RemoteAttentionBackend::frames_invalid() const {
+  return impl_->frames_invalid.load();
+}
+
+absl::Status RemoteAttentionBackend::RunLayer(int layer,
+                                              const std::vector<Segment>& segs,
+                                              LayerTraffic* traffic) {
+  Impl& m = *impl_;
+  // A layer not after the previous one starts a new step even without
+  // BeginStep(), so that (step, layer, session) never repeats.
+  if (layer <= m.last_layer) ++m.step;
+  m.last_layer = layer;
+  const uint64_t step = m.step;
+  const AttnShapes& s = m.shapes;
+  const uint64_t generation = m.id_generation.load();
+  if (generation != m.handshake_generation) {
+    for (auto& [address, peer] : m.peers) peer.ready = false;
+    m.handshake_generation = generation;
+  }
+  {
+    absl::MutexLock lock(&m.mu);
+    if (m.aborted)
+      return absl::UnavailableError("the GPU node is shutting down");
+  }
+
+  std::vector<PeerId> peers(segs.size());
+  std::vector<const cluster::KaratPlacement*> homes(segs.size());
+  for (size_t i = 0; i < segs.size(); ++i) {
+    auto it = m.placements.find(segs[i].session);
+    if (it == m.placements.end()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("session ", segs[i].session, " has no KARAT placement"));
+    }
+    homes[i] = &it->second;
+    ASSIGN_OR_RETURN(peers[i], m.EnsurePeer(*homes[i]));
+  }
+
+  {
+    absl::MutexLock lock(&m.mu);
+    m.pending.clear();
+    m.failed = false;
+    m.outstanding = 0;
+    for (size_t i = 0; i < segs.size(); ++i) {
+      Impl::Slot slot;
+      slot.out = traffic->OutFor(int(i), s);
+      slot.expected_bytes = segs[i].tokens.size() * size_t(s.heads) *
+                            size_t(s.out_dim) * sizeof(float);
+      slot.node = NodeName(*homes[i]);
+      if (m.pending
+              .emplace(Impl::Key{step, uint32_t(layer), segs[i].session},
+                       std::move(slot))
+              .second) {
+        ++m.outstanding;
+      }
+    }
+  }
+  auto clear_pending = [&m] {
+    absl::MutexLock lock(&m.mu);
+    m.pending.clear();
+    m.outstanding = 0;
+  };
+
+  for (size_t i = 0; i < segs.size(); ++i) {
+    const size_t n = segs[i].tokens.size();
+    FrameHeader header;
+    header.src_node = m.node_id.load();
+    header.layer = uint32_t(layer);
+    header.device = uint32_t(homes[i]->device());
+    header.step = step;
+    header.session = segs[i].session;
+    header.pos_start = uint32_t(segs[i].pos_start);
+    header.n_tokens = uint32_t(n);
+    const std::string node = NodeName(*homes[i]);
+    absl::Status sent;
+    if (traffic->has_indexer) {
+      const IndexInputs in = traffic->IndexFor(int(i), s);
+      const size_t hi = s.index_heads, di = s.index_dim;
+      header.type = static_cast<uint16_t>(FrameType::kIndexQK);
+      sent = m.Send(
+          peers[i], node, header,
+          {Bytes(in.q_codes, n * hi * di),
+           Bytes(in.q_scales, n * hi * sizeof(float)),
+           Bytes(in.weights, n * hi * sizeof(float)), Bytes(in.k_codes, n * di),
+           Bytes(in.k_scales, n * sizeof(float))});
+    }
+    if (sent.ok()) {
+      const AttnInputs in = traffic->AttnFor(int(i), s);
+      header.type = static_cast<uint16_t>(FrameType::kAttnQKV);
+      sent = m.Send(
+          peers[i], node, header,
+          {Bytes(in.q, n * size_t(s.heads) * size_t(s.q_dim) * sizeof(float)),
+           Bytes(in.kv, n * size_t(s.kv_dim) * sizeof(uint16_t))});
+    }
+    if (!sent.ok()) {
+      clear_pending();
+      m.peers[homes[i]->fabric_address()].ready = false;
+      return sent;
+    }
+  }
+
+  absl::Status result;
+  {
+    absl::MutexLock lock(&m.mu);
+    auto done = [&m]() ABSL_SHARED_LOCKS_REQUIRED(m.mu) {
+      return m.outstanding == 0 || m.failed || m.aborted;
+    };
+    m.mu.AwaitWithTimeout(absl::Condition(&done), m.options.timeout);
+    if (m.aborted)
+      result = absl::UnavailableError("the GPU node is shutting down");
+    for (size_t i = 0; i < segs.size() && result.ok(); ++i) {
+      const Impl::Slot& slot =
+          m.pending[Impl::Key{step, uint32_t(layer), segs[i].session}];
+      if (!slot.status.ok()) {
+        result = slot.status;
+      } else if (!slot.done && !m.failed) {
+        result = absl::UnavailableError(absl::StrCat(
+            "no attention output from KARAT node ", slot.node, " for session ",
+            segs[i].session, " layer ", layer, " within ",
+            absl::ToInt64Milliseconds(m.options.timeout), " ms"));
+      }
+    }
+    m.pending.clear();
+    m.outstanding = 0;
+  }
+  if (!result.ok()) {
+    // A node that stopped answering gets a fresh handshake next time.
+    if (absl::IsUnavailable(result)) {
+      for (size_t i = 0; i < segs.size(); ++i) {
+        m.peers[homes[i]->fabric_address()].ready = false;
+      }
+    }
+    KLOG(Warning, "gpu_node")
+        << "layer " << layer << " of step " << step << " failed: " << result;
+  }
+  return result;
+}
+
+}  // namespace karat

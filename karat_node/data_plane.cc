@@ -1,0 +1,252 @@
+#include "karat_node/data_plane.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "common/status_macros.h"
+
+namespace karat {
+
+DataPlaneHandler::DataPlaneHandler(const ModelConfig& config,
+                                   Transport* transport)
+    : config_(config), transport_(transport) {}
+
+DataPlaneHandler::~DataPlaneHandler() { Stop(); }
+
+absl::StatusOr<std::unique_ptr<DataPlaneHandler>> DataPlaneHandler::Create(
+    const ModelConfig& config, const DataPlaneOptions& options,
+    Transport* transport) {
+  if (options.devices.empty()) {
+    return absl::InvalidArgumentError("a KARAT node needs at least 1 device");
+  }
+  std::unique_ptr<DataPlaneHandler> handler(
+      new DataPlaneHandler(config, transport));
+  for (size_t i = 0; i < options.devices.size(); ++i) {
+    auto device = KaratDevice::Create(int(i), config, options.tokens_per_page,
+                                      options.devices[i]);
+    if (!device.ok()) {
+      return absl::Status(
+          device.status().code(),
+          absl::StrCat("device ", i, ": ", device.status().message()));
+    }
+    handler->devices_.push_back(std::move(device).value());
+  }
+  if (transport != nullptr) {
+    DataPlaneHandler* h = handler.get();
+    transport->SetReceiveHandler(
+        [h](std::string_view message) { h->OnMessage(message); });
+  }
+  return handler;
+}
+
+void DataPlaneHandler::Stop() {
+  stopped_.store(true);
+  control_.Stop();
+  for (auto& d : devices_) d->Stop();
+}
+
+absl::StatusOr<int64_t> DataPlaneHandler::Reserve(uint64_t session, int device,
+                                                  int tokens) {
+  if (device < 0 || device >= num_devices()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("device ", device, " does not exist (the node has ",
+                     num_devices(), ")"));
+  }
+  if (tokens <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("reserve of ", tokens, " tokens; must be > 0"));
+  }
+  // Held across the device call so that two reservations of one new
+  // session cannot pick two devices.
+  absl::MutexLock lock(&sessions_mu_);
+  auto it = session_device_.find(session);
+  if (it != session_device_.end() && it->second != device) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("session ", session, " lives on device ", it->second,
+                     ", not ", device));
+  }
+  RETURN_IF_ERROR(devices_[device]->Reserve(session, tokens));
+  session_device_[session] = device;
+  return int64_t(devices_[device]->used_bytes());
+}
+
+absl::Status DataPlaneHandler::FreeSession(uint64_t session) {
+  absl::MutexLock lock(&sessions_mu_);
+  auto it = session_device_.find(session);
+  if (it == session_device_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("session ", session, " holds no pages on this node"));
+  }
+  const int device = it->second;
+  session_device_.erase(it);
+  return devices_[device]->Free(session);
+}
+
+std::vector<cluster::DeviceInfo> DataPlaneHandler::Devices() const {
+  std::vector<cluster::DeviceInfo> out;
+  for (const auto& d : devices_) out.push_back(d->Info());
+  return out;
+}
+
+std::map<std::string, double> DataPlaneHandler::Counters() const {
+  std::map<std::string, double> c;
+  c["frames_received"] = double(frames_received_.load());
+  c["frames_invalid"] = double(frames_invalid_.load());
+  c["errors"] = double(errors_.load());
+  c["kv_bytes_ingested"] = double(kv_bytes_ingested_.load());
+  double sessions = 0, used = 0, capacity = 0;
+  for (const auto& d : devices_) {
+    sessions += d->sessions();
+    used += double(d->used_bytes());
+    capacity += double(d->capacity_bytes());
+  }
+  c["sessions"] = sessions;
+  c["used_bytes"] = used;
+  c["capacity_bytes"] = capacity;
+  c["devices"] = double(devices_.size());
+  return c;
+}
+
+void DataPlaneHandler::OnMessage(std::string_view message) {
+  if (stopped_.load()) return;
+  frames_received_.fetch_add(1);
+  absl::StatusOr<FrameView> frame = DecodeFrame(message);
+  if (!frame.ok()) {
+    frames_invalid_.fetch_add(1);
+    KLOG(Warning, "karat_node")
+        << "dropping an invalid frame of " << message.size()
+        << " bytes: " << frame.status().message();
+    return;
+  }
+  const FrameHeader& h = frame->header;
+  switch (static_cast<FrameType>(h.type)) {
+    case FrameType::kHello:
+      control_.Post([this, m = std::string(message)] { HandleHello(m); });
+      return;
+    case FrameType::kIndexQK:
+    case FrameType::kAttnQKV: {
+      if (h.device >= uint32_t(num_devices())) {
+        const FrameHeader header = h;
+        control_.Post([this, header] {
+          ReplyError(header, absl::InvalidArgumentError(
+                                 absl::StrCat("device ", header.device,
+                                              " does not exist on this node")));
+        });
+        return;
+      }
+      KaratDevice* device = devices_[h.device].get();
+      device->Post(
+          [this, device, m = std::string(message)] { HandleData(device, m); });
+      return;
+    }
+    default: {
+      const FrameHeader header = h;
+      control_.Post([this, header] {
+        ReplyError(header, absl::InvalidArgumentError(absl::StrCat(
+                               "a KARAT node does not take ",
+                               FrameTypeName(header.type), " frames")));
+      });
+      return;
+    }
+  }
+}
+
+void DataPlaneHandler::HandleHello(const std::string& message) {
+  absl::StatusOr<FrameView> frame = DecodeFrame(message);
+  if (!frame.ok()) return;  // validated on arrival
+  const FrameHeader& h = frame->header;
+  if (h.n_sections < 1 || frame->sections[0].empty()) {
+    errors_.fetch_add(1);
+    KLOG(Warning, "karat_node")
+        << "kHello from node " << h.src_node << " carries no address; ignored";
+    return;
+  }
+  const std::string name = absl::StrCat("node-", h.src_node);
+  absl::StatusOr<PeerId> peer =
+      transport_->AddPeer(name, std::string(frame->sections[0]));
+  if (!peer.ok()) {
+    errors_.fetch_add(1);
+    KLOG(Warning, "karat_node")
+        << "cannot add peer " << name << ": " << peer.status().message();
+    return;
+  }
+  {
+    absl::MutexLock lock(&peers_mu_);
+    peers_[h.src_node] = *peer;
+  }
+  KLOG(Info, "karat_node") << "peer " << name << " connected";
+  Reply(h, FrameType::kHelloAck, {}, 0);
+}
+
+void DataPlaneHandler::HandleData(KaratDevice* device,
+                                  const std::string& message) {
+  absl::StatusOr<FrameView> frame = DecodeFrame(message);
+  if (!frame.ok()) return;  // validated on arrival
+  const FrameHeader& h = frame->header;
+  std::vector<float> out;
+  uint64_t ingested = 0;
+  absl::Status status = device->Process(*frame, &out, &ingested);
+  kv_bytes_ingested_.fetch_add(ingested);
+  if (!status.ok()) {
+    ReplyError(h, status);
+    return;
+  }
+  if (static_cast<FrameType>(h.type) == FrameType::kAttnQKV) {
+    std::string_view bytes(reinterpret_cast<const char*>(out.data()),
+                           out.size() * sizeof(float));
+    Reply(h, FrameType::kAttnOut, {bytes}, 0);
+  }
+}
+
+void DataPlaneHandler::ReplyError(const FrameHeader& request,
+                                  const absl::Status& status) {
+  errors_.fetch_add(1);
+  KLOG(Warning, "karat_node")
+      << "session=" << request.session << " device=" << request.device
+      << " layer=" << request.layer << " from node " << request.src_node << ": "
+      << FrameTypeName(request.type) << " failed: " << status;
+  const std::string text(status.message());
+  Reply(request, FrameType::kError, {text},
+        static_cast<uint32_t>(status.code()));
+}
+
+void DataPlaneHandler::Reply(const FrameHeader& request, FrameType type,
+                             const std::vector<std::string_view>& sections,
+                             uint32_t status_code) {
+  PeerId peer = kUnknownPeer;
+  {
+    absl::MutexLock lock(&peers_mu_);
+    auto it = peers_.find(request.src_node);
+    if (it != peers_.end()) peer = it->second;
+  }
+  if (peer == kUnknownPeer) {
+    errors_.fetch_add(1);
+    KLOG(Warning, "karat_node")
+        << "session=" << request.session << " cannot answer node "
+        << request.src_node << ": no kHello from it";
+    return;
+  }
+  FrameHeader header;
+  header.type = static_cast<uint16_t>(type);
+  header.src_node = node_id_.load();
+  header.layer = request.layer;
+  header.micro_batch = request.micro_batch;
+  header.device = request.device;
+  header.step = request.step;
+  header.session = request.session;
+  header.pos_start = request.pos_start;
+  header.n_tokens = request.n_tokens;
+  header.status = status_code;
+  std::string buffer;
+  EncodeFrame(header, sections, &buffer);
+  absl::Status sent = transport_->Send(peer, buffer.data(), buffer.size());
+  if (!sent.ok()) {
+    errors_.fetch_add(1);
+    KLOG(Warning, "karat_node") << "session=" << request.session << " sending "
+                                << FrameTypeName(header.type) << " to node "
+                                << request.src_node << " failed: " << sent;
+  }
+}
+
+}  // namespace karat

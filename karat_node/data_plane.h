@@ -1,0 +1,116 @@
+// The KARAT node's data plane (DESIGN.md §2 steps 2-4): frames from GPU
+// nodes arrive on a Transport, are validated and routed to the device they
+// name; each device's worker appends the new entries, runs Score -> Select
+// -> Gather -> Attend and sends the attention output back to the sender.
+//
+//   kHello     sections[0] = the sender's address: the sender becomes a peer
+//              known by its src_node; answered with kHelloAck (echoing
+//              step and session, so the sender can match it).
+//   kIndexQK   [q_codes n*Hi*Di B, q_scales n*Hi f32, weights n*Hi f32,
+//               k_codes n*Di B, k_scales n f32]
+//   kAttnQKV   [q n*H*q_dim f32, kv n*kv_dim bf16] -> kAttnOut
+//              [out n*H*out_dim f32] with the same layer/step/session.
+//
+// A frame that fails DecodeFrame is dropped and counted (frames_invalid).
+// A frame naming an unknown session or device, or with a section of the
+// wrong length, is answered with kError (status code + message) and
+// counted (errors). Replies carry this node's id as src_node.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "cluster.pb.h"
+#include "common/frame.h"
+#include "common/model_config.h"
+#include "common/transport.h"
+#include "karat_node/karat_device.h"
+
+namespace karat {
+
+struct DataPlaneOptions {
+  int tokens_per_page = 64;
+  std::vector<DeviceOptions> devices;
+};
+
+// Thread safety: every public method may be called from any thread. The
+// transport's receive handler only decodes and hands work to a worker.
+class DataPlaneHandler {
+ public:
+  // Creates the devices and installs the receive handler on `transport`
+  // (which must outlive the handler, or be shut down first).
+  static absl::StatusOr<std::unique_ptr<DataPlaneHandler>> Create(
+      const ModelConfig& config, const DataPlaneOptions& options,
+      Transport* transport);
+  ~DataPlaneHandler();  // Stop()s
+
+  // This node's id, sent as src_node in replies.
+  void set_node_id(uint32_t id) { node_id_.store(id); }
+  uint32_t node_id() const { return node_id_.load(); }
+
+  // KaratNode.Reserve: makes room for `tokens` positions of `session` on
+  // `device` (creating its cache there on first use). A session lives on
+  // one device: naming another is FAILED_PRECONDITION. RESOURCE_EXHAUSTED
+  // changes nothing. Returns the device's used bytes afterwards.
+  absl::StatusOr<int64_t> Reserve(uint64_t session, int device, int tokens);
+  // KaratNode.FreeSession: frees every page of the session. NOT_FOUND when
+  // the node does not hold it.
+  absl::Status FreeSession(uint64_t session);
+
+  int num_devices() const { return static_cast<int>(devices_.size()); }
+  KaratDevice* device(int i) const { return devices_[i].get(); }
+  std::vector<cluster::DeviceInfo> Devices() const;
+  // frames_received, frames_invalid, errors, kv_bytes_ingested, sessions,
+  // used_bytes, capacity_bytes.
+  std::map<std::string, double> Counters() const;
+
+  // Stops accepting frames and joins the workers after their queued work.
+  void Stop();
+
+ private:
+  DataPlaneHandler(const ModelConfig& config, Transport* transport);
+  void OnMessage(std::string_view message);
+  void HandleHello(const std::string& message);
+  void HandleData(KaratDevice* device, const std::string& message);
+  // Replies to the frame's sender; counts and logs when that fails.
+  void Reply(const FrameHeader& request, FrameType type,
+             const std::vector<std::string_view>& sections,
+             uint32_t status_code);
+  void ReplyError(const FrameHeader& request, const absl::Status& status);
+
+  const ModelConfig config_;
+  Transport* const transport_;
+  std::vector<std::unique_ptr<KaratDevice>> devices_;
+  std::atomic<uint32_t> node_id_{0};
+  std::atomic<bool> stopped_{false};
+
+  std::atomic<uint64_t> frames_received_{0};
+  std::atomic<uint64_t> frames_invalid_{0};
+  std::atomic<uint64_t> errors_{0};
+  std::atomic<uint64_t> kv_bytes_ingested_{0};
+
+  // Sender node id -> transport peer, learnt from kHello.
+  mutable absl::Mutex peers_mu_;
+  absl::flat_hash_map<uint32_t, PeerId> peers_ ABSL_GUARDED_BY(peers_mu_);
+
+  // Session -> home device, for Reserve/FreeSession.
+  mutable absl::Mutex sessions_mu_;
+  absl::flat_hash_map<uint64_t, int> session_device_
+      ABSL_GUARDED_BY(sessions_mu_);
+
+  // Runs handshakes and error replies for frames no device takes, off the
+  // transport's thread.
+  SerialWorker control_{"control"};
+};
+
+}  // namespace karat

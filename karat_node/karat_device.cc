@@ -1,0 +1,271 @@
+#include "karat_node/karat_device.h"
+
+#include <limits>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "common/status_macros.h"
+
+namespace karat {
+
+// ---------------------------------------------------------------------------
+// SerialWorker
+
+SerialWorker::SerialWorker(std::string name)
+    : name_(std::move(name)), thread_([this] { Run(); }) {}
+
+SerialWorker::~SerialWorker() { Stop(); }
+
+void SerialWorker::Post(absl::AnyInvocable<void()> work) {
+  absl::MutexLock lock(&mu_);
+  if (stopping_) return;
+  queue_.push_back(std::move(work));
+}
+
+size_t SerialWorker::queued() const {
+  absl::MutexLock lock(&mu_);
+  return queue_.size();
+}
+
+void SerialWorker::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+void SerialWorker::Run() {
+  for (;;) {
+    absl::AnyInvocable<void()> work;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+        return stopping_ || !queue_.empty();
+      };
+      mu_.Await(absl::Condition(&ready));
+      if (queue_.empty()) return;  // stopping, and nothing left to run
+      work = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    work();
+  }
+}
+
+// ---------------------------------------------------------------------------
+// KaratDevice
+
+namespace {
+
+// A segment longer than this is refused before any size arithmetic.
+constexpr uint32_t kMaxSegmentTokens = 1 << 20;
+
+absl::Status CheckSection(const FrameView& f, int i, uint64_t expected,
+                          const char* what) {
+  if (f.sections[i].size() != expected) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(FrameTypeName(f.header.type), " section ", i, " (", what,
+                     ") holds ", f.sections[i].size(), " bytes; ",
+                     f.header.n_tokens, " tokens need ", expected));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+KaratDevice::KaratDevice(int index, const ModelConfig& config,
+                         int tokens_per_page, const DeviceOptions& options)
+    : index_(index),
+      config_(config),
+      layout_(MakeKvLayout(config, tokens_per_page)),
+      shapes_(MakeAttnShapes(config)),
+      options_(options),
+      worker_(absl::StrCat("device-", index)) {}
+
+KaratDevice::~KaratDevice() { worker_.Stop(); }
+
+absl::StatusOr<std::unique_ptr<KaratDevice>> KaratDevice::Create(
+    int index, const ModelConfig& config, int tokens_per_page,
+    const DeviceOptions& options) {
+  if (tokens_per_page <= 0) {
+    return absl::InvalidArgumentError("tokens per page must be > 0");
+  }
+  if (options.cores <= 0) {
+    return absl::InvalidArgumentError("device cores must be > 0");
+  }
+  std::unique_ptr<KaratDevice> device(
+      new KaratDevice(index, config, tokens_per_page, options));
+  if (options.capacity_bytes < device->layout_.page_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("device capacity ", options.capacity_bytes,
+                     " bytes is less than one page (",
+                     device->layout_.page_bytes, " bytes)"));
+  }
+  ASSIGN_OR_RETURN(
+      device->arena_,
+      PageArena::Create(options.capacity_bytes, device->layout_.page_bytes));
+  return device;
+}
+
+absl::Status KaratDevice::Reserve(uint64_t session, int tokens) {
+  if (tokens <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("reserve of ", tokens, " tokens; must be > 0"));
+  }
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(session);
+  const bool created = it == sessions_.end();
+  if (created) {
+    Session s;
+    s.cache = std::make_unique<SessionCache>(&layout_, arena_.get());
+    it = sessions_.emplace(session, std::move(s)).first;
+  }
+  absl::Status status = EnsureRoom(session, &it->second, tokens);
+  if (!status.ok()) {
+    if (created) sessions_.erase(it);
+    return status;
+  }
+  if (created) num_sessions_.fetch_add(1);
+  return absl::OkStatus();
+}
+
+absl::Status KaratDevice::EnsureRoom(uint64_t session, Session* s, int tokens) {
+  if (tokens <= s->cache->reserved_tokens()) return absl::OkStatus();
+  absl::Status status = s->cache->Reserve(tokens);
+  if (status.ok()) return status;
+  if (absl::IsResourceExhausted(status)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "device ", index_, " cannot hold ", tokens, " positions of session ",
+        session, " (", arena_->free_pages(), " of ", arena_->total_pages(),
+        " pages free): ", status.message()));
+  }
+  return status;
+}
+
+bool KaratDevice::HasSession(uint64_t session) const {
+  absl::MutexLock lock(&mu_);
+  return sessions_.contains(session);
+}
+
+absl::Status KaratDevice::Free(uint64_t session) {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(session);
+  if (it == sessions_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("session ", session, " is not on device ", index_));
+  }
+  sessions_.erase(it);
+  num_sessions_.fetch_sub(1);
+  return absl::OkStatus();
+}
+
+absl::Status KaratDevice::Process(const FrameView& frame,
+                                  std::vector<float>* out, uint64_t* ingested) {
+  const FrameHeader& h = frame.header;
+  *ingested = 0;
+  const auto type = static_cast<FrameType>(h.type);
+  if (type != FrameType::kIndexQK && type != FrameType::kAttnQKV) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "frame type ", FrameTypeName(h.type), " carries no attention work"));
+  }
+  if (h.layer >= uint32_t(layout_.num_layers)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", h.layer, " out of range (the model has ",
+                     layout_.num_layers, ")"));
+  }
+  if (h.n_tokens == 0 || h.n_tokens > kMaxSegmentTokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("segment of ", h.n_tokens, " tokens"));
+  }
+  if (uint64_t(h.pos_start) + h.n_tokens >
+      uint64_t(std::numeric_limits<int32_t>::max())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("segment position ", h.pos_start, " out of range"));
+  }
+  const int layer = int(h.layer);
+  const int n = int(h.n_tokens);
+  const int pos_start = int(h.pos_start);
+  const uint64_t un = h.n_tokens;
+  const AttnShapes& s = shapes_;
+
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(h.session);
+  if (it == sessions_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("unknown session ", h.session, " on device ", index_));
+  }
+  Session& session = it->second;
+
+  if (type == FrameType::kIndexQK) {
+    if (!config_.HasIndexer(layer) || s.index_dim == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer ", layer, " runs no indexer"));
+    }
+    if (h.n_sections != 5) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "IndexQK carries ", h.n_sections, " sections; expected 5"));
+    }
+    const uint64_t hi = s.index_heads, di = s.index_dim;
+    RETURN_IF_ERROR(CheckSection(frame, 0, un * hi * di, "q_codes"));
+    RETURN_IF_ERROR(CheckSection(frame, 1, un * hi * 4, "q_scales"));
+    RETURN_IF_ERROR(CheckSection(frame, 2, un * hi * 4, "weights"));
+    RETURN_IF_ERROR(CheckSection(frame, 3, un * di, "k_codes"));
+    RETURN_IF_ERROR(CheckSection(frame, 4, un * 4, "k_scales"));
+    RETURN_IF_ERROR(EnsureRoom(h.session, &session, pos_start + n));
+    IndexInputs in;
+    in.q_codes = reinterpret_cast<const uint8_t*>(frame.sections[0].data());
+    in.q_scales = reinterpret_cast<const float*>(frame.sections[1].data());
+    in.weights = reinterpret_cast<const float*>(frame.sections[2].data());
+    in.k_codes = reinterpret_cast<const uint8_t*>(frame.sections[3].data());
+    in.k_scales = reinterpret_cast<const float*>(frame.sections[4].data());
+    RETURN_IF_ERROR(RunIndexer(s, layer, pos_start, n, in, session.cache.get(),
+                               &session.selection));
+    *ingested = un * (di + 4);
+  } else {
+    if (h.n_sections != 2) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "AttnQKV carries ", h.n_sections, " sections; expected 2"));
+    }
+    RETURN_IF_ERROR(CheckSection(
+        frame, 0, un * uint64_t(s.heads) * uint64_t(s.q_dim) * 4, "q"));
+    RETURN_IF_ERROR(CheckSection(frame, 1, un * uint64_t(s.kv_dim) * 2, "kv"));
+    RETURN_IF_ERROR(EnsureRoom(h.session, &session, pos_start + n));
+    AttnInputs in;
+    in.q = reinterpret_cast<const float*>(frame.sections[0].data());
+    in.kv = reinterpret_cast<const uint16_t*>(frame.sections[1].data());
+    // Layers without their own indexer attend to the selection the last
+    // indexer layer left for this segment (cross-layer index reuse, §II-B).
+    const SelectionState* sel = config_.attention.type == AttentionType::kMlaDsa
+                                    ? &session.selection
+                                    : nullptr;
+    out->assign(size_t(n) * s.heads * s.out_dim, 0.0f);
+    RETURN_IF_ERROR(RunAttention(s, layer, pos_start, n, in,
+                                 session.cache.get(), sel, out->data()));
+    *ingested = un * uint64_t(s.kv_dim) * 2;
+  }
+  session.ingested_bytes += *ingested;
+  KLOG(Debug, "karat_node")
+      << "session=" << h.session << " device=" << index_ << " layer=" << layer
+      << " " << FrameTypeName(h.type) << " positions " << pos_start << ".."
+      << pos_start + n - 1 << " ingested_bytes=" << session.ingested_bytes;
+  return absl::OkStatus();
+}
+
+size_t KaratDevice::capacity_bytes() const {
+  return size_t(arena_->total_pages()) * arena_->page_bytes();
+}
+
+size_t KaratDevice::used_bytes() const { return arena_->used_bytes(); }
+
+cluster::DeviceInfo KaratDevice::Info() const {
+  cluster::DeviceInfo info;
+  info.set_device(index_);
+  info.set_capacity_bytes(int64_t(capacity_bytes()));
+  info.set_used_bytes(int64_t(used_bytes()));
+  info.set_sessions(sessions());
+  info.set_cores(options_.cores);
+  return info;
+}
+
+}  // namespace karat

@@ -1,0 +1,258 @@
+#include "karat_node/karat_node.h"
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include <cctype>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "cluster.grpc.pb.h"
+#include "common/log.h"
+#include "common/membership.h"
+#include "common/model_config.h"
+#include "common/status_macros.h"
+#include "common/transport.h"
+#include "karat_node/data_plane.h"
+
+namespace karat {
+namespace {
+
+grpc::Status ToGrpc(const absl::Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()),
+                      std::string(s.message()));
+}
+
+class KaratNodeService final : public cluster::KaratNode::Service {
+ public:
+  explicit KaratNodeService(DataPlaneHandler* handler) : handler_(handler) {}
+
+  grpc::Status Reserve(grpc::ServerContext*,
+                       const cluster::ReserveRequest* request,
+                       cluster::ReserveResponse* response) override {
+    absl::StatusOr<int64_t> used = handler_->Reserve(
+        request->session(), request->device(), request->tokens());
+    if (!used.ok()) {
+      KLOG(Info, "karat_node")
+          << "session=" << request->session() << " reserve of "
+          << request->tokens() << " tokens on device " << request->device()
+          << " refused: " << used.status();
+      return ToGrpc(used.status());
+    }
+    KLOG(Debug, "karat_node")
+        << "session=" << request->session() << " reserved " << request->tokens()
+        << " tokens on device " << request->device() << " (device used "
+        << *used << " bytes)";
+    response->set_used_bytes(*used);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status FreeSession(grpc::ServerContext*,
+                           const cluster::FreeSessionRequest* request,
+                           cluster::FreeSessionResponse*) override {
+    absl::Status s = handler_->FreeSession(request->session());
+    KLOG(Info, "karat_node")
+        << "session=" << request->session() << " freed" << (s.ok() ? "" : ": ")
+        << (s.ok() ? "" : s.ToString());
+    return ToGrpc(s);
+  }
+
+  grpc::Status GetStats(grpc::ServerContext*, const cluster::StatsRequest*,
+                        cluster::StatsResponse* response) override {
+    for (const auto& [k, v] : handler_->Counters()) {
+      (*response->mutable_stats())[k] = v;
+    }
+    for (const auto& d : handler_->Devices()) *response->add_devices() = d;
+    return grpc::Status::OK;
+  }
+
+ private:
+  DataPlaneHandler* const handler_;
+};
+
+}  // namespace
+
+absl::StatusOr<size_t> ParseByteSize(const std::string& text) {
+  std::string t = absl::AsciiStrToUpper(text);
+  for (const char* tail : {"IB", "B"}) {
+    const std::string suffix(tail);
+    if (t.size() > suffix.size() &&
+        t.compare(t.size() - suffix.size(), suffix.size(), suffix) == 0) {
+      t.resize(t.size() - suffix.size());
+      break;
+    }
+  }
+  uint64_t scale = 1;
+  if (!t.empty() && std::isalpha(static_cast<unsigned char>(t.back()))) {
+    switch (t.back()) {
+      case 'K':
+        scale = uint64_t(1) << 10;
+        break;
+      case 'M':
+        scale = uint64_t(1) << 20;
+        break;
+      case 'G':
+        scale = uint64_t(1) << 30;
+        break;
+      case 'T':
+        scale = uint64_t(1) << 40;
+        break;
+      default:
+        return absl::InvalidArgumentError(
+            absl::StrCat("'", text, "' is not a byte size (e.g. 512M, 2G)"));
+    }
+    t.pop_back();
+  }
+  uint64_t value = 0;
+  if (t.empty() || !absl::SimpleAtoi(t, &value) ||
+      value > std::numeric_limits<uint64_t>::max() / scale) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", text, "' is not a byte size (e.g. 512M, 2G)"));
+  }
+  return size_t(value * scale);
+}
+
+struct KaratNodeDaemon::Impl {
+  KaratNodeOptions options;
+  ModelConfig config;
+  std::unique_ptr<Transport> transport;
+  std::unique_ptr<DataPlaneHandler> handler;
+  std::unique_ptr<KaratNodeService> service;
+  std::unique_ptr<grpc::Server> server;
+  std::unique_ptr<NodeRegistrar> registrar;
+  std::string address;
+  bool shut_down = false;
+
+  cluster::RegisterNodeRequest MakeRegistration() const {
+    cluster::RegisterNodeRequest r;
+    r.set_name(options.name);
+    r.set_role("karat");
+    r.set_grpc_address(address);
+    r.set_fabric_address(transport->LocalAddress());
+    r.set_provider(options.provider);
+    for (const auto& d : handler->Devices()) *r.add_devices() = d;
+    return r;
+  }
+
+  void FillHeartbeat(cluster::HeartbeatRequest* r) const {
+    for (const auto& d : handler->Devices()) *r->add_devices() = d;
+    for (const auto& [k, v] : handler->Counters()) (*r->mutable_stats())[k] = v;
+  }
+};
+
+KaratNodeDaemon::KaratNodeDaemon() = default;
+KaratNodeDaemon::~KaratNodeDaemon() { Shutdown(); }
+
+const std::string& KaratNodeDaemon::grpc_address() const {
+  return impl_->address;
+}
+
+absl::StatusOr<std::unique_ptr<KaratNodeDaemon>> KaratNodeDaemon::Start(
+    const KaratNodeOptions& options) {
+  if (options.model_dir.empty()) {
+    return absl::InvalidArgumentError("no model directory (--model)");
+  }
+  if (options.devices <= 0) {
+    return absl::InvalidArgumentError("--devices must be > 0");
+  }
+  std::unique_ptr<KaratNodeDaemon> daemon(new KaratNodeDaemon());
+  daemon->impl_ = std::make_unique<Impl>();
+  Impl* impl = daemon->impl_.get();
+  impl->options = options;
+  ASSIGN_OR_RETURN(impl->config, LoadModelConfig(options.model_dir));
+
+  FabricOptions fabric;
+  fabric.provider = options.provider;
+  fabric.node = options.fabric_node;
+  absl::StatusOr<std::unique_ptr<Transport>> transport =
+      OpenFabricTransport(fabric);
+  if (!transport.ok()) {
+    return absl::Status(transport.status().code(),
+                        absl::StrCat("data plane (provider ", options.provider,
+                                     "): ", transport.status().message()));
+  }
+  impl->transport = std::move(transport).value();
+
+  DataPlaneOptions plane;
+  plane.tokens_per_page = options.tokens_per_page;
+  for (int i = 0; i < options.devices; ++i) {
+    plane.devices.push_back(
+        DeviceOptions{options.device_capacity_bytes, options.cores});
+  }
+  ASSIGN_OR_RETURN(
+      impl->handler,
+      DataPlaneHandler::Create(impl->config, plane, impl->transport.get()));
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  impl->service = std::make_unique<KaratNodeService>(impl->handler.get());
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(),
+                           &port);
+  builder.RegisterService(impl->service.get());
+  impl->server = builder.BuildAndStart();
+  if (impl->server == nullptr || port == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", options.listen));
+  }
+  const size_t colon = options.listen.rfind(':');
+  impl->address =
+      absl::StrCat(colon == std::string::npos ? options.listen
+                                              : options.listen.substr(0, colon),
+                   ":", port);
+  KLOG(Info, "karat_node") << options.name << " listening on " << impl->address
+                           << ", " << options.devices << " devices of "
+                           << impl->handler->device(0)->capacity_bytes()
+                           << " bytes, " << options.cores << " cores each, "
+                           << options.tokens_per_page << " tokens per page";
+  if (!options.port_file.empty()) {
+    RETURN_IF_ERROR(WritePortFile(options.port_file, impl->address));
+  }
+
+  if (options.coordinator.empty()) {
+    KLOG(Info, "karat_node") << "ready (no coordinator): " << options.name
+                             << " at " << impl->address;
+    return daemon;
+  }
+  RegistrarOptions reg;
+  reg.coordinator = options.coordinator;
+  reg.interval = options.heartbeat_interval;
+  reg.log_module = "karat_node";
+  reg.make_request = [impl] { return impl->MakeRegistration(); };
+  reg.fill_heartbeat = [impl](cluster::HeartbeatRequest* r) {
+    impl->FillHeartbeat(r);
+  };
+  reg.on_registered = [impl](uint32_t id) {
+    impl->handler->set_node_id(id);
+    KLOG(Info, "karat_node") << "ready: " << impl->options.name
+                             << " node_id=" << id << " grpc=" << impl->address;
+  };
+  ASSIGN_OR_RETURN(impl->registrar, NodeRegistrar::Start(std::move(reg)));
+  return daemon;
+}
+
+void KaratNodeDaemon::Shutdown() {
+  Impl* impl = impl_.get();
+  if (impl == nullptr || impl->shut_down) return;
+  impl->shut_down = true;
+  KLOG(Info, "karat_node") << impl->options.name << " shutting down";
+  if (impl->server) {
+    impl->server->Shutdown(std::chrono::system_clock::now() +
+                           std::chrono::seconds(2));
+    impl->server->Wait();
+  }
+  if (impl->registrar) impl->registrar->Stop();
+  // Workers finish their queued frames (replies still go out) before the
+  // endpoint closes; frames arriving meanwhile are dropped.
+  if (impl->handler) impl->handler->Stop();
+  if (impl->transport) impl->transport->Shutdown();
+}
+
+}  // namespace karat

@@ -1,0 +1,64 @@
+// The KARAT-node daemon (DESIGN.md §1, §3): emulated KARAT devices holding
+// session KV in host memory, the libfabric data plane that runs attention
+// for GPU nodes, and the control plane:
+//   karat.cluster.KaratNode (Reserve, FreeSession, GetStats),
+//   grpc.health.v1.Health and server reflection.
+// The node registers with the coordinator (role "karat") and sends
+// heartbeats with its devices' occupancy; it logs "ready" once registered.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace karat {
+
+struct KaratNodeOptions {
+  // Coordinator address; empty runs the node without registration.
+  std::string coordinator;
+  // gRPC listen address; port 0 picks a free port.
+  std::string listen = "127.0.0.1:0";
+  std::string name = "karat-node";
+  // Model directory; only config.json is read.
+  std::string model_dir;
+  // Data plane: libfabric provider and, for tcp, the address to bind.
+  std::string provider = "shm";
+  std::string fabric_node;
+  int devices = 1;
+  size_t device_capacity_bytes = size_t(1) << 30;
+  int cores = 1;
+  int tokens_per_page = 64;
+  // When set, the bound gRPC address is written here once listening.
+  std::string port_file;
+  absl::Duration heartbeat_interval = absl::Seconds(1);
+};
+
+class KaratNodeDaemon {
+ public:
+  // Loads the config, opens the transport, creates the devices, starts the
+  // gRPC server and the registration. Errors name the failing part.
+  static absl::StatusOr<std::unique_ptr<KaratNodeDaemon>> Start(
+      const KaratNodeOptions& options);
+  ~KaratNodeDaemon();  // Shutdown()s
+
+  // The bound gRPC address (host:port).
+  const std::string& grpc_address() const;
+  // Graceful stop: gRPC server (with a deadline), registration, device
+  // workers, transport. Idempotent.
+  void Shutdown();
+
+ private:
+  KaratNodeDaemon();
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Parses a byte count with an optional binary suffix: "1048576", "512K",
+// "512M", "2G", "1T" (case-insensitive, optional trailing "B" or "iB").
+absl::StatusOr<size_t> ParseByteSize(const std::string& text);
+
+}  // namespace karat

@@ -1,0 +1,177 @@
+#include <atomic>
+#include <catch2/catch.hpp>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/transport.h"
+
+namespace karat {
+namespace {
+
+// Bound on waiting for deliveries, so that a lost message fails the test
+// instead of hanging it. Not a performance expectation.
+constexpr absl::Duration kDeliveryBound = absl::Seconds(60);
+
+// Collects delivered messages.
+class Inbox {
+ public:
+  Transport::ReceiveHandler Handler() {
+    return [this](std::string_view m) {
+      absl::MutexLock lock(&mu_);
+      messages_.emplace_back(m);
+    };
+  }
+  // Waits until `n` messages arrived; false if they did not within the bound.
+  bool WaitFor(size_t n) {
+    absl::MutexLock lock(&mu_);
+    auto enough = [this, n]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return messages_.size() >= n;
+    };
+    return mu_.AwaitWithTimeout(absl::Condition(&enough), kDeliveryBound);
+  }
+  std::vector<std::string> Messages() {
+    absl::MutexLock lock(&mu_);
+    return messages_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<std::string> messages_ ABSL_GUARDED_BY(mu_);
+};
+
+TEST_CASE("fake endpoints exchange messages in order", "[fake_transport]") {
+  Inbox inbox_a, inbox_b;  // outlive the endpoints that fill them
+  FakeFabric fabric;
+  auto a = fabric.NewEndpoint("a");
+  auto b = fabric.NewEndpoint("b");
+  CHECK(a->LocalAddress().rfind("fake:", 0) == 0);
+  CHECK(a->LocalAddress() != b->LocalAddress());
+  a->SetReceiveHandler(inbox_a.Handler());
+  b->SetReceiveHandler(inbox_b.Handler());
+
+  auto b_at_a = a->AddPeer("b", b->LocalAddress());
+  REQUIRE(b_at_a.ok());
+  auto again = a->AddPeer("b-again", b->LocalAddress());
+  REQUIRE(again.ok());
+  CHECK(*again == *b_at_a);
+  auto a_at_b = b->AddPeer("a", a->LocalAddress());
+  REQUIRE(a_at_b.ok());
+
+  constexpr int kMessages = 10000;
+  for (int i = 0; i < kMessages; ++i) {
+    const std::string m = std::to_string(i);
+    REQUIRE(a->Send(*b_at_a, m.data(), m.size()).ok());
+  }
+  REQUIRE(b->Send(*a_at_b, "", 0).ok());
+  REQUIRE(inbox_b.WaitFor(kMessages));
+  REQUIRE(inbox_a.WaitFor(1));
+  const auto got = inbox_b.Messages();
+  REQUIRE(got.size() == kMessages);
+  for (int i = 0; i < kMessages; ++i) REQUIRE(got[i] == std::to_string(i));
+  CHECK(inbox_a.Messages()[0].empty());
+}
+
+TEST_CASE("fake transport keeps per-sender order with concurrent senders",
+          "[fake_transport]") {
+  Inbox inbox;
+  FakeFabric fabric;
+  auto sink = fabric.NewEndpoint("sink");
+  sink->SetReceiveHandler(inbox.Handler());
+  constexpr int kSenders = 4;
+  constexpr int kEach = 2000;
+  std::vector<std::unique_ptr<Transport>> senders;
+  for (int s = 0; s < kSenders; ++s) {
+    senders.push_back(fabric.NewEndpoint(absl::StrCat("s", s)));
+  }
+  // Catch2 assertions are not thread-safe: threads only count failures.
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int s = 0; s < kSenders; ++s) {
+    threads.emplace_back([&, s] {
+      auto peer = senders[s]->AddPeer("sink", sink->LocalAddress());
+      if (!peer.ok()) {
+        ++failures;
+        return;
+      }
+      for (int i = 0; i < kEach; ++i) {
+        const std::string m = absl::StrCat(s, ":", i);
+        if (!senders[s]->Send(*peer, m.data(), m.size()).ok()) ++failures;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  REQUIRE(failures == 0);
+  REQUIRE(inbox.WaitFor(kSenders * kEach));
+  std::vector<int> next(kSenders, 0);
+  for (const std::string& m : inbox.Messages()) {
+    const int s = std::stoi(m.substr(0, m.find(':')));
+    const int i = std::stoi(m.substr(m.find(':') + 1));
+    REQUIRE(i == next[s]);
+    ++next[s];
+  }
+}
+
+TEST_CASE("fake transport rejects unknown and unreachable peers",
+          "[fake_transport]") {
+  FakeFabric fabric;
+  auto a = fabric.NewEndpoint("a");
+  auto b = fabric.NewEndpoint("b");
+
+  CHECK(a->Send(42, "x", 1).code() == absl::StatusCode::kInvalidArgument);
+  CHECK(a->Send(kUnknownPeer, "x", 1).code() ==
+        absl::StatusCode::kInvalidArgument);
+  CHECK(a->AddPeer("empty", "").status().code() ==
+        absl::StatusCode::kInvalidArgument);
+
+  auto nowhere = a->AddPeer("nowhere", "fake:999");
+  REQUIRE(nowhere.ok());
+  absl::Status s = a->Send(*nowhere, "x", 1);
+  CHECK(s.code() == absl::StatusCode::kUnavailable);
+  CHECK(std::string(s.message()).find("nowhere") != std::string::npos);
+
+  auto peer_b = a->AddPeer("b", b->LocalAddress());
+  REQUIRE(peer_b.ok());
+  REQUIRE(a->Send(*peer_b, "x", 1).ok());
+  b->Shutdown();
+  b->Shutdown();  // idempotent
+  s = a->Send(*peer_b, "x", 1);
+  CHECK(s.code() == absl::StatusCode::kUnavailable);
+  CHECK(std::string(s.message()).find("'b'") != std::string::npos);
+
+  const std::string big(a->MaxMessageSize() + 1, 'x');
+  CHECK(a->Send(*peer_b, big.data(), big.size()).code() ==
+        absl::StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("fake transport handlers may send", "[fake_transport]") {
+  Inbox inbox;
+  FakeFabric fabric;
+  auto client = fabric.NewEndpoint("client");
+  auto server = fabric.NewEndpoint("server");
+  auto client_at_server = server->AddPeer("client", client->LocalAddress());
+  REQUIRE(client_at_server.ok());
+  // Echo server: replies from its delivery thread.
+  server->SetReceiveHandler([&](std::string_view m) {
+    std::string reply = absl::StrCat("echo:", std::string(m));
+    (void)server->Send(*client_at_server, reply.data(), reply.size());
+  });
+  client->SetReceiveHandler(inbox.Handler());
+  auto server_at_client = client->AddPeer("server", server->LocalAddress());
+  REQUIRE(server_at_client.ok());
+  for (int i = 0; i < 100; ++i) {
+    const std::string m = std::to_string(i);
+    REQUIRE(client->Send(*server_at_client, m.data(), m.size()).ok());
+  }
+  REQUIRE(inbox.WaitFor(100));
+  const auto got = inbox.Messages();
+  for (int i = 0; i < 100; ++i) CHECK(got[i] == absl::StrCat("echo:", i));
+  server->Shutdown();
+}
+
+}  // namespace
+}  // namespace karat

@@ -1,0 +1,10 @@
+add_unit_test(frame_test
+  SOURCES tests/common/frame_test.cc
+  LIBS karat_common)
+add_unit_test(fake_transport_test
+  SOURCES tests/common/fake_transport_test.cc
+  LIBS karat_common)
+# Two endpoints in one process over shm, and over tcp;ofi_rxm on 127.0.0.1.
+add_unit_test(fabric_transport_test
+  SOURCES tests/common/fabric_transport_test.cc
+  LIBS karat_common)

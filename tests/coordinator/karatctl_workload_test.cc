@@ -1,0 +1,99 @@
+// The workload plan of `karatctl bench` (tools/karatctl/workload.h).
+#include "tools/karatctl/workload.h"
+
+#include <catch2/catch.hpp>
+#include <cstdio>
+#include <fstream>
+
+namespace karat::ctl {
+namespace {
+
+std::vector<TraceCall> Calls() {
+  std::vector<TraceCall> calls;
+  for (int t = 0; t < 4; ++t) {
+    for (int i = 2; i >= 0; --i) {  // out of order on purpose
+      TraceCall c;
+      c.trace = "trace_" + std::to_string(t);
+      c.agent = "main";
+      c.idx = i;
+      c.in = 1000 * (i + 1);
+      c.out = 2500 * (i + 1);
+      c.new_prefill_tokens = 1000 * (i + 1) + t;
+      c.think_time = i;
+      calls.push_back(c);
+    }
+    TraceCall sub = calls.back();
+    sub.agent = "agent_001";
+    calls.push_back(sub);
+  }
+  calls.pop_back();
+  calls.pop_back();  // trace_3 keeps only 2 main calls
+  return calls;
+}
+
+TEST_CASE("workload: scaling, ordering and eligibility") {
+  WorkloadOptions o;
+  o.sessions = 3;
+  o.turns = 3;
+  o.scale = 1000;
+  o.max_new_tokens_cap = 5;
+  o.think_scale = 0.5;
+  o.seed = 9;
+  auto plan = PlanWorkload(Calls(), o);
+  REQUIRE(plan.ok());
+  REQUIRE(plan->size() == 3);
+  for (const auto& s : *plan) {
+    CHECK(s.trace != "trace_3");  // too few main calls
+    REQUIRE(s.turns.size() == 3);
+    CHECK(s.turns[0].prompt.size() == 1);  // round(1000.x / 1000)
+    CHECK(s.turns[2].prompt.size() == 3);
+    CHECK(s.turns[0].max_new_tokens == 3);  // round(2.5) away from zero
+    CHECK(s.turns[2].max_new_tokens == 5);  // min(cap, round(7.5))
+    CHECK(s.turns[1].think_seconds == 0.5);
+    for (char ch : s.turns[2].prompt) CHECK((ch >= 32 && ch < 127));
+  }
+  auto again = PlanWorkload(Calls(), o);
+  REQUIRE(again.ok());
+  for (size_t i = 0; i < plan->size(); ++i) {
+    CHECK((*again)[i].trace == (*plan)[i].trace);
+    CHECK((*again)[i].turns[2].prompt == (*plan)[i].turns[2].prompt);
+  }
+  o.sessions = 4;
+  CHECK(PlanWorkload(Calls(), o).status().code() ==
+        absl::StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("workload: reading the trace CSV") {
+  std::string path = "karatctl_workload_test.csv";
+  {
+    std::ofstream out(path);
+    out << "trace,agent,idx,t,in,out,cached_prefix_tokens,new_prefill_tokens,"
+           "think_time,api_time,stop,model\n"
+        << "trace_0001,main,0,0.0,71175,169,0,71175,,7.34,tool_use,m\n"
+        << "trace_0001,main,1,19.0,72762,296,71168,1594,12.0,9.19,tool_use,m\n";
+  }
+  auto calls = ReadTrace(path);
+  REQUIRE(calls.ok());
+  REQUIRE(calls->size() == 2);
+  CHECK((*calls)[0].think_time == 0);
+  CHECK((*calls)[1].new_prefill_tokens == 1594);
+  CHECK((*calls)[1].think_time == 12.0);
+  {
+    std::ofstream out(path, std::ios::app);
+    out << "trace_0001,main,x,1,2,3,4,5,6,7,stop,m\n";
+  }
+  auto bad = ReadTrace(path);
+  REQUIRE_FALSE(bad.ok());
+  CHECK(std::string(bad.status().message()) == path + ":4: malformed row");
+  std::remove(path.c_str());
+}
+
+TEST_CASE("workload: percentiles by nearest rank") {
+  CHECK(Percentile({}, 50) == 0);
+  CHECK(Percentile({5, 1, 3, 2, 4}, 50) == 3);
+  CHECK(Percentile({5, 1, 3, 2, 4}, 99) == 5);
+  CHECK(Percentile({7}, 1) == 7);
+}
+
+}  // namespace
+}  // namespace karat::ctl

@@ -1,0 +1,12 @@
+add_unit_test(coordinator_placement_test
+  SOURCES tests/coordinator/placement_test.cc
+  LIBS karat_coordinator)
+add_unit_test(coordinator_config_test
+  SOURCES tests/coordinator/cluster_config_test.cc
+  LIBS karat_coordinator)
+add_unit_test(coordinator_service_test
+  SOURCES tests/coordinator/coordinator_test.cc
+  LIBS karat_coordinator)
+add_unit_test(karatctl_workload_test
+  SOURCES tests/coordinator/karatctl_workload_test.cc
+  LIBS karatctl_lib)

@@ -1,0 +1,341 @@
+// The GPU node's decode loop against hand-run steps: one turn through
+// DecodeLoop (local attention, or the remote backend over a FakeFabric to a
+// KARAT data-plane handler) must produce exactly the tokens of
+// ModelRunner::Step + LocalAttentionBackend + SampleToken done by hand.
+#include "gpu_node/decode_loop.h"
+
+#include <algorithm>
+#include <catch2/catch.hpp>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/model_config.h"
+#include "common/model_runner.h"
+#include "common/transport.h"
+#include "common/weights.h"
+#include "gpu_node/remote_attention.h"
+#include "karat_node/data_plane.h"
+
+namespace karat {
+namespace {
+
+const ModelRunner& Runner() {
+  static const ModelRunner* runner = [] {
+    ModelFiles files;
+    files.config = *PresetConfig("dsa-small");
+    files.tensors = GenerateWeights(files.config, 1);
+    auto r = ModelRunner::Create(files);
+    REQUIRE(r.ok());
+    return r->release();
+  }();
+  return *runner;
+}
+
+struct Token {
+  int32_t id;
+  int64_t position;
+  bool operator==(const Token& o) const {
+    return id == o.id && position == o.position;
+  }
+};
+std::ostream& operator<<(std::ostream& os, const Token& t) {
+  return os << t.id << "@" << t.position;
+}
+
+// The turn run by hand: one prefill step, then one step per decode token.
+std::vector<Token> HandRun(uint64_t session, const std::vector<int32_t>& feed,
+                           int max_new, float temperature, uint64_t seed) {
+  const ModelRunner& runner = Runner();
+  LocalAttentionBackend local(runner.config(), 16, size_t(64) << 20);
+  REQUIRE(local.Init().ok());
+  REQUIRE(local.Reserve(session, 256).ok());
+  auto logits = runner.Step({{session, 0, feed}}, &local);
+  REQUIRE(logits.ok());
+  int64_t next = int64_t(feed.size());
+  std::vector<Token> out;
+  int32_t tok = SampleToken((*logits)[0], temperature, seed, next);
+  for (;;) {
+    out.push_back({tok, next});
+    if (tok == runner.config().eos_token_id || int(out.size()) == max_new) {
+      break;
+    }
+    logits = runner.Step({{session, int(next), {tok}}}, &local);
+    REQUIRE(logits.ok());
+    ++next;
+    tok = SampleToken((*logits)[0], temperature, seed, next);
+  }
+  return out;
+}
+
+// LocalAttentionBackend as the decode loop's backend. Runs on the loop
+// thread, so it records failures instead of asserting.
+class LocalStepBackend : public StepBackend {
+ public:
+  LocalStepBackend() : local_(Runner().config(), 16, size_t(64) << 20) {
+    init_ = local_.Init();
+  }
+  void SetPlacement(uint64_t session, const cluster::KaratPlacement&) override {
+    absl::Status s = local_.Reserve(session, 256);
+    if (!s.ok()) init_ = s;
+  }
+  void BeginStep() override { ++steps; }
+  absl::Status RunLayer(int layer, const std::vector<Segment>& segs,
+                        LayerTraffic* traffic) override {
+    if (fail_with.has_value()) return *fail_with;
+    max_segments = std::max(max_segments, int(segs.size()));
+    return local_.RunLayer(layer, segs, traffic);
+  }
+  absl::Status init_;
+  int steps = 0;
+  int max_segments = 0;
+  std::optional<absl::Status> fail_with;
+
+ private:
+  LocalAttentionBackend local_;
+};
+
+TurnRequest MakeTurn(uint64_t session, std::vector<int32_t> feed, int max_new,
+                     float temperature = 0, uint64_t seed = 0) {
+  TurnRequest t;
+  t.session = session;
+  t.seed = seed;
+  t.temperature = temperature;
+  t.feed_tokens = std::move(feed);
+  t.max_new_tokens = max_new;
+  t.placement.set_node_id(7);
+  t.placement.set_node_name("karat-0");
+  t.placement.set_device(0);
+  t.placement.set_fabric_address("unused");
+  return t;
+}
+
+// Pops every event; returns the tokens and the turn's status.
+std::vector<Token> Collect(TurnStream* stream, absl::Status* status) {
+  std::vector<Token> out;
+  for (int i = 0; i < 600; ++i) {  // at most a minute
+    cluster::RunTurnEvent e;
+    switch (stream->Pop(absl::Milliseconds(100), &e)) {
+      case TurnStream::Next::kEvent:
+        out.push_back({e.token_id(), e.position()});
+        CHECK(e.kv_len() == e.position());
+        break;
+      case TurnStream::Next::kTimeout:
+        break;
+      case TurnStream::Next::kFinished:
+        *status = stream->status();
+        return out;
+    }
+  }
+  *status = absl::DeadlineExceededError("turn did not finish");
+  return out;
+}
+
+std::vector<int32_t> Prompt(int n, int salt) {
+  std::vector<int32_t> p = {256};
+  for (int i = 1; i < n; ++i) p.push_back((i * 13 + salt) % 256);
+  return p;
+}
+
+TEST_CASE("decode loop equals hand-run steps", "[gpu_node]") {
+  const std::vector<int32_t> feed = Prompt(37, 1);
+  const std::vector<Token> expected = HandRun(11, feed, 6, 0, 0);
+  for (int max_step_tokens : {256, 8}) {
+    INFO("max_step_tokens " << max_step_tokens);
+    LocalStepBackend backend;
+    REQUIRE(backend.init_.ok());
+    DecodeLoopOptions options;
+    options.max_step_tokens = max_step_tokens;
+    DecodeLoop loop(&Runner(), &backend, options);
+    loop.Start();
+    auto stream = loop.Submit(MakeTurn(11, feed, 6));
+    REQUIRE(stream.ok());
+    absl::Status status;
+    const std::vector<Token> got = Collect(stream->get(), &status);
+    CHECK(status.ok());
+    CHECK(got == expected);
+    const DecodeStats stats = loop.stats();
+    CHECK(stats.tokens_prefilled == feed.size());
+    CHECK(stats.tokens_generated == expected.size());
+    CHECK(stats.tokens_decoded == expected.size() - 1);
+    CHECK(stats.steps == uint64_t(backend.steps));
+    if (max_step_tokens == 8) CHECK(stats.steps > 5);
+  }
+}
+
+TEST_CASE("requests batched together each match their own run", "[gpu_node]") {
+  const std::vector<int32_t> f1 = Prompt(20, 2), f2 = Prompt(5, 3);
+  const std::vector<Token> e1 = HandRun(1, f1, 5, 0, 0);
+  const std::vector<Token> e2 = HandRun(2, f2, 7, 0.9f, 1234);
+  LocalStepBackend backend;
+  DecodeLoop loop(&Runner(), &backend, DecodeLoopOptions{});
+  // Both queued before the loop starts: they share every step.
+  auto s1 = loop.Submit(MakeTurn(1, f1, 5));
+  auto s2 = loop.Submit(MakeTurn(2, f2, 7, 0.9f, 1234));
+  REQUIRE(s1.ok());
+  REQUIRE(s2.ok());
+  loop.Start();
+  absl::Status st1, st2;
+  CHECK(Collect(s1->get(), &st1) == e1);
+  CHECK(Collect(s2->get(), &st2) == e2);
+  CHECK(st1.ok());
+  CHECK(st2.ok());
+  CHECK(backend.max_segments == 2);
+}
+
+TEST_CASE("cancel and failure end a turn", "[gpu_node]") {
+  LocalStepBackend backend;
+  DecodeLoop loop(&Runner(), &backend, DecodeLoopOptions{});
+  loop.Start();
+  SECTION("cancel") {
+    auto s = loop.Submit(MakeTurn(3, Prompt(4, 4), 100000));
+    REQUIRE(s.ok());
+    cluster::RunTurnEvent e;
+    while ((*s)->Pop(absl::Milliseconds(100), &e) != TurnStream::Next::kEvent) {
+    }
+    (*s)->Cancel();
+    absl::Status status;
+    Collect(s->get(), &status);
+    CHECK(status.code() == absl::StatusCode::kCancelled);
+  }
+  SECTION("a failed step fails the turn") {
+    backend.fail_with = absl::UnavailableError("KARAT node karat-0 is gone");
+    auto s = loop.Submit(MakeTurn(4, Prompt(4, 5), 3));
+    REQUIRE(s.ok());
+    absl::Status status;
+    CHECK(Collect(s->get(), &status).empty());
+    CHECK(status.code() == absl::StatusCode::kUnavailable);
+    CHECK(loop.stats().failed_steps == 1);
+  }
+  SECTION("stop ends queued and running turns") {
+    auto s = loop.Submit(MakeTurn(5, Prompt(4, 6), 100000));
+    REQUIRE(s.ok());
+    loop.Stop();
+    absl::Status status;
+    Collect(s->get(), &status);
+    CHECK(status.code() == absl::StatusCode::kUnavailable);
+    CHECK(loop.Submit(MakeTurn(6, Prompt(4, 6), 1)).status().code() ==
+          absl::StatusCode::kUnavailable);
+  }
+}
+
+// The whole data path in one process: DecodeLoop -> RemoteAttentionBackend
+// -> FakeFabric -> DataPlaneHandler (KARAT devices) and back.
+struct RemoteFixture {
+  RemoteFixture(absl::Duration timeout = absl::Seconds(10)) {
+    karat_ep = fabric.NewEndpoint("karat");
+    gpu_ep = fabric.NewEndpoint("gpu");
+    DataPlaneOptions options;
+    options.tokens_per_page = 16;
+    options.devices = {DeviceOptions{size_t(8) << 20, 1},
+                       DeviceOptions{size_t(8) << 20, 1}};
+    auto h =
+        DataPlaneHandler::Create(Runner().config(), options, karat_ep.get());
+    REQUIRE(h.ok());
+    handler = std::move(h).value();
+    handler->set_node_id(7);
+    RemoteAttentionOptions remote;
+    remote.timeout = timeout;
+    backend = std::make_unique<RemoteAttentionBackend>(Runner().shapes(),
+                                                       gpu_ep.get(), remote);
+    backend->set_node_id(3);
+    DecodeLoopOptions loop_options;
+    loop_options.max_step_tokens = 16;
+    loop = std::make_unique<DecodeLoop>(&Runner(), backend.get(), loop_options);
+    loop->Start();
+  }
+  ~RemoteFixture() {
+    backend->Abort();
+    loop->Stop();
+    handler->Stop();
+    gpu_ep->Shutdown();
+    karat_ep->Shutdown();
+  }
+  TurnRequest Turn(uint64_t session, std::vector<int32_t> feed, int max_new,
+                   int device, float temperature = 0, uint64_t seed = 0) {
+    TurnRequest t =
+        MakeTurn(session, std::move(feed), max_new, temperature, seed);
+    t.placement.set_fabric_address(karat_ep->LocalAddress());
+    t.placement.set_device(device);
+    return t;
+  }
+
+  FakeFabric fabric;
+  std::unique_ptr<Transport> karat_ep, gpu_ep;
+  std::unique_ptr<DataPlaneHandler> handler;
+  std::unique_ptr<RemoteAttentionBackend> backend;
+  std::unique_ptr<DecodeLoop> loop;
+};
+
+TEST_CASE("remote attention over the data plane equals hand-run steps",
+          "[gpu_node]") {
+  const std::vector<int32_t> f1 = Prompt(45, 7), f2 = Prompt(6, 8);
+  const std::vector<Token> e1 = HandRun(21, f1, 5, 0, 0);
+  const std::vector<Token> e2 = HandRun(22, f2, 5, 0.7f, 99);
+  RemoteFixture fx;
+  REQUIRE(fx.handler->Reserve(21, 0, 64).ok());
+  REQUIRE(fx.handler->Reserve(22, 1, 64).ok());
+  auto s1 = fx.loop->Submit(fx.Turn(21, f1, 5, 0));
+  auto s2 = fx.loop->Submit(fx.Turn(22, f2, 5, 1, 0.7f, 99));
+  absl::Status st1, st2;
+  CHECK(Collect(s1->get(), &st1) == e1);
+  CHECK(Collect(s2->get(), &st2) == e2);
+  CHECK(st1.ok());
+  CHECK(st2.ok());
+  CHECK(fx.backend->bytes_sent() > 0);
+  CHECK(fx.backend->bytes_received() > 0);
+  const auto c = fx.handler->Counters();
+  CHECK(c.at("errors") == 0);
+  CHECK(c.at("kv_bytes_ingested") > 0);
+}
+
+TEST_CASE("remote attention errors reach the turn", "[gpu_node]") {
+  SECTION("session unknown to the KARAT node") {
+    RemoteFixture fx;
+    auto s = fx.loop->Submit(fx.Turn(31, Prompt(4, 9), 3, 0));
+    absl::Status status;
+    CHECK(Collect(s->get(), &status).empty());
+    CHECK(status.code() == absl::StatusCode::kNotFound);
+    CHECK(std::string(status.message()).find("31") != std::string::npos);
+  }
+  SECTION("KARAT node that never answers") {
+    RemoteFixture fx(absl::Milliseconds(200));
+    auto silent = fx.fabric.NewEndpoint("silent");
+    silent->SetReceiveHandler([](std::string_view) {});
+    TurnRequest t = fx.Turn(32, Prompt(4, 9), 3, 0);
+    t.placement.set_fabric_address(silent->LocalAddress());
+    auto s = fx.loop->Submit(t);
+    absl::Status status;
+    CHECK(Collect(s->get(), &status).empty());
+    CHECK(status.code() == absl::StatusCode::kUnavailable);
+    CHECK(std::string(status.message()).find("karat-0") != std::string::npos);
+    silent->Shutdown();
+  }
+}
+
+TEST_CASE("RunTurn validation", "[gpu_node]") {
+  cluster::RunTurnRequest r;
+  r.add_feed_tokens(256);
+  r.set_max_new_tokens(4);
+  r.mutable_placement()->set_fabric_address("addr");
+  CHECK(ValidateTurnRequest(r, 258).ok());
+  auto bad = [&](auto mutate) {
+    cluster::RunTurnRequest b = r;
+    mutate(&b);
+    return ValidateTurnRequest(b, 258).code() ==
+           absl::StatusCode::kInvalidArgument;
+  };
+  CHECK(bad([](cluster::RunTurnRequest* b) { b->clear_feed_tokens(); }));
+  CHECK(bad([](cluster::RunTurnRequest* b) { b->add_feed_tokens(258); }));
+  CHECK(bad([](cluster::RunTurnRequest* b) { b->add_feed_tokens(-1); }));
+  CHECK(bad([](cluster::RunTurnRequest* b) { b->set_max_new_tokens(0); }));
+  CHECK(bad([](cluster::RunTurnRequest* b) { b->clear_placement(); }));
+  CHECK(bad([](cluster::RunTurnRequest* b) { b->set_temperature(-1); }));
+  CHECK(bad([](cluster::RunTurnRequest* b) { b->set_pos_start(-2); }));
+}
+
+}  // namespace
+}  // namespace karat

@@ -1,0 +1,9 @@
+add_unit_test(karat_node_data_plane_test
+  SOURCES tests/karat_node/data_plane_test.cc
+  LIBS karat_karat_node
+  LABELS unit)
+
+add_unit_test(membership_test
+  SOURCES tests/karat_node/membership_test.cc
+  LIBS karat_common
+  LABELS unit)

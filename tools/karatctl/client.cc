@@ -1,0 +1,111 @@
+#include "tools/karatctl/client.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+
+namespace karat::ctl {
+namespace {
+
+absl::Status FromGrpc(const grpc::Status& s) {
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                      s.error_message());
+}
+
+}  // namespace
+
+const char* StatusCodeName(absl::StatusCode code) {
+  switch (code) {
+    case absl::StatusCode::kOk: return "OK";
+    case absl::StatusCode::kCancelled: return "CANCELLED";
+    case absl::StatusCode::kUnknown: return "UNKNOWN";
+    case absl::StatusCode::kInvalidArgument: return "INVALID_ARGUMENT";
+    case absl::StatusCode::kDeadlineExceeded: return "DEADLINE_EXCEEDED";
+    case absl::StatusCode::kNotFound: return "NOT_FOUND";
+    case absl::StatusCode::kAlreadyExists: return "ALREADY_EXISTS";
+    case absl::StatusCode::kPermissionDenied: return "PERMISSION_DENIED";
+    case absl::StatusCode::kResourceExhausted: return "RESOURCE_EXHAUSTED";
+    case absl::StatusCode::kFailedPrecondition: return "FAILED_PRECONDITION";
+    case absl::StatusCode::kAborted: return "ABORTED";
+    case absl::StatusCode::kOutOfRange: return "OUT_OF_RANGE";
+    case absl::StatusCode::kUnimplemented: return "UNIMPLEMENTED";
+    case absl::StatusCode::kInternal: return "INTERNAL";
+    case absl::StatusCode::kUnavailable: return "UNAVAILABLE";
+    case absl::StatusCode::kDataLoss: return "DATA_LOSS";
+    case absl::StatusCode::kUnauthenticated: return "UNAUTHENTICATED";
+    default: return "UNKNOWN";
+  }
+}
+
+Client::Client(const std::string& address)
+    : stub_(v1::Karat::NewStub(
+          grpc::CreateChannel(address, grpc::InsecureChannelCredentials()))) {}
+
+absl::StatusOr<v1::Session> Client::CreateSession(uint64_t seed) {
+  grpc::ClientContext ctx;
+  v1::CreateSessionRequest req;
+  req.set_seed(seed);
+  v1::Session out;
+  grpc::Status st = stub_->CreateSession(&ctx, req, &out);
+  if (!st.ok()) return FromGrpc(st);
+  return out;
+}
+
+absl::StatusOr<v1::Session> Client::GetSession(const std::string& id) {
+  grpc::ClientContext ctx;
+  v1::GetSessionRequest req;
+  req.set_session_id(id);
+  v1::Session out;
+  grpc::Status st = stub_->GetSession(&ctx, req, &out);
+  if (!st.ok()) return FromGrpc(st);
+  return out;
+}
+
+absl::Status Client::CloseSession(const std::string& id) {
+  grpc::ClientContext ctx;
+  v1::CloseSessionRequest req;
+  req.set_session_id(id);
+  v1::CloseSessionResponse out;
+  return FromGrpc(stub_->CloseSession(&ctx, req, &out));
+}
+
+absl::StatusOr<v1::ClusterStatus> Client::GetClusterStatus() {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  v1::ClusterStatus out;
+  grpc::Status st = stub_->GetClusterStatus(&ctx, {}, &out);
+  if (!st.ok()) return FromGrpc(st);
+  return out;
+}
+
+absl::StatusOr<TurnResult> Client::Generate(
+    const v1::GenerateRequest& request,
+    const std::function<void(const v1::GeneratedToken&)>& on_token) {
+  grpc::ClientContext ctx;
+  TurnResult result;
+  auto start = std::chrono::steady_clock::now();
+  auto previous = start;
+  auto reader = stub_->Generate(&ctx, request);
+  v1::GenerateResponse resp;
+  while (reader->Read(&resp)) {
+    if (resp.has_token()) {
+      auto now = std::chrono::steady_clock::now();
+      double ms = std::chrono::duration<double, std::milli>(now - previous).count();
+      if (result.tokens == 0) {
+        result.ttft_ms = ms;
+      } else {
+        result.tbt_ms.push_back(ms);
+      }
+      previous = now;
+      result.tokens++;
+      if (on_token) on_token(resp.token());
+    } else if (resp.has_done()) {
+      result.finish_reason = resp.done().finish_reason();
+    }
+  }
+  grpc::Status st = reader->Finish();
+  if (!st.ok()) return FromGrpc(st);
+  return result;
+}
+
+}  // namespace karat::ctl

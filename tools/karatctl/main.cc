@@ -1,0 +1,362 @@
+// karatctl: command-line client of the KARAT coordinator.
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "coordinator/cluster_config.h"
+#include "tools/karatctl/bench.h"
+#include "tools/karatctl/client.h"
+
+namespace karat::ctl {
+namespace {
+
+constexpr char kUsage[] = R"(usage: karatctl [--coordinator HOST:PORT | --addr-file PATH] COMMAND [flags]
+
+commands:
+  generate --prompt TEXT [--max-new-tokens N] [--temperature T] [--seed S]
+           [--session ID] [--ids]
+      One turn (in a new session unless --session); prints the text as it
+      streams, then a summary (tokens, TTFT, mean TBT) on stderr.
+  chat [--max-new-tokens N] [--temperature T] [--seed S]
+      Multi-turn conversation on one session; one line of stdin per turn,
+      until EOF or /quit.
+  status [--expect-alive NAME,NAME...]
+      Nodes, devices and sessions. With --expect-alive, exits 3 unless every
+      named node is registered and alive.
+  bench --trace FILE --sessions N --turns T --scale F
+        [--max-new-tokens-cap C] [--think-scale X] [--seed S]
+        [--temperature T] [--json FILE]
+      Closed-loop workload from the kvcache-tester trace.
+  plan --config FILE
+      Prints the daemons of a cluster config, one per line (used by
+      deploy/karat): "model_dir DIR", "provider P", "gpu NAME FLAGS...",
+      "karat NAME FLAGS...".
+
+Without --coordinator or --addr-file the address is read from
+run/coordinator.addr (written by `deploy/karat up`).
+)";
+
+[[noreturn]] void Usage(const std::string& message) {
+  std::fprintf(stderr, "karatctl: %s\n%s", message.c_str(), kUsage);
+  std::exit(2);
+}
+
+int PrintError(const absl::Status& st) {
+  std::fprintf(stderr, "karatctl: %s: %s\n", StatusCodeName(st.code()),
+               std::string(st.message()).c_str());
+  return 1;
+}
+
+// Flags of one command: "--name value" or "--name=value"; switches in
+// `switches` take no value.
+class Flags {
+ public:
+  Flags(const std::vector<std::string>& args, const std::set<std::string>& known,
+        const std::set<std::string>& switches) {
+    for (size_t i = 0; i < args.size(); ++i) {
+      std::string a = args[i];
+      if (a.rfind("--", 0) != 0) Usage("unexpected argument " + a);
+      std::string name = a.substr(2), value;
+      bool has_value = false;
+      if (auto eq = name.find('='); eq != std::string::npos) {
+        value = name.substr(eq + 1);
+        name = name.substr(0, eq);
+        has_value = true;
+      }
+      if (switches.count(name)) {
+        values_[name] = "1";
+        continue;
+      }
+      if (!known.count(name)) Usage("unknown flag --" + name);
+      if (!has_value) {
+        if (i + 1 >= args.size()) Usage("--" + name + " needs a value");
+        value = args[++i];
+      }
+      values_[name] = value;
+    }
+  }
+  bool Has(const std::string& n) const { return values_.count(n) > 0; }
+  std::string Str(const std::string& n, const std::string& def = "") const {
+    auto it = values_.find(n);
+    return it == values_.end() ? def : it->second;
+  }
+  int64_t Int(const std::string& n, int64_t def) const {
+    if (!Has(n)) return def;
+    int64_t v;
+    if (!absl::SimpleAtoi(Str(n), &v)) Usage("--" + n + " must be an integer");
+    return v;
+  }
+  uint64_t Uint(const std::string& n, uint64_t def) const {
+    if (!Has(n)) return def;
+    uint64_t v;
+    if (!absl::SimpleAtoi(Str(n), &v)) Usage("--" + n + " must be a non-negative integer");
+    return v;
+  }
+  double Double(const std::string& n, double def) const {
+    if (!Has(n)) return def;
+    double v;
+    if (!absl::SimpleAtod(Str(n), &v)) Usage("--" + n + " must be a number");
+    return v;
+  }
+
+ private:
+  std::map<std::string, std::string> values_;
+};
+
+void PrintSummary(const TurnResult& r, const std::string& session_id) {
+  double mean_tbt = 0;
+  for (double t : r.tbt_ms) mean_tbt += t;
+  if (!r.tbt_ms.empty()) mean_tbt /= r.tbt_ms.size();
+  std::fprintf(stderr,
+               "[session %s: %d tokens, finish %s, TTFT %.1f ms, mean TBT %.1f ms]\n",
+               session_id.c_str(), r.tokens,
+               r.finish_reason.empty() ? "?" : r.finish_reason.c_str(), r.ttft_ms,
+               mean_tbt);
+}
+
+int Generate(Client& client, const Flags& f) {
+  if (!f.Has("prompt")) Usage("generate needs --prompt");
+  std::string session_id = f.Str("session");
+  const bool fresh = session_id.empty();
+  if (fresh) {
+    auto s = client.CreateSession(f.Uint("seed", 0));
+    if (!s.ok()) return PrintError(s.status());
+    session_id = s->session_id();
+  }
+  v1::GenerateRequest req;
+  req.set_session_id(session_id);
+  req.set_prompt(f.Str("prompt"));
+  req.set_max_new_tokens(static_cast<int32_t>(f.Int("max-new-tokens", 64)));
+  req.set_temperature(static_cast<float>(f.Double("temperature", 0)));
+  bool ids = f.Has("ids");
+  bool first = true;
+  auto r = client.Generate(req, [&](const v1::GeneratedToken& t) {
+    if (ids) {
+      std::printf("%s%d", first ? "" : " ", t.token_id());
+    } else {
+      std::fwrite(t.text().data(), 1, t.text().size(), stdout);
+    }
+    first = false;
+    std::fflush(stdout);
+  });
+  if (!first) std::printf("\n");
+  std::fflush(stdout);
+  if (!r.ok()) {
+    // A session this command opened and could not use is of no further use.
+    if (fresh && first) (void)client.CloseSession(session_id);
+    return PrintError(r.status());
+  }
+  PrintSummary(*r, session_id);
+  return 0;
+}
+
+int Chat(Client& client, const Flags& f) {
+  auto s = client.CreateSession(f.Uint("seed", 0));
+  if (!s.ok()) return PrintError(s.status());
+  bool tty = isatty(0);
+  std::fprintf(stderr, "[session %s; /quit or EOF ends]\n", s->session_id().c_str());
+  std::string line;
+  while (true) {
+    if (tty) {
+      std::fputs("> ", stdout);
+      std::fflush(stdout);
+    }
+    if (!std::getline(std::cin, line) || line == "/quit") break;
+    if (line.empty()) continue;
+    v1::GenerateRequest req;
+    req.set_session_id(s->session_id());
+    req.set_prompt(line + "\n");
+    req.set_max_new_tokens(static_cast<int32_t>(f.Int("max-new-tokens", 64)));
+    req.set_temperature(static_cast<float>(f.Double("temperature", 0)));
+    auto r = client.Generate(req, [](const v1::GeneratedToken& t) {
+      std::fwrite(t.text().data(), 1, t.text().size(), stdout);
+      std::fflush(stdout);
+    });
+    std::printf("\n");
+    if (!r.ok()) {
+      PrintError(r.status());
+      continue;
+    }
+    PrintSummary(*r, s->session_id());
+  }
+  absl::Status closed = client.CloseSession(s->session_id());
+  if (!closed.ok()) return PrintError(closed);
+  return 0;
+}
+
+int Status(Client& client, const Flags& f) {
+  auto st = client.GetClusterStatus();
+  if (!st.ok()) return PrintError(st.status());
+  std::printf("%-6s %-12s %-6s %-22s %s\n", "ROLE", "NAME", "ALIVE", "ADDRESS",
+              "DEVICES (used / capacity)");
+  for (const auto& n : st->nodes()) {
+    std::vector<std::string> devices;
+    for (const auto& d : n.devices()) {
+      double pct = d.capacity_bytes() > 0
+                       ? 100.0 * d.used_bytes() / d.capacity_bytes()
+                       : 0.0;
+      char buf[128];
+      std::snprintf(buf, sizeof(buf), "d%d %.1f%% of %.0f MiB (%d sessions)",
+                    d.device(), pct, d.capacity_bytes() / 1048576.0, d.sessions());
+      devices.push_back(buf);
+    }
+    std::printf("%-6s %-12s %-6s %-22s %s\n", n.role().c_str(), n.name().c_str(),
+                n.alive() ? "yes" : "NO", n.grpc_address().c_str(),
+                absl::StrJoin(devices, ", ").c_str());
+  }
+  std::printf("sessions %d, active generations %d, tokens generated %lld\n",
+              st->sessions(), st->active_generations(),
+              static_cast<long long>(st->tokens_generated()));
+  if (f.Has("expect-alive")) {
+    std::vector<std::string> names =
+        absl::StrSplit(f.Str("expect-alive"), ',', absl::SkipEmpty());
+    for (const std::string& name : names) {
+      bool alive = false;
+      for (const auto& n : st->nodes())
+        if (n.name() == name && n.alive()) alive = true;
+      if (!alive) return 3;
+    }
+  }
+  return 0;
+}
+
+int Plan(const Flags& f) {
+  if (!f.Has("config")) Usage("plan needs --config");
+  auto config = coordinator::LoadClusterConfig(f.Str("config"));
+  if (!config.ok()) {
+    std::fprintf(stderr, "karatctl: %s\n", std::string(config.status().message()).c_str());
+    return 2;
+  }
+  std::printf("model_dir %s\n", config->model_dir().c_str());
+  std::printf("provider %s\n", config->provider().empty() ? "shm" : config->provider().c_str());
+  for (const auto& g : config->gpu_nodes()) {
+    std::string flags;
+    if (g.max_step_tokens() > 0) flags += " --max-step-tokens " + std::to_string(g.max_step_tokens());
+    if (g.max_batch() > 0) flags += " --max-batch " + std::to_string(g.max_batch());
+    if (g.threads() > 0) flags += " --threads " + std::to_string(g.threads());
+    flags += " --listen " + (g.listen().empty() ? std::string("127.0.0.1:0") : g.listen());
+    std::printf("gpu %s%s\n", g.name().c_str(), flags.c_str());
+  }
+  for (int i = 0; i < config->karat_nodes_size(); ++i) {
+    const auto& k = config->karat_nodes(i);
+    const auto& d0 = k.devices(0);
+    for (const auto& d : k.devices()) {
+      if (d.capacity_bytes() != d0.capacity_bytes() || d.cores() != d0.cores()) {
+        std::fprintf(stderr,
+                     "karatctl: %s: karat_nodes[%d]: karat-node takes one capacity "
+                     "and core count for all its devices\n",
+                     f.Str("config").c_str(), i);
+        return 2;
+      }
+    }
+    std::string flags = " --devices " + std::to_string(k.devices_size()) +
+                        " --device-capacity " + std::to_string(d0.capacity_bytes());
+    if (d0.cores() > 0) flags += " --cores " + std::to_string(d0.cores());
+    if (k.tokens_per_page() > 0)
+      flags += " --tokens-per-page " + std::to_string(k.tokens_per_page());
+    flags += " --listen " + (k.listen().empty() ? std::string("127.0.0.1:0") : k.listen());
+    std::printf("karat %s%s\n", k.name().c_str(), flags.c_str());
+  }
+  return 0;
+}
+
+std::string ReadAddress(const std::string& path) {
+  std::ifstream in(path);
+  std::string addr;
+  if (!in || !std::getline(in, addr)) return "";
+  return std::string(absl::StripAsciiWhitespace(addr));
+}
+
+int Main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  std::string address, addr_file;
+  size_t i = 0;
+  for (; i < args.size() && args[i].rfind("--", 0) == 0; ++i) {
+    std::string a = args[i];
+    if (a == "--help" || a == "-h") {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
+    std::string value;
+    std::string name = a;
+    if (auto eq = a.find('='); eq != std::string::npos) {
+      name = a.substr(0, eq);
+      value = a.substr(eq + 1);
+    } else if (i + 1 < args.size()) {
+      value = args[++i];
+    } else {
+      Usage(a + " needs a value");
+    }
+    if (name == "--coordinator") address = value;
+    else if (name == "--addr-file") addr_file = value;
+    else Usage("unknown flag " + name);
+  }
+  if (i >= args.size()) Usage("no command");
+  std::string command = args[i];
+  std::vector<std::string> rest(args.begin() + i + 1, args.end());
+
+  if (command == "plan") return Plan(Flags(rest, {"config"}, {}));
+
+  std::set<std::string> known, switches;
+  if (command == "generate") {
+    known = {"prompt", "max-new-tokens", "temperature", "seed", "session"};
+    switches = {"ids"};
+  } else if (command == "chat") {
+    known = {"max-new-tokens", "temperature", "seed"};
+  } else if (command == "status") {
+    known = {"expect-alive"};
+  } else if (command == "bench") {
+    known = {"trace", "sessions", "turns", "scale", "max-new-tokens-cap",
+             "think-scale", "seed", "temperature", "json"};
+  } else {
+    Usage("unknown command " + command);
+  }
+  Flags flags(rest, known, switches);
+
+  if (address.empty()) {
+    if (addr_file.empty()) addr_file = "run/coordinator.addr";
+    address = ReadAddress(addr_file);
+    if (address.empty()) {
+      std::fprintf(stderr,
+                   "karatctl: no coordinator address: cannot read %s (pass "
+                   "--coordinator HOST:PORT or --addr-file PATH)\n",
+                   addr_file.c_str());
+      return 2;
+    }
+  }
+  Client client(address);
+  if (command == "generate") return Generate(client, flags);
+  if (command == "chat") return Chat(client, flags);
+  if (command == "status") return Status(client, flags);
+
+  BenchOptions b;
+  if (!flags.Has("trace") || !flags.Has("sessions") || !flags.Has("turns") ||
+      !flags.Has("scale"))
+    Usage("bench needs --trace, --sessions, --turns and --scale");
+  b.trace = flags.Str("trace");
+  b.workload.sessions = static_cast<int>(flags.Int("sessions", 8));
+  b.workload.turns = static_cast<int>(flags.Int("turns", 3));
+  b.workload.scale = flags.Double("scale", 1000);
+  b.workload.max_new_tokens_cap = static_cast<int>(flags.Int("max-new-tokens-cap", 4096));
+  b.workload.think_scale = flags.Double("think-scale", 0);
+  b.workload.seed = flags.Uint("seed", 1);
+  b.temperature = static_cast<float>(flags.Double("temperature", 0));
+  b.json_path = flags.Str("json");
+  return RunBench(client, b);
+}
+
+}  // namespace
+}  // namespace karat::ctl
+
+int main(int argc, char** argv) { return karat::ctl::Main(argc, argv); }
