@@ -51,30 +51,48 @@ AttnShapes MakeAttnShapes(const ModelConfig& c) {
   return s;
 }
 
+// Keys are scored in blocks of kBlock positions. Each block's decoded keys
+// are laid out transposed ([dim][position]) so that the inner loops run
+// across positions: every lane computes exactly the scalar chain
+// dot = fma(q[d], k[d], dot) over increasing d, and the compiler vectorises
+// without reassociating anything. The result is therefore the same as one
+// position at a time, whatever the block boundaries.
+constexpr int kBlock = 64;
+
 void IndexerScore(const LayerView& view, int n, const uint8_t* q_codes,
                   const float* q_scales, const float* weights, int heads,
                   int dim, float* scores) {
   const float* lut = Fp8Lut().v;
   const float dim_scale = 1.0f / std::sqrt(float(dim));
-  // Decoded query codes and per-head factors, once per call.
   std::vector<float> q(size_t(heads) * dim);
   for (size_t i = 0; i < q.size(); ++i) q[i] = lut[q_codes[i]];
   std::vector<float> hw(heads);
   for (int h = 0; h < heads; ++h) hw[h] = weights[h] * dim_scale;
-  std::vector<float> k(dim);
-  for (int s = 0; s < n; ++s) {
-    const uint8_t* kc = view.IndexKey(s);
-    const float ks = view.IndexScale(s);
-    for (int d = 0; d < dim; ++d) k[d] = lut[kc[d]];
-    float acc = 0.0f;
+  std::vector<float> kt(size_t(dim) * kBlock);
+  alignas(64) float ks[kBlock] = {}, dot[kBlock], acc[kBlock];
+  for (int s0 = 0; s0 < n; s0 += kBlock) {
+    const int b = std::min(kBlock, n - s0);
+    for (int j = 0; j < b; ++j) {
+      const uint8_t* kc = view.IndexKey(s0 + j);
+      for (int d = 0; d < dim; ++d) kt[size_t(d) * kBlock + j] = lut[kc[d]];
+      ks[j] = view.IndexScale(s0 + j);
+    }
+    for (int j = 0; j < kBlock; ++j) acc[j] = 0.0f;
     for (int h = 0; h < heads; ++h) {
       const float* qh = &q[size_t(h) * dim];
-      float dot = 0.0f;
-      for (int d = 0; d < dim; ++d) dot = std::fma(qh[d], k[d], dot);
-      const float v = dot * q_scales[h] * ks;
-      acc = std::fma(hw[h], v > 0.0f ? v : 0.0f, acc);
+      for (int j = 0; j < kBlock; ++j) dot[j] = 0.0f;
+      for (int d = 0; d < dim; ++d) {
+        const float qd = qh[d];
+        const float* col = &kt[size_t(d) * kBlock];
+        for (int j = 0; j < kBlock; ++j) dot[j] = std::fma(qd, col[j], dot[j]);
+      }
+      const float qs = q_scales[h], w = hw[h];
+      for (int j = 0; j < kBlock; ++j) {
+        const float v = dot[j] * qs * ks[j];
+        acc[j] = std::fma(w, v > 0.0f ? v : 0.0f, acc[j]);
+      }
     }
-    scores[s] = acc;
+    for (int j = 0; j < b; ++j) scores[s0 + j] = acc[j];
   }
 }
 
@@ -104,22 +122,31 @@ void MlaAttend(const LayerView& view, const int32_t* sel, int nsel,
                const float* q, const AttnShapes& shapes, float* o_lat) {
   const int kv_dim = shapes.kv_dim;
   const int lora = shapes.kv_lora;
-  // Gather: decode the selected entries once for all heads.
+  // Gather: decode the selected entries once for all heads, row-major (for
+  // the weighted sum) and transposed (for the scores; see IndexerScore).
+  const int npad = (nsel + 15) / 16 * 16;
   std::vector<float> ent(size_t(nsel) * kv_dim);
+  std::vector<float> entt(size_t(kv_dim) * npad, 0.0f);
   for (int j = 0; j < nsel; ++j) {
     const uint16_t* e = view.Kv(sel[j]);
     float* dst = &ent[size_t(j) * kv_dim];
-    for (int d = 0; d < kv_dim; ++d) dst[d] = Bf16(e[d]);
+    for (int d = 0; d < kv_dim; ++d) {
+      dst[d] = Bf16(e[d]);
+      entt[size_t(d) * npad + j] = dst[d];
+    }
   }
-  std::vector<float> s(nsel);
+  std::vector<float> s(npad);
   for (int h = 0; h < shapes.heads; ++h) {
     const float* qh = q + size_t(h) * shapes.q_dim;
+    std::fill(s.begin(), s.end(), 0.0f);
+    for (int d = 0; d < kv_dim; ++d) {
+      const float qd = qh[d];
+      const float* col = &entt[size_t(d) * npad];
+      for (int j = 0; j < npad; ++j) s[j] = std::fma(qd, col[j], s[j]);
+    }
     float m = -INFINITY;
     for (int j = 0; j < nsel; ++j) {
-      const float* e = &ent[size_t(j) * kv_dim];
-      float dot = 0.0f;
-      for (int d = 0; d < kv_dim; ++d) dot = std::fma(qh[d], e[d], dot);
-      s[j] = dot * shapes.softmax_scale;
+      s[j] = s[j] * shapes.softmax_scale;
       m = std::max(m, s[j]);
     }
     float z = 0.0f;

@@ -68,6 +68,11 @@ constexpr int kWaitTimeoutMs = 100;
 // Polling mode: first and longest sleep between empty polls of the CQ.
 constexpr absl::Duration kMinPollBackoff = absl::Microseconds(10);
 constexpr absl::Duration kMaxPollBackoff = absl::Milliseconds(1);
+// After this long without a completion the endpoint counts as idle and the
+// polling sleep grows to kIdlePollBackoff, so an idle daemon costs close to
+// no CPU; the first message after idleness waits at most that long.
+constexpr absl::Duration kIdleAfter = absl::Seconds(1);
+constexpr absl::Duration kIdlePollBackoff = absl::Milliseconds(5);
 // Completions read per fi_cq_read call.
 constexpr int kCqBatch = 16;
 // Idle send operations kept for reuse, with their buffers.
@@ -636,6 +641,7 @@ void FabricTransport::ProgressLoop() {
   progress_thread_id_.store(std::this_thread::get_id(),
                             std::memory_order_release);
   absl::Duration backoff = kMinPollBackoff;
+  absl::Time last_completion = absl::Now();
   while (!stop_.load(std::memory_order_acquire)) {
     RetryPendingReceives();
     if (!deferred_receives_.empty()) {
@@ -646,6 +652,7 @@ void FabricTransport::ProgressLoop() {
     }
     if (DrainCompletions(/*defer_receives=*/false) > 0) {
       backoff = kMinPollBackoff;
+      last_completion = absl::Now();
       continue;
     }
     if (cq_fd_ >= 0) {
@@ -664,7 +671,10 @@ void FabricTransport::ProgressLoop() {
       }
     }
     WaitForWork(backoff);
-    backoff = std::min(backoff * 2, kMaxPollBackoff);
+    const absl::Duration cap = absl::Now() - last_completion > kIdleAfter
+                                   ? kIdlePollBackoff
+                                   : kMaxPollBackoff;
+    backoff = std::min(backoff * 2, cap);
   }
 }
 

@@ -2,6 +2,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 
 #include "common/attention.h"
@@ -180,6 +181,98 @@ TEST_CASE("MLA absorbed equals the naive expansion", "[attention]") {
         acc += double(uv[(size_t(h) * v + o) * lora + j]) * olat[h * lora + j];
       CHECK(acc == Approx(naive[h * v + o]).margin(1e-4));
     }
+  }
+}
+
+TEST_CASE("blocked kernels equal the one-position-at-a-time arithmetic",
+          "[attention]") {
+  // The kernels vectorise across positions; each position must still get
+  // exactly the scalar fma chain, so chunking and batching cannot matter.
+  const int kDim = 32, kHeads = 8, kN = 150, kLora = 24, kRope = 8;
+  Store st(kLora + kRope, kDim, 16);
+  REQUIRE(st.cache->Reserve(kN).ok());
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd;
+  std::vector<float> keys(size_t(kN) * kDim), scales(kN);
+  for (int s = 0; s < kN; ++s) {
+    std::vector<float> k(kDim);
+    for (auto& v : k) v = nd(rng);
+    uint8_t codes[kDim];
+    scales[s] = QuantizeFp8(k.data(), kDim, codes);
+    for (int d = 0; d < kDim; ++d) keys[size_t(s) * kDim + d] = Fp8E4M3ToFloat(codes[d]);
+    REQUIRE(st.cache->WriteIndexKey(0, s, codes, scales[s]).ok());
+    std::vector<float> e(kLora + kRope);
+    for (auto& v : e) v = nd(rng);
+    std::vector<uint16_t> b(e.size());
+    FloatToBf16(e.data(), e.size(), b.data());
+    REQUIRE(st.cache->WriteKv(0, s, b.data()).ok());
+  }
+  st.cache->SetLength(0, kN);
+  std::vector<uint8_t> qc(kHeads * kDim);
+  std::vector<float> qs(kHeads), w(kHeads);
+  for (int h = 0; h < kHeads; ++h) {
+    std::vector<float> q(kDim);
+    for (auto& v : q) v = nd(rng);
+    qs[h] = QuantizeFp8(q.data(), kDim, &qc[h * kDim]);
+    w[h] = nd(rng);
+  }
+  std::vector<float> got(kN);
+  IndexerScore(st.cache->View(0), kN, qc.data(), qs.data(), w.data(), kHeads,
+               kDim, got.data());
+  const float dim_scale = 1.0f / std::sqrt(float(kDim));
+  for (int s = 0; s < kN; ++s) {
+    float acc = 0.0f;
+    for (int h = 0; h < kHeads; ++h) {
+      float dot = 0.0f;
+      for (int d = 0; d < kDim; ++d)
+        dot = std::fma(Fp8E4M3ToFloat(qc[h * kDim + d]), keys[size_t(s) * kDim + d], dot);
+      const float v = dot * qs[h] * scales[s];
+      acc = std::fma(w[h] * dim_scale, v > 0.0f ? v : 0.0f, acc);
+    }
+    CHECK(std::memcmp(&acc, &got[s], 4) == 0);
+  }
+  // Scoring a prefix gives the same values as scoring everything.
+  std::vector<float> prefix(77);
+  IndexerScore(st.cache->View(0), 77, qc.data(), qs.data(), w.data(), kHeads,
+               kDim, prefix.data());
+  CHECK(std::memcmp(prefix.data(), got.data(), 77 * 4) == 0);
+
+  // MlaAttend against the scalar chain, position by position.
+  AttnShapes sh;
+  sh.heads = 2;
+  sh.kv_lora = kLora;
+  sh.rope = kRope;
+  sh.kv_dim = sh.q_dim = kLora + kRope;
+  sh.out_dim = kLora;
+  sh.softmax_scale = 0.25f;
+  std::vector<float> q(size_t(sh.heads) * sh.q_dim);
+  for (auto& v : q) v = nd(rng);
+  std::vector<int32_t> sel;
+  for (int s = 0; s < kN; s += 3) sel.push_back(s);
+  std::vector<float> o(size_t(sh.heads) * kLora);
+  MlaAttend(st.cache->View(0), sel.data(), int(sel.size()), q.data(), sh, o.data());
+  const LayerView v = st.cache->View(0);
+  for (int h = 0; h < sh.heads; ++h) {
+    std::vector<float> sc(sel.size());
+    float m = -INFINITY;
+    for (size_t j = 0; j < sel.size(); ++j) {
+      std::vector<float> e(sh.kv_dim);
+      Bf16ToFloat(v.Kv(sel[j]), sh.kv_dim, e.data());
+      float dot = 0.0f;
+      for (int d = 0; d < sh.kv_dim; ++d) dot = std::fma(q[h * sh.q_dim + d], e[d], dot);
+      sc[j] = dot * sh.softmax_scale;
+      m = std::max(m, sc[j]);
+    }
+    float z = 0.0f;
+    for (auto& x : sc) z += (x = std::exp(x - m));
+    std::vector<float> want(kLora, 0.0f);
+    for (size_t j = 0; j < sel.size(); ++j) {
+      std::vector<float> e(sh.kv_dim);
+      Bf16ToFloat(v.Kv(sel[j]), sh.kv_dim, e.data());
+      const float p = sc[j] * (1.0f / z);
+      for (int d = 0; d < kLora; ++d) want[d] = std::fma(p, e[d], want[d]);
+    }
+    CHECK(std::memcmp(want.data(), &o[h * kLora], kLora * 4) == 0);
   }
 }
 

@@ -74,6 +74,9 @@ double ProcessCpuSeconds(pid_t pid) {
 }
 
 Cluster::Cluster(const ClusterSpec& spec) : spec_(spec) {
+  // Daemons share two cores: OpenMP workers must sleep, not spin, between
+  // parallel regions.
+  setenv("OMP_WAIT_POLICY", "passive", /*overwrite=*/0);
   char tmpl[] = "/tmp/karat-cluster-XXXXXX";
   REQUIRE(mkdtemp(tmpl) != nullptr);
   dir_ = tmpl;
