@@ -44,6 +44,14 @@ struct AttnInputs {       // frame kAttnQKV
   const uint16_t* kv = nullptr;  // n x kv_dim bf16
 };
 
+// What one kernel call read and computed, for the device timing model and
+// the benchmarks (bytes of cache entries and metadata read, floating-point
+// operations).
+struct KernelCost {
+  double bytes = 0;
+  double flops = 0;
+};
+
 // Per-session state kept between layers of one step: the selection of the
 // last layer that ran the indexer, per token of the segment (index reuse).
 struct SelectionState {
