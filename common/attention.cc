@@ -1,13 +1,23 @@
 #include "common/attention.h"
 
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <new>
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
 #include "common/numeric.h"
 #include "common/status_macros.h"
+
+// GCC 12 reports its own AVX-512 intrinsic headers (_mm512_undefined_*)
+// as maybe-uninitialized.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 namespace karat {
 namespace {
@@ -19,12 +29,12 @@ struct Fp8Table {
     for (int i = 0; i < 256; ++i) v[i] = Fp8E4M3ToFloat(uint8_t(i));
   }
 };
-const Fp8Table& Fp8Lut() {
+[[maybe_unused]] const Fp8Table& Fp8Lut() {
   static const Fp8Table t;
   return t;
 }
 
-float Bf16(uint16_t b) {
+[[maybe_unused]] float Bf16(uint16_t b) {
   uint32_t u = uint32_t(b) << 16;
   float f;
   std::memcpy(&f, &u, 4);
@@ -47,54 +57,535 @@ AttnShapes MakeAttnShapes(const ModelConfig& c) {
     s.index_topk = c.index_topk;
     s.softmax_scale =
         1.0f / std::sqrt(float(c.qk_nope_head_dim + c.qk_rope_head_dim));
+  } else {
+    s.kv_heads = c.num_key_value_heads;
+    s.head_dim = c.head_dim;
+    if (c.attention.type == AttentionType::kGqaBlock) {
+      s.block_index_dim = c.index_head_dim;
+    }
+    s.kv_dim = (2 * c.head_dim + s.block_index_dim) * s.kv_heads;
+    s.q_dim = c.head_dim + s.block_index_dim;
+    s.out_dim = c.head_dim;
+    s.softmax_scale = 1.0f / std::sqrt(float(c.head_dim));
   }
   return s;
 }
 
-// Keys are scored in blocks of kBlock positions. Each block's decoded keys
-// are laid out transposed ([dim][position]) so that the inner loops run
-// across positions: every lane computes exactly the scalar chain
-// dot = fma(q[d], k[d], dot) over increasing d, and the compiler vectorises
-// without reassociating anything. The result is therefore the same as one
-// position at a time, whatever the block boundaries.
-constexpr int kBlock = 64;
+// --- DSA indexer (Score, §III-D) -------------------------------------------
+//
+// Arithmetic (a fixed function of the inputs; every path below computes it
+// bit for bit, whatever the block, split, batch or segment):
+//   fp8 codes are exact in bf16. For key s and head h, over the code pairs
+//   p = 0, 1, ... of the padded dimension (zero codes beyond Di):
+//     dot = (dot + q[2p+1]*k[2p+1]) + q[2p]*k[2p]
+//   with exact products and fp32 round-to-nearest adds, which is what one
+//   lane of vdpbf16ps computes. Then, heads in increasing order,
+//     acc = fma(c[h], max(dot, 0), acc),  c[h] = (w[h] * Di^-0.5) * q_scale[h]
+//   and score = acc * k_scale[s]. Both scales are positive (MODEL.md: scale =
+//   max(amax, 1e-4) / 448), so this equals MODEL.md's
+//   sum_h w[h] Di^-0.5 ReLU(q_scale q . k_scale k) up to rounding.
+//
+// That is the vector path. Where the kernel grants the matrix tile unit
+// (AMX), the dots come from TDPBF16PS instead (see TileDots), whose own
+// internal accumulation replaces the chain above; the rest is the same.
+// On this hardware the tile unit is an order of magnitude faster than
+// vdpbf16ps, which itself issues at well under the FMA rate.
+//
+// Layout: keys are scored 32 at a time (one lane, or tile column, per key).
+// A block's codes are decoded to bf16 rows in an L1 scratch with a byte
+// table lookup (vpermi2b), then transposed so that code pair p of the 32
+// keys is one contiguous 128-byte row: the vector path broadcasts the
+// query's code pairs against it, and it is exactly the pair-interleaved
+// (VNNI) layout the tile unit takes as its B operand. The vector path keeps
+// 2 x kHeadBlock accumulators in registers over all pairs. Every key block
+// is decoded once for all queries of a segment (prefill).
+
+namespace {
+
+// A std::vector whose data is 64-byte aligned (full-vector aligned loads).
+template <typename T>
+struct Aligned64Allocator {
+  using value_type = T;
+  Aligned64Allocator() = default;
+  template <typename U>
+  Aligned64Allocator(const Aligned64Allocator<U>&) {}
+  T* allocate(size_t n) {
+    return static_cast<T*>(
+        ::operator new(n * sizeof(T), std::align_val_t(64)));
+  }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  bool operator==(const Aligned64Allocator&) const { return true; }
+};
+template <typename T>
+using AlignedVector = std::vector<T, Aligned64Allocator<T>>;
+
+constexpr int kKeyBlock = 64;
+constexpr int kHeadBlock = 8;
+
+// Pads Di to whole 16-pair tiles of the transpose.
+int PaddedIndexDim(int dim) { return (dim + 31) / 32 * 32; }
+
+// bf16 bits of fp8 codes 0..127: the low and the high byte (the sign, bit
+// 7 of the code, is ORed into the high byte). Two 64-byte halves each, for
+// vpermi2b.
+struct Fp8Bf16Bytes {
+  alignas(64) uint8_t lo[128];
+  alignas(64) uint8_t hi[128];
+  alignas(64) uint8_t order[64];  // see DecodeCodes64
+  Fp8Bf16Bytes() {
+    for (int c = 0; c < 128; ++c) {
+      const uint16_t b = FloatToBf16(Fp8E4M3ToFloat(uint8_t(c)));
+      lo[c] = uint8_t(b & 0xFF);
+      hi[c] = uint8_t(b >> 8);
+    }
+    // vpunpck{l,h}bw interleave within 128-bit lanes. Placing code 8L+i
+    // at byte 16L+i and code 32+8L+i at byte 16L+8+i (L = lane, i < 8)
+    // makes the low unpack yield codes 0..31 and the high one 32..63.
+    for (int L = 0; L < 4; ++L) {
+      for (int i = 0; i < 8; ++i) {
+        order[16 * L + i] = uint8_t(8 * L + i);
+        order[16 * L + 8 + i] = uint8_t(32 + 8 * L + i);
+      }
+    }
+  }
+};
+const Fp8Bf16Bytes& Fp8Bytes() {
+  static const Fp8Bf16Bytes t;
+  return t;
+}
+
+// Decodes up to 64 fp8 codes (`count`; missing ones read as code 0, +0.0)
+// into 64 bf16 values at out[0..63].
+inline void DecodeCodes64(const uint8_t* codes, int count, uint16_t* out) {
+  const Fp8Bf16Bytes& t = Fp8Bytes();
+  const __mmask64 m =
+      count >= 64 ? ~__mmask64(0) : ((__mmask64(1) << count) - 1);
+  __m512i c = _mm512_maskz_loadu_epi8(m, codes);
+  c = _mm512_permutexvar_epi8(_mm512_load_si512(t.order), c);
+  const __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512(t.lo), c,
+                                              _mm512_load_si512(t.lo + 64));
+  __m512i hi = _mm512_permutex2var_epi8(_mm512_load_si512(t.hi), c,
+                                        _mm512_load_si512(t.hi + 64));
+  hi = _mm512_ternarylogic_epi32(hi, c, _mm512_set1_epi8(char(0x80)), 0xF8);
+  _mm512_storeu_si512(out, _mm512_unpacklo_epi8(lo, hi));
+  _mm512_storeu_si512(out + 32, _mm512_unpackhi_epi8(lo, hi));
+}
+
+// In-register transpose of a 16 x 16 matrix of 32-bit elements.
+inline void Transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i + 0], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i + 0], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  // r[4i + c] lane L now holds column 4L + c of rows 4i .. 4i+3.
+  for (int c = 0; c < 4; ++c) {
+    const __m512i x = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88);
+    const __m512i y = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88);
+    const __m512i x2 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xDD);
+    const __m512i y2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xDD);
+    t[c] = _mm512_shuffle_i32x4(x, y, 0x88);
+    t[8 + c] = _mm512_shuffle_i32x4(x, y, 0xDD);
+    t[4 + c] = _mm512_shuffle_i32x4(x2, y2, 0x88);
+    t[12 + c] = _mm512_shuffle_i32x4(x2, y2, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// A query prepared for the scan: bf16 code pairs per head (padded dim) and
+// the per-head coefficients c[h].
+struct IndexQuery {
+  int heads = 0;
+  int pairs = 0;                // padded dim / 2
+  std::vector<uint32_t> q;      // heads (padded to 16) x pairs
+  std::vector<float> coef;      // heads
+};
+
+void PrepareIndexQuery(const uint8_t* q_codes, const float* q_scales,
+                       const float* weights, int heads, int dim,
+                       IndexQuery* out) {
+  const int dp = PaddedIndexDim(dim);
+  out->heads = heads;
+  out->pairs = dp / 2;
+  // Rows up to a multiple of 16 heads stay zero: the tile path reads whole
+  // 16-row query tiles.
+  out->q.assign(size_t((heads + 15) / 16 * 16) * out->pairs, 0);
+  out->coef.resize(heads);
+  const float dim_scale = 1.0f / std::sqrt(float(dim));
+  alignas(64) uint16_t row[64];
+  for (int h = 0; h < heads; ++h) {
+    uint16_t* dst = reinterpret_cast<uint16_t*>(&out->q[size_t(h) * out->pairs]);
+    for (int d0 = 0; d0 < dp; d0 += 64) {
+      DecodeCodes64(q_codes + size_t(h) * dim + d0, std::max(0, std::min(64, dim - d0)),
+                    row);
+      std::memcpy(dst + d0, row, size_t(std::min(64, dp - d0)) * 2);
+    }
+    out->coef[h] = (weights[h] * dim_scale) * q_scales[h];
+  }
+}
+
+// Decoded, transposed keys of one block: pair p of key j at kt[p * 32 + j],
+// and the keys' scales.
+struct KeyBlock {
+  AlignedVector<uint16_t> rows;  // 32 x padded dim, bf16
+  AlignedVector<uint32_t> kt;    // pairs x 32
+  alignas(64) float scale[kKeyBlock];
+  explicit KeyBlock(int dp)
+      : rows(size_t(kKeyBlock) * dp + 64), kt(size_t(dp / 2) * kKeyBlock) {}
+};
+
+// Keys this many positions ahead of the block being decoded are
+// prefetched: a page holds its keys in one short run between KV entries,
+// too short for the hardware prefetcher to ramp up on.
+constexpr int kPrefetchAhead = 3 * kKeyBlock;
+
+// Decodes keys [s0, s0 + b) (b <= 32; the rest of the block is zero), and
+// prefetches the codes of the block kPrefetchAhead ahead when it is below
+// `end`.
+void LoadKeyBlock(const LayerView& view, int s0, int b, int end, int dim,
+                  KeyBlock* kb) {
+  const int dp = PaddedIndexDim(dim);
+  const int pairs = dp / 2;
+  const int tpp = view.layout->tokens_per_page;
+  for (int s = s0 + kPrefetchAhead, e = std::min(end, s + kKeyBlock); s < e;) {
+    const int run = std::min(e - s, tpp - s % tpp);
+    const char* p = reinterpret_cast<const char*>(view.IndexKey(s));
+    for (int off = 0; off < run * dim; off += 64) {
+      _mm_prefetch(p + off, _MM_HINT_T0);
+    }
+    s += run;
+  }
+  uint16_t* rows = kb->rows.data();
+  int j = 0;
+  if (dim == dp) {
+    // Runs of keys inside one page are contiguous: decode them as one
+    // stream of codes.
+    while (j < b) {
+      const int s = s0 + j;
+      const int run = std::min(b - j, tpp - s % tpp);
+      const uint8_t* codes = view.IndexKey(s);
+      const int total = run * dim;
+      for (int c = 0; c < total; c += 64) {
+        DecodeCodes64(codes + c, std::min(64, total - c),
+                      rows + size_t(j) * dp + c);
+      }
+      j += run;
+    }
+  } else {
+    for (; j < b; ++j) {
+      for (int d0 = 0; d0 < dp; d0 += 64) {
+        alignas(64) uint16_t tmp[64];
+        DecodeCodes64(view.IndexKey(s0 + j) + d0,
+                      std::max(0, std::min(64, dim - d0)), tmp);
+        std::memcpy(rows + size_t(j) * dp + d0, tmp,
+                    size_t(std::min(64, dp - d0)) * 2);
+      }
+    }
+  }
+  if (b < kKeyBlock) {
+    std::memset(rows + size_t(b) * dp, 0, size_t(kKeyBlock - b) * dp * 2);
+  }
+  // Scales, one contiguous run per page (IndexScale() would divide per key).
+  for (int i = 0; i < b;) {
+    const int s = s0 + i;
+    const int run = std::min(b - i, tpp - s % tpp);
+    const float* src = reinterpret_cast<const float*>(
+                           view.arena->Page((*view.pages)[s / tpp]) +
+                           view.layout->iscale_offset) +
+                       s % tpp;
+    std::memcpy(&kb->scale[i], src, size_t(run) * 4);
+    i += run;
+  }
+  for (int i = b; i < kKeyBlock; ++i) kb->scale[i] = 0.0f;
+  const uint32_t* r32 = reinterpret_cast<const uint32_t*>(rows);
+  for (int quarter = 0; quarter < kKeyBlock / 16; ++quarter) {
+    if (16 * quarter >= b) {  // all-zero keys: zero pairs
+      for (int p = 0; p < pairs; ++p) {
+        _mm512_storeu_si512(&kb->kt[size_t(p) * kKeyBlock + 16 * quarter],
+                            _mm512_setzero_si512());
+      }
+      continue;
+    }
+    for (int p0 = 0; p0 < pairs; p0 += 16) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) {
+        r[i] = _mm512_loadu_si512(r32 + size_t(16 * quarter + i) * pairs + p0);
+      }
+      Transpose16(r);
+      for (int i = 0; i < 16; ++i) {
+        _mm512_storeu_si512(
+            &kb->kt[size_t(p0 + i) * kKeyBlock + 16 * quarter], r[i]);
+      }
+    }
+  }
+}
+
+// Keys [off, off + 32) of a block, heads [h, h + HB) (q, coef point at h).
+template <int HB>
+inline void ScoreHeads(const uint32_t* kt, int off, int pairs,
+                       const uint32_t* q, const float* coef, __m512* s0,
+                       __m512* s1) {
+  __m512 a0[HB], a1[HB];
+  for (int h = 0; h < HB; ++h) a0[h] = a1[h] = _mm512_setzero_ps();
+  for (int p = 0; p < pairs; ++p) {
+    const __m512bh k0 =
+        (__m512bh)_mm512_load_si512(kt + size_t(p) * kKeyBlock + off);
+    const __m512bh k1 =
+        (__m512bh)_mm512_load_si512(kt + size_t(p) * kKeyBlock + off + 16);
+    for (int h = 0; h < HB; ++h) {
+      const __m512bh qb =
+          (__m512bh)_mm512_set1_epi32(int(q[size_t(h) * pairs + p]));
+      a0[h] = _mm512_dpbf16_ps(a0[h], qb, k0);
+      a1[h] = _mm512_dpbf16_ps(a1[h], qb, k1);
+    }
+  }
+  const __m512 zero = _mm512_setzero_ps();
+  for (int h = 0; h < HB; ++h) {
+    const __m512 c = _mm512_set1_ps(coef[h]);
+    *s0 = _mm512_fmadd_ps(c, _mm512_max_ps(a0[h], zero), *s0);
+    *s1 = _mm512_fmadd_ps(c, _mm512_max_ps(a1[h], zero), *s1);
+  }
+}
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+// The tile path (AMX-BF16). TDPBF16PS computes, for a tile of 16 heads x
+// 16 keys, C += Q K over 32 dims (16 code pairs) in one instruction; its
+// internal accumulation is the hardware's own, fixed for given inputs and
+// the same for every element of a tile. Scores go through it in 32-dim
+// chunks in increasing order, from C = 0, whatever the shape, so the
+// result depends only on (query, key); it runs about 10x faster than the
+// vector unit's bf16 dot products on this hardware.
+constexpr bool kHaveTileUnit = true;
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int i = 0; i < 8; ++i) {
+      colsb[i] = 64;
+      rows[i] = 16;
+    }
+  }
+};
+
+// Linux hands out the tile state only on request, once per process.
+bool RequestTileUnit() {
+  constexpr long kArchReqXcompPerm = 0x1023;
+  constexpr long kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+// Per 64-key block: dots[h * 64 + j] = q[h] . k[j] for every (padded)
+// head. Four accumulator tiles are in flight at a time (the tile unit's
+// latency is several instructions long): one group of 16 heads against the
+// four 16-key quarters, or two groups against two quarters.
+void TileDots(const KeyBlock& kb, const IndexQuery& iq, float* dots) {
+  const int groups = (iq.heads + 15) / 16;
+  const int steps = iq.pairs / 16;
+  const size_t qstride = size_t(iq.pairs) * 4;
+  constexpr size_t kRow = kKeyBlock * 4;  // bytes per kt row and dots row
+  const uint32_t* kt = kb.kt.data();
+  int g = 0;
+  for (; g + 2 <= groups; g += 2) {
+    const uint32_t* q0 = &iq.q[size_t(g) * 16 * iq.pairs];
+    const uint32_t* q1 = q0 + size_t(16) * iq.pairs;
+    for (int qt = 0; qt < 4; qt += 2) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int k = 0; k < steps; ++k) {
+        const uint32_t* kk = kt + size_t(k) * 16 * kKeyBlock + 16 * qt;
+        _tile_loadd(6, kk, kRow);
+        _tile_loadd(7, kk + 16, kRow);
+        _tile_loadd(4, q0 + k * 16, qstride);
+        _tile_loadd(5, q1 + k * 16, qstride);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      float* d0 = dots + size_t(g) * 16 * kKeyBlock + 16 * qt;
+      _tile_stored(0, d0, kRow);
+      _tile_stored(1, d0 + 16, kRow);
+      _tile_stored(2, d0 + 16 * kKeyBlock, kRow);
+      _tile_stored(3, d0 + 16 * kKeyBlock + 16, kRow);
+    }
+  }
+  if (g < groups) {
+    const uint32_t* q0 = &iq.q[size_t(g) * 16 * iq.pairs];
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int k = 0; k < steps; ++k) {
+      const uint32_t* kk = kt + size_t(k) * 16 * kKeyBlock;
+      _tile_loadd(4, q0 + k * 16, qstride);
+      _tile_loadd(5, kk, kRow);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, kk + 16, kRow);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(7, kk + 32, kRow);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_loadd(5, kk + 48, kRow);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    float* d0 = dots + size_t(g) * 16 * kKeyBlock;
+    _tile_stored(0, d0, kRow);
+    _tile_stored(1, d0 + 16, kRow);
+    _tile_stored(2, d0 + 32, kRow);
+    _tile_stored(3, d0 + 48, kRow);
+  }
+}
+#else
+constexpr bool kHaveTileUnit = false;
+#endif
+
+// Requested while the program loads: the kernel enables the tile state
+// only in threads created after the request, and the core pools start
+// their threads early.
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+const bool g_tile_unit = RequestTileUnit();
+#else
+const bool g_tile_unit = false;
+#endif
+
+bool UseTileUnit() { return kHaveTileUnit && g_tile_unit; }
+
+// Scores the 64 keys of `kb` for query `iq`; writes the first `b` to out.
+void ScoreKeyBlock(const KeyBlock& kb, const IndexQuery& iq, int b,
+                   float* out, float* dots) {
+  __m512 acc[4];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  if (dots != nullptr) {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    TileDots(kb, iq, dots);
+#endif
+    const __m512 zero = _mm512_setzero_ps();
+    for (int h = 0; h < iq.heads; ++h) {
+      const __m512 c = _mm512_set1_ps(iq.coef[h]);
+      const float* d = dots + size_t(h) * kKeyBlock;
+      for (int v = 0; v < 4; ++v) {
+        acc[v] = _mm512_fmadd_ps(
+            c, _mm512_max_ps(_mm512_load_ps(d + 16 * v), zero), acc[v]);
+      }
+    }
+  } else {
+    const uint32_t* kt = kb.kt.data();
+    const int pairs = iq.pairs;
+    for (int half = 0; half < 2 && 32 * half < b; ++half) {
+      __m512* s0 = &acc[2 * half];
+      __m512* s1 = &acc[2 * half + 1];
+      const int off = 32 * half;
+      int h = 0;
+      for (; h + kHeadBlock <= iq.heads; h += kHeadBlock) {
+        ScoreHeads<kHeadBlock>(kt, off, pairs, &iq.q[size_t(h) * pairs],
+                               &iq.coef[h], s0, s1);
+      }
+      for (; h + 4 <= iq.heads; h += 4) {
+        ScoreHeads<4>(kt, off, pairs, &iq.q[size_t(h) * pairs], &iq.coef[h],
+                      s0, s1);
+      }
+      for (; h < iq.heads; ++h) {
+        ScoreHeads<1>(kt, off, pairs, &iq.q[size_t(h) * pairs], &iq.coef[h],
+                      s0, s1);
+      }
+    }
+  }
+  for (int v = 0; v < 4; ++v) {
+    const int cnt = std::min(16, b - 16 * v);
+    if (cnt <= 0) break;
+    const __mmask16 m = cnt >= 16 ? 0xFFFF : __mmask16((1u << cnt) - 1);
+    _mm512_mask_storeu_ps(out + 16 * v, m,
+                          _mm512_mul_ps(acc[v], _mm512_load_ps(kb.scale + 16 * v)));
+  }
+}
+
+// Scores keys [k_begin, k_end) for every query i with limit[i] > key:
+// out[i][s] for s < limit[i]. Keys are decoded once per block.
+void ScoreKeyRange(const LayerView& view, int dim, int k_begin, int k_end,
+                   const IndexQuery* queries, int nq, const int* limit,
+                   float* const* out) {
+  KeyBlock kb(PaddedIndexDim(dim));
+  const bool tiles = UseTileUnit();
+  AlignedVector<float> dots;
+  int max_heads = 0;
+  for (int i = 0; i < nq; ++i) max_heads = std::max(max_heads, queries[i].heads);
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+  if (tiles) {
+    dots.resize(size_t((max_heads + 15) / 16 * 16) * kKeyBlock);
+    static const TileConfig config;
+    _tile_loadconfig(&config);
+  }
+#endif
+  for (int s0 = k_begin; s0 < k_end; s0 += kKeyBlock) {
+    const int b = std::min(kKeyBlock, k_end - s0);
+    bool any = false;
+    for (int i = 0; i < nq && !any; ++i) any = limit[i] > s0;
+    if (!any) continue;
+    LoadKeyBlock(view, s0, b, k_end, dim, &kb);
+    for (int i = 0; i < nq; ++i) {
+      if (limit[i] <= s0) continue;
+      ScoreKeyBlock(kb, queries[i], std::min(b, limit[i] - s0), out[i] + s0,
+                    tiles ? dots.data() : nullptr);
+    }
+  }
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+  if (tiles) _tile_release();
+#endif
+}
+
+}  // namespace
+
+bool IndexerUsesTileUnit() { return UseTileUnit(); }
 
 void IndexerScore(const LayerView& view, int n, const uint8_t* q_codes,
                   const float* q_scales, const float* weights, int heads,
-                  int dim, float* scores) {
-  const float* lut = Fp8Lut().v;
-  const float dim_scale = 1.0f / std::sqrt(float(dim));
-  std::vector<float> q(size_t(heads) * dim);
-  for (size_t i = 0; i < q.size(); ++i) q[i] = lut[q_codes[i]];
-  std::vector<float> hw(heads);
-  for (int h = 0; h < heads; ++h) hw[h] = weights[h] * dim_scale;
-  std::vector<float> kt(size_t(dim) * kBlock);
-  alignas(64) float ks[kBlock] = {}, dot[kBlock], acc[kBlock];
-  for (int s0 = 0; s0 < n; s0 += kBlock) {
-    const int b = std::min(kBlock, n - s0);
-    for (int j = 0; j < b; ++j) {
-      const uint8_t* kc = view.IndexKey(s0 + j);
-      for (int d = 0; d < dim; ++d) kt[size_t(d) * kBlock + j] = lut[kc[d]];
-      ks[j] = view.IndexScale(s0 + j);
-    }
-    for (int j = 0; j < kBlock; ++j) acc[j] = 0.0f;
-    for (int h = 0; h < heads; ++h) {
-      const float* qh = &q[size_t(h) * dim];
-      for (int j = 0; j < kBlock; ++j) dot[j] = 0.0f;
-      for (int d = 0; d < dim; ++d) {
-        const float qd = qh[d];
-        const float* col = &kt[size_t(d) * kBlock];
-        for (int j = 0; j < kBlock; ++j) dot[j] = std::fma(qd, col[j], dot[j]);
-      }
-      const float qs = q_scales[h], w = hw[h];
-      for (int j = 0; j < kBlock; ++j) {
-        const float v = dot[j] * qs * ks[j];
-        acc[j] = std::fma(w, v > 0.0f ? v : 0.0f, acc[j]);
-      }
-    }
-    for (int j = 0; j < b; ++j) scores[s0 + j] = acc[j];
-  }
+                  int dim, float* scores, CorePool* pool) {
+  IndexQuery iq;
+  PrepareIndexQuery(q_codes, q_scales, weights, heads, dim, &iq);
+  float* out[1] = {scores};
+  const int limit[1] = {n};
+  ParallelFor(pool, n, kKeyBlock, [&](int64_t b, int64_t e) {
+    ScoreKeyRange(view, dim, int(b), int(e), &iq, 1, limit, out);
+  });
 }
+
+// --- Select (§III-D) ---------------------------------------------------------
+
+namespace {
+
+// Positions s in [0, n) with scores[s] >= t, in increasing order, into
+// out[0 ..) (room for n + 16); returns their count.
+int CompressAtLeast(const float* scores, int n, float t, int32_t* out) {
+  const __m512 vt = _mm512_set1_ps(t);
+  __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
+                                  13, 14, 15);
+  const __m512i step = _mm512_set1_epi32(16);
+  int s = 0, count = 0;
+  for (; s + 16 <= n; s += 16) {
+    const __mmask16 m =
+        _mm512_cmp_ps_mask(_mm512_loadu_ps(scores + s), vt, _CMP_GE_OQ);
+    _mm512_mask_compressstoreu_epi32(out + count, m, idx);
+    count += __builtin_popcount(m);
+    idx = _mm512_add_epi32(idx, step);
+  }
+  for (; s < n; ++s) {
+    if (scores[s] >= t) out[count++] = s;
+  }
+  return count;
+}
+
+}  // namespace
 
 void SelectTopK(const float* scores, int n, int k, std::vector<int32_t>* out) {
   out->clear();
@@ -105,69 +596,390 @@ void SelectTopK(const float* scores, int n, int k, std::vector<int32_t>* out) {
     return;
   }
   if (k <= 0) return;
-  std::vector<int32_t> idx(n);
-  std::iota(idx.begin(), idx.end(), 0);
-  // Higher score first; equal scores (-0.0 == +0.0) to the lower position.
-  auto better = [scores](int32_t a, int32_t b) {
-    if (scores[a] != scores[b]) return scores[a] > scores[b];
-    return a < b;
-  };
-  std::nth_element(idx.begin(), idx.begin() + (k - 1), idx.end(), better);
-  idx.resize(k);
-  std::sort(idx.begin(), idx.end());
-  *out = std::move(idx);
+  // Candidates, in position order: those at or above a threshold taken
+  // from a fixed, evenly spaced sample a little below the sample's k-th
+  // score (a vector compress), so that with high probability at least k
+  // pass; when fewer do, every position. The threshold only sets how much
+  // work the exact cut below does, never its result.
+  thread_local std::vector<int32_t> cand_buf;
+  thread_local std::vector<float> vals;
+  if (cand_buf.size() < size_t(n) + 16) cand_buf.resize(size_t(n) + 16);
+  int32_t* cand = cand_buf.data();
+  int nc = 0;
+  if (n >= 4096 && int64_t(k) * 4 <= n) {
+    const int m = 2048;
+    vals.resize(m);
+    for (int i = 0; i < m; ++i) vals[i] = scores[int64_t(i) * n / m];
+    const double expect = double(k) * m / n;
+    const int rank = int(expect + 4.0 * std::sqrt(expect) + 8.0);
+    if (rank < m) {
+      std::nth_element(vals.begin(), vals.begin() + rank, vals.begin() + m,
+                       std::greater<float>());
+      const float t = vals[rank];
+      if (t == t) nc = CompressAtLeast(scores, n, t, cand);  // t not NaN
+    }
+  }
+  if (nc < k) {
+    nc = n;
+    std::iota(cand, cand + n, 0);
+  }
+  // The exact cut: v = the k-th highest candidate score; take every
+  // candidate above v and, of those equal to v (-0.0 == +0.0), the lowest
+  // positions, in position order.
+  vals.resize(nc);
+  for (int i = 0; i < nc; ++i) vals[i] = scores[cand[i]];
+  std::nth_element(vals.begin(), vals.begin() + (k - 1), vals.end(),
+                   std::greater<float>());
+  const float v = vals[k - 1];
+  int above = 0;
+  for (int i = 0; i < nc; ++i) above += scores[cand[i]] > v;
+  int ties = k - above;
+  out->reserve(k);
+  for (int i = 0; i < nc; ++i) {
+    const float x = scores[cand[i]];
+    if (x > v || (x == v && ties-- > 0)) out->push_back(cand[i]);
+  }
+}
+
+// --- Gather + Attend (absorbed MLA, §III-D) ----------------------------------
+//
+// Arithmetic: see MlaAttend in attention.h; blocking and splitting do not
+// change it.
+//
+// Two passes. Scores: 16 selected entries at a time are gathered from their
+// pages, widened to fp32 and transposed into an L1 tile (one lane per
+// entry); every head's fma chains run over the tile, 8 heads at a time so
+// that 8 independent chains fill both FMA ports. Weighted sum: the entries
+// are read again (now cache-resident), widened on the fly, and each loaded
+// vector feeds 3 heads' accumulators. Neither pass writes the entries to a
+// scratch buffer, so the gathered data crosses memory once.
+
+namespace {
+
+// KernelExp's constants: Cody-Waite split of ln 2 and a degree-7 minimax
+// polynomial on [-ln2/2, ln2/2] (Cephes expf).
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f;
+constexpr float kLn2Lo = -2.12194440e-4f;
+constexpr float kExpP[6] = {1.9875691500e-4f, 1.3981999507e-3f,
+                            8.3334519073e-3f, 4.1665795894e-2f,
+                            1.6666665459e-1f, 5.0000001201e-1f};
+
+// KernelExp on 16 lanes, operation for operation.
+inline __m512 KernelExp16(__m512 x) {
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-104.0f),
+                                            _CMP_LT_OQ);
+  const __m512 xc = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_mul_ps(xc, _mm512_set1_ps(kLog2e)),
+      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Hi), xc);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kExpP[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpP[i]));
+  __m512 y = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
+  y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
+  __m512 e = _mm512_scalef_ps(y, n);
+  e = _mm512_mask_mov_ps(e, tiny, _mm512_setzero_ps());
+  return _mm512_mask_mov_ps(e, nan, x);
+}
+
+// The softmax denominator's lane tree: (l + l+8), (l + l+4), (l + l+2),
+// (l + l+1), from lane 0's side.
+inline float LaneTreeSum(__m512 v) {
+  alignas(64) float z[16];
+  _mm512_store_ps(z, v);
+  for (int w = 8; w >= 1; w /= 2) {
+    for (int l = 0; l < w; ++l) z[l] = z[l] + z[l + w];
+  }
+  return z[0];
+}
+
+constexpr int kEntryBlock = 16;
+
+// Widened, transposed entries of one block of 16: tile[d * ld + j] =
+// e_j[d]. Entries past `count` are zero.
+void LoadEntryTile(const uint16_t* const* entries, int count, int kv_dim,
+                   float* tile, int ld) {
+  const int stride = (kv_dim + 15) / 16 * 16;
+  for (int d0 = 0; d0 < stride; d0 += 16) {
+    const int cnt = std::min(16, kv_dim - d0);
+    const __mmask16 m = cnt >= 16 ? 0xFFFF : __mmask16((1u << cnt) - 1);
+    __m512i r[16];
+    for (int j = 0; j < 16; ++j) {
+      if (j < count) {
+        const __m256i b = _mm256_maskz_loadu_epi16(m, entries[j] + d0);
+        r[j] = _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16);
+      } else {
+        r[j] = _mm512_setzero_si512();
+      }
+    }
+    Transpose16(r);
+    for (int i = 0; i < 16; ++i) {
+      _mm512_store_si512(tile + size_t(d0 + i) * ld, r[i]);
+    }
+  }
+}
+
+// Scores of a 32-entry tile (two blocks side by side, tile[d * 32 + j]) for
+// heads [h, h + HB): s[h][0..31] = (q[h] . e) * scale. Two blocks per q
+// broadcast keep the loads below the FMA rate.
+template <int HB>
+inline void TileScores(const float* tile, int kv_dim, const float* q,
+                       int q_dim, float scale, float* s, size_t s_stride,
+                       bool second) {
+  __m512 acc0[HB], acc1[HB];
+#pragma GCC unroll 16
+  for (int i = 0; i < HB; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
+  for (int d = 0; d < kv_dim; ++d) {
+    const __m512 t0 = _mm512_load_ps(tile + size_t(d) * 32);
+    const __m512 t1 = _mm512_load_ps(tile + size_t(d) * 32 + 16);
+#pragma GCC unroll 16
+    for (int i = 0; i < HB; ++i) {
+      const __m512 qd = _mm512_set1_ps(q[size_t(i) * q_dim + d]);
+      acc0[i] = _mm512_fmadd_ps(qd, t0, acc0[i]);
+      acc1[i] = _mm512_fmadd_ps(qd, t1, acc1[i]);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+#pragma GCC unroll 16
+  for (int i = 0; i < HB; ++i) {
+    _mm512_storeu_ps(s + size_t(i) * s_stride, _mm512_mul_ps(acc0[i], sc));
+    if (second) {
+      _mm512_storeu_ps(s + size_t(i) * s_stride + 16,
+                       _mm512_mul_ps(acc1[i], sc));
+    }
+  }
+}
+
+// o[h][d0 .. d0 + 16 NV) = sum_j p[h][j] e_j for heads [h, h + HB) (fma
+// chain in selection order); entries widened from bf16 as they are read.
+template <int NV, int HB>
+void WeightedSum(const uint16_t* const* entries, int nsel,
+                 const float* p, size_t p_stride, int d0, int width,
+                 float* o, size_t o_stride) {
+  __m512 acc[HB][NV];
+#pragma GCC unroll 32
+  for (int h = 0; h < HB; ++h) {
+#pragma GCC unroll 16
+    for (int i = 0; i < NV; ++i) acc[h][i] = _mm512_setzero_ps();
+  }
+  for (int j = 0; j < nsel; ++j) {
+    const uint16_t* e = entries[j] + d0;
+    __m512 ph[HB];
+#pragma GCC unroll 16
+    for (int h = 0; h < HB; ++h) ph[h] = _mm512_set1_ps(p[h * p_stride + j]);
+#pragma GCC unroll 16
+    for (int i = 0; i < NV; ++i) {
+      const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(e + 16 * i))),
+          16));
+#pragma GCC unroll 16
+      for (int h = 0; h < HB; ++h) {
+        acc[h][i] = _mm512_fmadd_ps(ph[h], v, acc[h][i]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int h = 0; h < HB; ++h) {
+#pragma GCC unroll 16
+    for (int i = 0; i < NV; ++i) {
+      const int cnt = std::min(16, width - 16 * i);
+      const __mmask16 mk = cnt >= 16 ? 0xFFFF : __mmask16((1u << cnt) - 1);
+      _mm512_mask_storeu_ps(o + h * o_stride + 16 * i, mk, acc[h][i]);
+    }
+  }
+}
+
+// Dims [from, lora) of heads [h, h + HB): whole vectors, then a scalar
+// tail (the same fma chains).
+template <int HB>
+void WeightedSumTail(const uint16_t* const* entries, int nsel, const float* p,
+                     size_t p_stride, int from, int lora, float* o,
+                     size_t o_stride) {
+  int d0 = from;
+  for (; d0 + 16 <= lora; d0 += 16) {
+    WeightedSum<1, HB>(entries, nsel, p, p_stride, d0, 16, o + d0, o_stride);
+  }
+  if (d0 < lora) {
+    const int width = lora - d0;
+    for (int h = 0; h < HB; ++h) {
+      alignas(64) float acc[16] = {};
+      for (int j = 0; j < nsel; ++j) {
+        const uint16_t* e = entries[j] + d0;
+        const float pj = p[h * p_stride + j];
+        for (int i = 0; i < width; ++i) {
+          acc[i] = std::fma(pj, Bf16(e[i]), acc[i]);
+        }
+      }
+      std::memcpy(o + h * o_stride + d0, acc, size_t(width) * 4);
+    }
+  }
+}
+
+template <int HB>
+void WeightedSumHeads(const uint16_t* const* entries, int nsel,
+                      const float* p, size_t p_stride, int lora, float* o,
+                      size_t o_stride) {
+  // The widening loads read 16 values at a time; entries are padded in
+  // their page only to the end of the KV section, so the last partial
+  // vector of a row goes through the masked path (NV of the tail = 1).
+  int d0 = 0;
+  for (; d0 + 128 <= lora; d0 += 128) {
+    WeightedSum<8, HB>(entries, nsel, p, p_stride, d0, 128, o + d0,
+                       o_stride);
+  }
+  for (; d0 + 16 <= lora; d0 += 16) {
+    WeightedSum<1, HB>(entries, nsel, p, p_stride, d0, 16, o + d0,
+                       o_stride);
+  }
+  if (d0 < lora) {
+    // Tail narrower than a vector: widen through a padded copy.
+    const int width = lora - d0;
+    for (int h = 0; h < HB; ++h) {
+      alignas(64) float acc[16] = {};
+      for (int j = 0; j < nsel; ++j) {
+        const uint16_t* e = entries[j] + d0;
+        const float pj = p[h * p_stride + j];
+        for (int i = 0; i < width; ++i) {
+          acc[i] = std::fma(pj, Bf16(e[i]), acc[i]);
+        }
+      }
+      std::memcpy(o + h * o_stride + d0, acc, size_t(width) * 4);
+    }
+  }
+}
+
+}  // namespace
+
+float KernelExp(float x) {
+  if (x != x) return x;
+  if (x < -104.0f) return 0.0f;
+  const float xc = std::min(x, 88.0f);
+  const float n = std::nearbyint(xc * kLog2e);
+  float r = std::fma(n, -kLn2Hi, xc);
+  r = std::fma(n, -kLn2Lo, r);
+  float p = kExpP[0];
+  for (int i = 1; i < 6; ++i) p = std::fma(p, r, kExpP[i]);
+  float y = std::fma(p, r * r, r);
+  y = y + 1.0f;
+  return std::ldexp(y, int(n));
 }
 
 void MlaAttend(const LayerView& view, const int32_t* sel, int nsel,
-               const float* q, const AttnShapes& shapes, float* o_lat) {
-  const int kv_dim = shapes.kv_dim;
+               const float* q, const AttnShapes& shapes, float* o_lat,
+               CorePool* pool) {
+  const int heads = shapes.heads, kv_dim = shapes.kv_dim;
+  const int nb = (nsel + kEntryBlock - 1) / kEntryBlock;
+  const size_t s_stride = size_t(nb) * kEntryBlock;
+  // Reused per calling thread: a fresh multi-megabyte buffer would be
+  // mapped and page-faulted on every call, which costs more than the work.
+  thread_local AlignedVector<float> scores;
+  scores.resize(size_t(heads) * s_stride);
+  float* s = scores.data();
+  // Entry addresses once (a page-table lookup and a division each).
+  thread_local std::vector<const uint16_t*> entries;
+  entries.resize(nsel);
+  for (int j = 0; j < nsel; ++j) entries[j] = view.Kv(sel[j]);
+  const uint16_t* const* ent = entries.data();
+
+  // Pass 1: scores, split by pairs of entry blocks.
+  const int npairs = (nb + 1) / 2;
+  ParallelFor(pool, npairs, 1, [&](int64_t b, int64_t e) {
+    AlignedVector<float> tile(size_t((kv_dim + 15) / 16 * 16) * 32);
+    for (int64_t pr = b; pr < e; ++pr) {
+      const int j0 = int(pr) * 32;
+      const bool second = j0 + 16 < nsel;
+      LoadEntryTile(ent + j0, std::min(kEntryBlock, nsel - j0), kv_dim,
+                    tile.data(), 32);
+      if (second) {
+        LoadEntryTile(ent + j0 + 16, std::min(kEntryBlock, nsel - j0 - 16),
+                      kv_dim, tile.data() + 16, 32);
+      }
+      int h = 0;
+      for (; h + 8 <= heads; h += 8) {
+        TileScores<8>(tile.data(), kv_dim, q + size_t(h) * shapes.q_dim,
+                      shapes.q_dim, shapes.softmax_scale,
+                      s + h * s_stride + j0, s_stride, second);
+      }
+      for (; h < heads; ++h) {
+        TileScores<1>(tile.data(), kv_dim, q + size_t(h) * shapes.q_dim,
+                      shapes.q_dim, shapes.softmax_scale,
+                      s + h * s_stride + j0, s_stride, second);
+      }
+    }
+  });
+  // Pass 2: softmax, split by heads.
+  ParallelFor(pool, heads, 1, [&](int64_t b, int64_t e) {
+    for (int64_t h = b; h < e; ++h) {
+      float* sh = s + h * s_stride;
+      __m512 vm = _mm512_set1_ps(-INFINITY);
+      for (int blk = 0; blk < nb; ++blk) {
+        const int cnt = std::min(16, nsel - blk * 16);
+        const __mmask16 valid = cnt >= 16 ? 0xFFFF : __mmask16((1u << cnt) - 1);
+        vm = _mm512_mask_max_ps(vm, valid, vm, _mm512_loadu_ps(sh + blk * 16));
+      }
+      const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vm));
+      __m512 vz = _mm512_setzero_ps();
+      for (int blk = 0; blk < nb; ++blk) {
+        const int cnt = std::min(16, nsel - blk * 16);
+        const __mmask16 valid = cnt >= 16 ? 0xFFFF : __mmask16((1u << cnt) - 1);
+        const __m512 p = _mm512_maskz_mov_ps(
+            valid, KernelExp16(_mm512_sub_ps(_mm512_loadu_ps(sh + blk * 16), m)));
+        _mm512_storeu_ps(sh + blk * 16, p);
+        vz = _mm512_add_ps(vz, p);
+      }
+      const __m512 inv = _mm512_set1_ps(1.0f / LaneTreeSum(vz));
+      for (int blk = 0; blk < nb; ++blk) {
+        _mm512_storeu_ps(sh + blk * 16,
+                         _mm512_mul_ps(_mm512_loadu_ps(sh + blk * 16), inv));
+      }
+    }
+  });
+  // Pass 3: weighted sums, split by (group of 8 heads, 32 latent dims):
+  // each loaded entry vector feeds 8 heads, so the entries stream from
+  // cache once per 8 heads.
   const int lora = shapes.kv_lora;
-  // Gather: decode the selected entries once for all heads, row-major (for
-  // the weighted sum) and transposed (for the scores; see IndexerScore).
-  const int npad = (nsel + 15) / 16 * 16;
-  std::vector<float> ent(size_t(nsel) * kv_dim);
-  std::vector<float> entt(size_t(kv_dim) * npad, 0.0f);
-  for (int j = 0; j < nsel; ++j) {
-    const uint16_t* e = view.Kv(sel[j]);
-    float* dst = &ent[size_t(j) * kv_dim];
-    for (int d = 0; d < kv_dim; ++d) {
-      dst[d] = Bf16(e[d]);
-      entt[size_t(d) * npad + j] = dst[d];
+  const size_t os = size_t(shapes.out_dim);
+  const int full_groups = heads / 8;
+  const int chunks = lora / 32;
+  const int items = full_groups * chunks;
+  ParallelFor(pool, items + 1, 1, [&](int64_t b, int64_t e) {
+    for (int64_t it = b; it < e; ++it) {
+      if (it < items) {
+        const int g = int(it) / chunks, d0 = int(it) % chunks * 32;
+        WeightedSum<2, 8>(ent, nsel, s + size_t(g) * 8 * s_stride, s_stride,
+                          d0, 32, o_lat + size_t(g) * 8 * os + d0, os);
+        continue;
+      }
+      // The rest: dims past the last whole 32 for the grouped heads, and
+      // every dim of the heads past the last whole group.
+      if (chunks * 32 < lora) {
+        for (int g = 0; g < full_groups; ++g) {
+          WeightedSumTail<8>(ent, nsel, s + size_t(g) * 8 * s_stride,
+                             s_stride, chunks * 32, lora,
+                             o_lat + size_t(g) * 8 * os, os);
+        }
+      }
+      int h = full_groups * 8;
+      for (; h + 3 <= heads; h += 3) {
+        WeightedSumHeads<3>(ent, nsel, s + h * s_stride, s_stride, lora,
+                            o_lat + h * os, os);
+      }
+      for (; h < heads; ++h) {
+        WeightedSumHeads<1>(ent, nsel, s + h * s_stride, s_stride, lora,
+                            o_lat + h * os, os);
+      }
     }
-  }
-  std::vector<float> s(npad);
-  for (int h = 0; h < shapes.heads; ++h) {
-    const float* qh = q + size_t(h) * shapes.q_dim;
-    std::fill(s.begin(), s.end(), 0.0f);
-    for (int d = 0; d < kv_dim; ++d) {
-      const float qd = qh[d];
-      const float* col = &entt[size_t(d) * npad];
-      for (int j = 0; j < npad; ++j) s[j] = std::fma(qd, col[j], s[j]);
-    }
-    float m = -INFINITY;
-    for (int j = 0; j < nsel; ++j) {
-      s[j] = s[j] * shapes.softmax_scale;
-      m = std::max(m, s[j]);
-    }
-    float z = 0.0f;
-    for (int j = 0; j < nsel; ++j) {
-      s[j] = std::exp(s[j] - m);
-      z += s[j];
-    }
-    float* oh = o_lat + size_t(h) * shapes.out_dim;
-    std::fill(oh, oh + lora, 0.0f);
-    const float inv = 1.0f / z;
-    for (int j = 0; j < nsel; ++j) {
-      const float p = s[j] * inv;
-      const float* e = &ent[size_t(j) * kv_dim];
-      for (int d = 0; d < lora; ++d) oh[d] = std::fma(p, e[d], oh[d]);
-    }
-  }
+  });
 }
 
 absl::Status RunIndexer(const AttnShapes& shapes, int layer, int pos_start,
                         int n, const IndexInputs& in, SessionCache* cache,
-                        SelectionState* sel) {
+                        SelectionState* sel, CorePool* pool,
+                        KernelCost* cost) {
   if (shapes.index_dim == 0) {
     return absl::FailedPreconditionError("the model has no DSA indexer");
   }
@@ -191,23 +1003,62 @@ absl::Status RunIndexer(const AttnShapes& shapes, int layer, int pos_start,
   const LayerView view = cache->View(layer);
   sel->pos_start = pos_start;
   sel->per_token.resize(n);
-  std::vector<float> scores(size_t(pos_start) + n);
-  for (int i = 0; i < n; ++i) {
-    const int ctx = pos_start + i + 1;
-    IndexerScore(view, ctx, in.q_codes + size_t(i) * hi * di,
-                 in.q_scales + size_t(i) * hi, in.weights + size_t(i) * hi, hi,
-                 di, scores.data());
-    SelectTopK(scores.data(), ctx, shapes.index_topk, &sel->per_token[i]);
+  // The segment's queries scan together: each key block is decoded once
+  // for every query whose causal prefix holds it, and each (query, key)
+  // score is computed exactly as a lone query would (see IndexerScore).
+  // Queries go in chunks so the score buffer stays bounded.
+  constexpr int kQueryChunk = 64;
+  std::vector<IndexQuery> queries(std::min(n, kQueryChunk));
+  std::vector<int> limit;
+  std::vector<float*> outs;
+  thread_local std::vector<float> scores;  // reused: see MlaAttend
+  double bytes = 0, flops = 0;
+  for (int c0 = 0; c0 < n; c0 += kQueryChunk) {
+    const int nq = std::min(kQueryChunk, n - c0);
+    const int ctx_max = pos_start + c0 + nq;
+    limit.resize(nq);
+    outs.resize(nq);
+    scores.resize(size_t(nq) * ctx_max);
+    for (int i = 0; i < nq; ++i) {
+      const int t = c0 + i;
+      PrepareIndexQuery(in.q_codes + size_t(t) * hi * di,
+                        in.q_scales + size_t(t) * hi,
+                        in.weights + size_t(t) * hi, hi, di, &queries[i]);
+      limit[i] = pos_start + t + 1;
+      outs[i] = &scores[size_t(i) * ctx_max];
+      flops += 2.0 * limit[i] * hi * di;
+    }
+    ParallelFor(pool, ctx_max, kKeyBlock, [&](int64_t b, int64_t e) {
+      ScoreKeyRange(view, di, int(b), int(e), queries.data(), nq, limit.data(),
+                    outs.data());
+    });
+    ParallelFor(pool, nq, 1, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        SelectTopK(outs[i], limit[i], shapes.index_topk,
+                   &sel->per_token[c0 + i]);
+      }
+    });
+    bytes += double(ctx_max) * (di + 4) + double(nq) * hi * (di + 8);
+  }
+  if (cost != nullptr) {
+    cost->bytes += bytes;
+    cost->flops += flops;
   }
   return absl::OkStatus();
 }
 
 absl::Status RunAttention(const AttnShapes& shapes, int layer, int pos_start,
                           int n, const AttnInputs& in, SessionCache* cache,
-                          const SelectionState* sel, float* out) {
+                          const SelectionState* sel, float* out,
+                          CorePool* pool, KernelCost* cost) {
   if (shapes.kv_dim == 0) {
     return absl::UnimplementedError(
         "only the mla_dsa attention form is served by this build");
+  }
+  if (shapes.kv_heads > 0) {
+    return absl::FailedPreconditionError(
+        "GQA attention forms run through RunAttentionLayer "
+        "(common/sparse_attention.h)");
   }
   if (pos_start < 0 || n <= 0) {
     return absl::InvalidArgumentError(
@@ -230,21 +1081,43 @@ absl::Status RunAttention(const AttnShapes& shapes, int layer, int pos_start,
   }
   cache->SetLength(layer, pos_start + n);
   const LayerView view = cache->View(layer);
-  std::vector<int32_t> dense;
-  for (int i = 0; i < n; ++i) {
+  auto attend_token = [&](int i, CorePool* p, std::vector<int32_t>* dense) {
     const int32_t* positions;
     int count;
     if (sel != nullptr) {
       positions = sel->per_token[i].data();
       count = static_cast<int>(sel->per_token[i].size());
     } else {
-      dense.resize(pos_start + i + 1);
-      std::iota(dense.begin(), dense.end(), 0);
-      positions = dense.data();
-      count = static_cast<int>(dense.size());
+      dense->resize(pos_start + i + 1);
+      std::iota(dense->begin(), dense->end(), 0);
+      positions = dense->data();
+      count = static_cast<int>(dense->size());
     }
-    MlaAttend(view, positions, count, in.q + size_t(i) * shapes.heads * shapes.q_dim,
-              shapes, out + size_t(i) * shapes.heads * shapes.out_dim);
+    MlaAttend(view, positions, count,
+              in.q + size_t(i) * shapes.heads * shapes.q_dim, shapes,
+              out + size_t(i) * shapes.heads * shapes.out_dim, p);
+  };
+  // One token splits its heads over the cores; a segment splits its tokens.
+  // Either way each output element gets the same arithmetic.
+  if (n == 1) {
+    std::vector<int32_t> dense;
+    attend_token(0, pool, &dense);
+  } else {
+    ParallelFor(pool, n, 1, [&](int64_t b, int64_t e) {
+      std::vector<int32_t> dense;
+      for (int64_t i = b; i < e; ++i) attend_token(int(i), nullptr, &dense);
+    });
+  }
+  if (cost != nullptr) {
+    double entries = 0;
+    for (int i = 0; i < n; ++i) {
+      entries += sel != nullptr ? double(sel->per_token[i].size())
+                                : double(pos_start + i + 1);
+    }
+    cost->bytes += entries * shapes.kv_dim * 2 +
+                   double(n) * shapes.heads * (shapes.q_dim + shapes.out_dim) * 4;
+    cost->flops += entries * shapes.heads *
+                   (2.0 * shapes.kv_dim + 2.0 * shapes.kv_lora + 4.0);
   }
   return absl::OkStatus();
 }

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "common/core_pool.h"
 #include "common/kv_store.h"
 #include "common/model_config.h"
 
@@ -27,6 +28,12 @@ struct AttnShapes {
   int index_dim = 0;      // Di
   int index_topk = 0;
   float softmax_scale = 0;
+  // GQA forms (gqa_block, gqa_dense): q_dim = head_dim (+ block_index_dim
+  // for gqa_block: [q | q_i] per head), kv_dim = 2 x kv_heads x head_dim
+  // (+ kv_heads x block_index_dim: [k | v | k_i]), out_dim = head_dim.
+  int kv_heads = 0;         // Hkv
+  int head_dim = 0;         // d
+  int block_index_dim = 0;  // gqa_block Di
 };
 AttnShapes MakeAttnShapes(const ModelConfig& config);
 
@@ -64,28 +71,60 @@ struct SelectionState {
 // already stored are dropped first (a resent position overwrites).
 absl::Status RunIndexer(const AttnShapes& shapes, int layer, int pos_start,
                         int n, const IndexInputs& in, SessionCache* cache,
-                        SelectionState* sel);
+                        SelectionState* sel, CorePool* pool = nullptr,
+                        KernelCost* cost = nullptr);
 
 // Appends the KV entries and computes o_lat (n x H x out_dim) for each token,
 // attending to the positions in `sel` (or to every position <= the token when
 // `sel` is null: dense, for context <= index_topk or no indexer).
 absl::Status RunAttention(const AttnShapes& shapes, int layer, int pos_start,
                           int n, const AttnInputs& in, SessionCache* cache,
-                          const SelectionState* sel, float* out);
+                          const SelectionState* sel, float* out,
+                          CorePool* pool = nullptr, KernelCost* cost = nullptr);
 
 // --- Kernels (exposed for tests and benchmarks) ---
 
-// I[s] = sum_h (w[h] * Di^-0.5) * ReLU((q_codes[h] . k_codes[s]) *
-//        q_scale[h] * k_scale[s]) for s in [0, n).
+// DSA indexer scores of keys [0, n) of `view` for one query (MODEL.md:
+// I[s] = sum_h w[h] Di^-0.5 ReLU(q[h] . k[s]) on decoded fp8 values). The
+// exact arithmetic, shared by every path that scores (one query or a
+// prefill segment, any split over cores):
+//   dot[h,s] = sum over code pairs p in increasing order of
+//              (dot + q[2p+1] k[2p+1]) + q[2p] k[2p]   (bf16 codes, exact
+//              products, fp32 adds; one lane of vdpbf16ps)
+//   acc = fma(c[h], max(dot[h,s], 0), acc) over h increasing, from +0,
+//         with c[h] = (w[h] * Di^-0.5) * q_scale[h]
+//   scores[s] = acc * k_scale[s]
+// On hardware with a matrix tile unit (AMX-BF16, granted by the kernel) the
+// dot[h,s] above are instead computed by TDPBF16PS tiles in 32-dim chunks
+// in increasing order (IndexerUsesTileUnit()); the hardware fixes that
+// arithmetic and it depends only on (query, key), but it has no simpler
+// scalar model. Every process on one machine takes the same path.
+// `pool` (optional) splits the keys by range; the result does not depend
+// on it. Thread-compatible (no shared state).
 void IndexerScore(const LayerView& view, int n, const uint8_t* q_codes,
                   const float* q_scales, const float* weights, int heads,
-                  int dim, float* scores);
+                  int dim, float* scores, CorePool* pool = nullptr);
+// Whether IndexerScore runs on the matrix tile unit (decided once per
+// process).
+bool IndexerUsesTileUnit();
 // Positions of the min(k, n) highest scores, ties to the lower position,
 // -0.0 == +0.0; returned in increasing position order.
 void SelectTopK(const float* scores, int n, int k, std::vector<int32_t>* out);
+// exp as the attention kernels compute it, a fixed function (vectorised
+// lane for lane): NaN stays NaN; x < -104 gives 0; else, with x' = min(x,
+// 88), n = nearbyint(x' * log2(e)), r = x' - n ln2 (two fmas, ln2 split
+// hi/lo), p = Horner of the 6 Cephes expf coefficients in r (fma), y =
+// fma(p, r * r, r) + 1, result ldexp(y, n). Within 2 ulp of exp.
+float KernelExp(float x);
 // Absorbed MLA over the positions `sel` (increasing): per head
-// s = (q[h] . entry) * scale, softmax, o[h] = sum p * c.
+// dot = fma(q[d], e[d], dot) over increasing d, s = dot * scale;
+// m = max s; p[j] = KernelExp(s[j] - m); z = 16 partial sums (entry j into
+// lane j % 16, in selection order) combined by lanes (l + l+8), (l + l+4),
+// (l + l+2), (l + l+1); o[h][d] = fma(p * (1 / z), c[d], o) in selection
+// order. `pool` (optional) splits the gather by entries and the heads over
+// cores; the result does not depend on it.
 void MlaAttend(const LayerView& view, const int32_t* sel, int nsel,
-               const float* q, const AttnShapes& shapes, float* o_lat);
+               const float* q, const AttnShapes& shapes, float* o_lat,
+               CorePool* pool = nullptr);
 
 }  // namespace karat

@@ -1,12 +1,29 @@
 // libfabric RDM implementation of Transport.
 //
-// Threads. One progress thread owns the completion queue: it reads every
-// completion, runs the receive handler, re-posts receive buffers and marks
-// sends complete. Senders post fi_send from their own thread and wait for the
-// progress thread to report the completion. A Send() from inside the
+// Threads. One progress thread runs the receive handler and re-posts receive
+// buffers. The completion queue is read by one thread at a time (cq_mu_):
+// by the progress thread, or by a sender waiting for its own completion,
+// which saves two thread hand-offs per message. Whoever reads it marks sends
+// complete and appends received messages to one queue (received_) that only
+// the progress thread delivers from, in order; a sender that queued a
+// message wakes the progress thread if it sleeps. A Send() from inside the
 // receive handler runs on the progress thread itself, so it reads the CQ on
-// its own while waiting and queues any message it reads for delivery after
-// the handler returns: handlers never nest and order is kept.
+// its own while waiting; what it reads is delivered after the handler
+// returns: handlers never nest and order is kept.
+//
+// Spinning. After a completion, and while a sender waits, the CQ is polled
+// without sleeping for FabricOptions::spin_us (a sender adds the expected
+// transfer time of its message, at 1 GB/s); only then do the sleeps below
+// start. A waiting sender polls instead of the progress thread, which sleeps
+// meanwhile, so one waiting side costs one core.
+//
+// Inject. Messages up to the provider's inject size go out with fi_inject():
+// the provider copies them before returning and reports no completion, so
+// such a Send() neither copies nor waits.
+//
+// Zero copy. SendShared() posts large messages from the caller's string and
+// keeps a reference to it until the completion arrives, even when the call
+// times out, so the provider never reads freed memory.
 //
 // Waiting. When the provider gives the CQ an FI_WAIT_FD wait object (tcp and
 // verbs through ofi_rxm), the progress thread sleeps in poll() on that fd and
@@ -23,6 +40,7 @@
 // it exclusively instead, which serialises them; the progress thread never
 // sleeps while holding it (poll() and the backoff sleep are outside).
 #include <poll.h>
+#include <sched.h>
 #include <rdma/fabric.h>
 #include <rdma/fi_cm.h>
 #include <rdma/fi_domain.h>
@@ -34,6 +52,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -73,6 +92,8 @@ constexpr absl::Duration kMaxPollBackoff = absl::Milliseconds(1);
 // no CPU; the first message after idleness waits at most that long.
 constexpr absl::Duration kIdleAfter = absl::Seconds(1);
 constexpr absl::Duration kIdlePollBackoff = absl::Milliseconds(5);
+// Empty polls between two sched_yield() calls while spinning (a power of 2).
+constexpr uint32_t kSpinsPerYield = 64;
 // Completions read per fi_cq_read call.
 constexpr int kCqBatch = 16;
 // Idle send operations kept for reuse, with their buffers.
@@ -86,6 +107,14 @@ std::string FiError(ssize_t rc) {
 absl::Status FiStatus(const char* call, ssize_t rc) {
   return absl::UnavailableError(absl::StrCat(call, " failed: ", FiError(rc)));
 }
+
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+int64_t NowNs() { return absl::GetCurrentTimeNanos(); }
 
 // Owns one fid and closes it with fi_close.
 template <typename T>
@@ -152,7 +181,11 @@ struct SendOp {
   OpContext op{{}, OpKind::kSend, this};
   std::unique_ptr<char[]> buffer;
   size_t capacity = 0;
+  // A zero-copy send's message, held until its completion.
+  std::shared_ptr<const std::string> owned;
   PeerId peer = kUnknownPeer;
+  // Set with `done`, read without the lock by a spinning sender.
+  std::atomic<bool> done_flag{false};
   // Guarded by FabricTransport::send_mu_.
   bool done = false;
   bool abandoned = false;  // the sender gave up waiting; recycle on completion
@@ -175,6 +208,8 @@ class FabricTransport final : public Transport {
   absl::StatusOr<PeerId> AddPeer(const std::string& name,
                                  const std::string& address) override;
   absl::Status Send(PeerId peer, const void* data, size_t len) override;
+  absl::Status SendShared(PeerId peer,
+                          std::shared_ptr<const std::string> message) override;
   void SetReceiveHandler(ReceiveHandler handler) override;
   size_t MaxMessageSize() const override { return options_.max_message_size; }
   void Shutdown() override;
@@ -212,12 +247,29 @@ class FabricTransport final : public Transport {
            std::this_thread::get_id();
   }
   // Reads completions until the CQ is empty; returns how many were handled.
-  // With `defer_receives` (a Send() from inside the receive handler) received
-  // messages are queued for the progress loop instead of being handed to the
-  // handler re-entrantly.
-  int DrainCompletions(bool defer_receives);
-  void HandleCompletion(void* op_context, size_t len, bool defer_receives);
+  // Received messages are queued in received_ for the progress thread. With
+  // `try_only`, returns 0 at once when another thread is reading the CQ.
+  int DrainCompletions(bool try_only);
+  void HandleCompletion(void* op_context, size_t len);
+  void QueueReceived(RecvSlot* slot, size_t len, bool deliver);
+  // Progress thread: delivers (or re-posts) the oldest queued receive; false
+  // when none is queued.
+  bool DeliverOne();
   void DeliverReceived(RecvSlot* slot, size_t len);
+  absl::Status SendImpl(PeerId peer, const char* data, size_t len,
+                        std::shared_ptr<const std::string> owned);
+  // Messages up to the provider's inject size: the provider copies them at
+  // once and reports no completion, so nothing waits.
+  absl::Status InjectSend(fi_addr_t fi_addr, const std::string& name,
+                          const char* data, size_t len, absl::Time deadline);
+  // A sender off the progress thread: polls the CQ for its own completion
+  // while it spins; false if the spin ended first.
+  bool SpinForSend(SendOp* op, size_t len, absl::Time deadline);
+  int64_t SpinNs(size_t len) const {
+    return options_.spin_us <= 0
+               ? 0
+               : int64_t{options_.spin_us} * 1000 + static_cast<int64_t>(len);
+  }
   // A Send() on the progress thread: waits for its completion by reading the
   // CQ itself, since nobody else will.
   void AwaitSendOnProgressThread(SendOp* op, absl::Time deadline);
@@ -232,6 +284,7 @@ class FabricTransport final : public Transport {
 
   const FabricOptions options_;
   bool serialize_ = false;  // domain is not FI_THREAD_SAFE
+  size_t inject_size_ = 0;  // fi_inject() limit; 0: not used
   std::string provider_;
   std::string local_address_;
 
@@ -250,9 +303,24 @@ class FabricTransport final : public Transport {
 
   std::vector<std::unique_ptr<RecvSlot>> recv_slots_;
   // Progress thread only: receive buffers to re-post once the provider
-  // accepts them, and messages read while the handler was sending.
+  // accepts them.
   std::vector<RecvSlot*> pending_recvs_;
-  std::deque<std::pair<RecvSlot*, size_t>> deferred_receives_;
+
+  // Only one thread reads the CQ at a time.
+  absl::Mutex cq_mu_;
+  // Receive completions in CQ order, delivered by the progress thread; with
+  // deliver == false the slot is only re-posted (a failed receive).
+  struct Received {
+    RecvSlot* slot;
+    size_t len;
+    bool deliver;
+  };
+  absl::Mutex recv_mu_;
+  std::deque<Received> received_ ABSL_GUARDED_BY(recv_mu_);
+  std::atomic<bool> progress_sleeping_{false};
+  std::atomic<int> polling_senders_{0};
+  // NowNs() of the last completion or posted send.
+  std::atomic<int64_t> last_activity_ns_{0};
 
   absl::Mutex handler_mu_;
   std::shared_ptr<ReceiveHandler> handler_ ABSL_GUARDED_BY(handler_mu_);
@@ -324,6 +392,7 @@ absl::Status FabricTransport::Open() {
         provider_, "' limit ", info_->ep_attr->max_msg_size));
   }
   serialize_ = info_->domain_attr->threading != FI_THREAD_SAFE;
+  inject_size_ = options_.use_inject ? info_->tx_attr->inject_size : 0;
 
   fid_fabric* fabric = nullptr;
   rc = fi_fabric(info_->fabric_attr, &fabric, nullptr);
@@ -386,6 +455,7 @@ absl::Status FabricTransport::Open() {
                          << " endpoint " << straddr << " (max message "
                          << options_.max_message_size << " B, "
                          << options_.receive_buffers << " receive buffers, "
+                         << "inject up to " << inject_size_ << " B, "
                          << (cq_fd_ >= 0 ? "fd wait" : "polling")
                          << (serialize_ ? ", serialised calls" : "") << ")";
   progress_thread_ = std::thread([this] { ProgressLoop(); });
@@ -486,6 +556,7 @@ SendOp* FabricTransport::AcquireSendOp(size_t len) {
     op->buffer.reset(new char[op->capacity]);
   }
   op->done = false;
+  op->done_flag.store(false, std::memory_order_relaxed);
   op->abandoned = false;
   op->status = absl::OkStatus();
   return op.release();
@@ -493,6 +564,7 @@ SendOp* FabricTransport::AcquireSendOp(size_t len) {
 
 void FabricTransport::RecycleSendOp(SendOp* op) {
   in_flight_.erase(op);
+  op->owned.reset();
   if (free_ops_.size() < kMaxCachedSendOps) {
     free_ops_.emplace_back(op);
   } else {
@@ -501,6 +573,69 @@ void FabricTransport::RecycleSendOp(SendOp* op) {
 }
 
 absl::Status FabricTransport::Send(PeerId peer, const void* data, size_t len) {
+  return SendImpl(peer, static_cast<const char*>(data), len, nullptr);
+}
+
+absl::Status FabricTransport::SendShared(
+    PeerId peer, std::shared_ptr<const std::string> message) {
+  if (message == nullptr) {
+    return absl::InvalidArgumentError("SendShared: null message");
+  }
+  const char* data = message->data();
+  const size_t len = message->size();
+  if (options_.zero_copy_threshold == 0 || len < options_.zero_copy_threshold) {
+    return SendImpl(peer, data, len, nullptr);
+  }
+  return SendImpl(peer, data, len, std::move(message));
+}
+
+absl::Status FabricTransport::InjectSend(fi_addr_t fi_addr,
+                                         const std::string& name,
+                                         const char* data, size_t len,
+                                         absl::Time deadline) {
+  absl::Duration backoff = kMinPollBackoff;
+  for (;;) {
+    ssize_t rc;
+    {
+      FidLock lock(this);
+      if (closed_) {
+        return absl::UnavailableError(
+            absl::StrCat("send to peer '", name, "': transport is shut down"));
+      }
+      rc = fi_inject(ep_.get(), data, len, fi_addr);
+    }
+    if (rc == 0) break;
+    if (rc != -FI_EAGAIN) {
+      return absl::UnavailableError(absl::StrCat(
+          "send to peer '", name, "': fi_inject failed: ", FiError(rc)));
+    }
+    // The transmit queue is full: reap completions to free it.
+    if (DrainCompletions(/*try_only=*/!OnProgressThread()) > 0) {
+      backoff = kMinPollBackoff;
+      continue;
+    }
+    if (!OnProgressThread()) Wake();
+    if (absl::Now() >= deadline) {
+      return absl::UnavailableError(absl::StrCat(
+          "send to peer '", name, "': transmit queue stayed full for ",
+          options_.send_timeout_ms, " ms"));
+    }
+    absl::SleepFor(backoff);
+    backoff = std::min(backoff * 2, kMaxPollBackoff);
+  }
+  // Manual-progress providers may still have to move the bytes: make sure
+  // the progress thread polls.
+  last_activity_ns_.store(NowNs(), std::memory_order_relaxed);
+  if (!OnProgressThread() &&
+      progress_sleeping_.load(std::memory_order_seq_cst)) {
+    Wake();
+  }
+  return absl::OkStatus();
+}
+
+absl::Status FabricTransport::SendImpl(
+    PeerId peer, const char* data, size_t len,
+    std::shared_ptr<const std::string> owned) {
   if (len > options_.max_message_size) {
     return absl::InvalidArgumentError(
         absl::StrCat("message of ", len, " bytes exceeds the maximum of ",
@@ -518,10 +653,17 @@ absl::Status FabricTransport::Send(PeerId peer, const void* data, size_t len) {
   }
   const absl::Time deadline =
       absl::Now() + absl::Milliseconds(options_.send_timeout_ms);
+  if (len > 0 && len <= inject_size_) return InjectSend(fi_addr, name, data, len, deadline);
 
-  SendOp* op = AcquireSendOp(len);
+  SendOp* op = AcquireSendOp(owned != nullptr ? 0 : len);
   op->peer = peer;
-  if (len > 0) std::memcpy(op->buffer.get(), data, len);
+  const char* payload = op->buffer.get();
+  if (owned != nullptr) {
+    op->owned = std::move(owned);
+    payload = data;
+  } else if (len > 0) {
+    std::memcpy(op->buffer.get(), data, len);
+  }
   {
     absl::MutexLock lock(&send_mu_);
     in_flight_.insert(op);
@@ -538,7 +680,7 @@ absl::Status FabricTransport::Send(PeerId peer, const void* data, size_t len) {
             absl::StrCat("send to peer '", name, "': transport is shut down"));
         break;
       }
-      rc = fi_send(ep_.get(), op->buffer.get(), len, nullptr, fi_addr,
+      rc = fi_send(ep_.get(), payload, len, nullptr, fi_addr,
                    &op->op.context);
     }
     if (rc == 0) break;
@@ -548,11 +690,11 @@ absl::Status FabricTransport::Send(PeerId peer, const void* data, size_t len) {
       break;
     }
     // The transmit queue is full: reap completions to free it.
-    if (OnProgressThread()) {
-      DrainCompletions(/*defer_receives=*/true);
-    } else {
-      Wake();
+    if (DrainCompletions(/*try_only=*/!OnProgressThread()) > 0) {
+      backoff = kMinPollBackoff;
+      continue;
     }
+    if (!OnProgressThread()) Wake();
     if (absl::Now() >= deadline) {
       post_status = absl::UnavailableError(absl::StrCat(
           "send to peer '", name, "': transmit queue stayed full for ",
@@ -567,10 +709,12 @@ absl::Status FabricTransport::Send(PeerId peer, const void* data, size_t len) {
     RecycleSendOp(op);
     return post_status;
   }
+  last_activity_ns_.store(NowNs(), std::memory_order_relaxed);
   if (OnProgressThread()) {
     AwaitSendOnProgressThread(op, deadline);
-  } else {
-    // Manual-progress providers move data only when the CQ is read.
+  } else if (!SpinForSend(op, len, deadline)) {
+    // Manual-progress providers move data only when the CQ is read: the
+    // progress thread takes over.
     Wake();
   }
 
@@ -589,17 +733,44 @@ absl::Status FabricTransport::Send(PeerId peer, const void* data, size_t len) {
   return status;
 }
 
+bool FabricTransport::SpinForSend(SendOp* op, size_t len,
+                                  absl::Time deadline) {
+  const int64_t spin_ns = SpinNs(len);
+  if (spin_ns <= 0) return false;
+  const int64_t deadline_ns = absl::ToUnixNanos(deadline);
+  polling_senders_.fetch_add(1, std::memory_order_seq_cst);
+  int64_t spin_until = NowNs() + spin_ns;
+  bool done = false;
+  for (;;) {
+    if (op->done_flag.load(std::memory_order_acquire)) {
+      done = true;
+      break;
+    }
+    if (DrainCompletions(/*try_only=*/true) > 0) {
+      spin_until = NowNs() + spin_ns;
+      continue;
+    }
+    const int64_t now = NowNs();
+    if (now >= spin_until || now >= deadline_ns) break;
+    CpuRelax();
+  }
+  polling_senders_.fetch_sub(1, std::memory_order_seq_cst);
+  return done;
+}
+
 void FabricTransport::AwaitSendOnProgressThread(SendOp* op,
                                                 absl::Time deadline) {
   absl::Duration backoff = kMinPollBackoff;
+  const int64_t spin_ns = SpinNs(0);
+  int64_t spin_until = NowNs() + spin_ns;
   for (;;) {
-    {
-      absl::MutexLock lock(&send_mu_);
-      if (op->done) return;
-    }
+    if (op->done_flag.load(std::memory_order_acquire)) return;
     if (absl::Now() >= deadline) return;
-    if (DrainCompletions(/*defer_receives=*/true) > 0) {
+    if (DrainCompletions(/*try_only=*/false) > 0) {
       backoff = kMinPollBackoff;
+      spin_until = NowNs() + spin_ns;
+    } else if (NowNs() < spin_until) {
+      CpuRelax();
     } else {
       absl::SleepFor(backoff);
       backoff = std::min(backoff * 2, kMaxPollBackoff);
@@ -642,17 +813,29 @@ void FabricTransport::ProgressLoop() {
                             std::memory_order_release);
   absl::Duration backoff = kMinPollBackoff;
   absl::Time last_completion = absl::Now();
+  const int64_t spin_ns = SpinNs(0);
+  uint32_t idle_spins = 0;
   while (!stop_.load(std::memory_order_acquire)) {
     RetryPendingReceives();
-    if (!deferred_receives_.empty()) {
-      const auto [slot, len] = deferred_receives_.front();
-      deferred_receives_.pop_front();
-      DeliverReceived(slot, len);
-      continue;
-    }
-    if (DrainCompletions(/*defer_receives=*/false) > 0) {
+    if (DeliverOne()) {
       backoff = kMinPollBackoff;
       last_completion = absl::Now();
+      continue;
+    }
+    if (DrainCompletions(/*try_only=*/false) > 0) {
+      backoff = kMinPollBackoff;
+      last_completion = absl::Now();
+      continue;
+    }
+    // Recent traffic and no sender polling: keep polling without sleeping,
+    // letting other runnable threads of the host go first now and then.
+    if (spin_ns > 0 && polling_senders_.load(std::memory_order_relaxed) == 0 &&
+        NowNs() - last_activity_ns_.load(std::memory_order_relaxed) < spin_ns) {
+      if ((++idle_spins & (kSpinsPerYield - 1)) == 0) {
+        sched_yield();
+      } else {
+        CpuRelax();
+      }
       continue;
     }
     if (cq_fd_ >= 0) {
@@ -670,7 +853,16 @@ void FabricTransport::ProgressLoop() {
         cq_fd_ = -1;
       }
     }
-    WaitForWork(backoff);
+    // A sender that queues a receive from now on sees the flag and wakes us;
+    // one queued before is seen here.
+    progress_sleeping_.store(true, std::memory_order_seq_cst);
+    bool queued;
+    {
+      absl::MutexLock lock(&recv_mu_);
+      queued = !received_.empty();
+    }
+    if (!queued) WaitForWork(backoff);
+    progress_sleeping_.store(false, std::memory_order_relaxed);
     const absl::Duration cap = absl::Now() - last_completion > kIdleAfter
                                    ? kIdlePollBackoff
                                    : kMaxPollBackoff;
@@ -698,17 +890,21 @@ void FabricTransport::RetryPendingReceives() {
   }
 }
 
-int FabricTransport::DrainCompletions(bool defer_receives) {
+int FabricTransport::DrainCompletions(bool try_only) {
+  if (try_only) {
+    if (!cq_mu_.TryLock()) return 0;
+  } else {
+    cq_mu_.Lock();
+  }
   int handled = 0;
   for (;;) {
     fi_cq_data_entry entries[kCqBatch];
     ssize_t n;
     {
       FidLock lock(this);
-      if (closed_) return handled;
-      n = fi_cq_read(cq_.get(), entries, kCqBatch);
+      n = closed_ ? -FI_EAGAIN : fi_cq_read(cq_.get(), entries, kCqBatch);
     }
-    if (n == -FI_EAGAIN) return handled;
+    if (n == -FI_EAGAIN) break;
     if (n == -FI_EAVAIL) {
       HandleError();
       ++handled;
@@ -716,33 +912,56 @@ int FabricTransport::DrainCompletions(bool defer_receives) {
     }
     if (n < 0) {
       KLOG(Error, kLogModule) << "fi_cq_read failed: " << FiError(n);
-      return handled;
+      break;
     }
-    // Handlers run without fid_lock_ so that they may call Send().
     for (ssize_t i = 0; i < n; ++i) {
-      HandleCompletion(entries[i].op_context, entries[i].len, defer_receives);
+      HandleCompletion(entries[i].op_context, entries[i].len);
     }
     handled += static_cast<int>(n);
-    // Messages deferred by a Send() inside the handler come before anything
-    // read from now on; the progress loop delivers them first.
-    if (!defer_receives && !deferred_receives_.empty()) return handled;
+  }
+  cq_mu_.Unlock();
+  if (handled > 0) last_activity_ns_.store(NowNs(), std::memory_order_relaxed);
+  return handled;
+}
+
+void FabricTransport::QueueReceived(RecvSlot* slot, size_t len, bool deliver) {
+  {
+    absl::MutexLock lock(&recv_mu_);
+    received_.push_back(Received{slot, len, deliver});
+  }
+  if (!OnProgressThread() &&
+      progress_sleeping_.load(std::memory_order_seq_cst)) {
+    Wake();
   }
 }
 
-void FabricTransport::HandleCompletion(void* op_context, size_t len,
-                                       bool defer_receives) {
+bool FabricTransport::DeliverOne() {
+  Received r;
+  {
+    absl::MutexLock lock(&recv_mu_);
+    if (received_.empty()) return false;
+    r = received_.front();
+    received_.pop_front();
+  }
+  if (r.deliver) {
+    DeliverReceived(r.slot, r.len);
+  } else {
+    const absl::Status status = PostRecv(r.slot);
+    if (!status.ok()) {
+      KLOG(Error, kLogModule) << "re-posting a receive buffer: " << status;
+    }
+  }
+  return true;
+}
+
+void FabricTransport::HandleCompletion(void* op_context, size_t len) {
   if (op_context == nullptr) return;
   const OpContext* op = static_cast<const OpContext*>(op_context);
   if (op->kind == OpKind::kSend) {
     CompleteSend(static_cast<SendOp*>(op->owner), absl::OkStatus());
     return;
   }
-  RecvSlot* slot = static_cast<RecvSlot*>(op->owner);
-  if (defer_receives) {
-    deferred_receives_.emplace_back(slot, len);
-  } else {
-    DeliverReceived(slot, len);
-  }
+  QueueReceived(static_cast<RecvSlot*>(op->owner), len, /*deliver=*/true);
 }
 
 void FabricTransport::DeliverReceived(RecvSlot* slot, size_t len) {
@@ -808,10 +1027,7 @@ void FabricTransport::HandleError() {
   } else {
     KLOG(Error, kLogModule) << "receive failed: " << detail;
   }
-  const absl::Status status = PostRecv(slot);
-  if (!status.ok()) {
-    KLOG(Error, kLogModule) << "re-posting a receive buffer: " << status;
-  }
+  QueueReceived(slot, 0, /*deliver=*/false);
 }
 
 void FabricTransport::CompleteSend(SendOp* op, absl::Status status) {
@@ -822,6 +1038,7 @@ void FabricTransport::CompleteSend(SendOp* op, absl::Status status) {
   }
   op->status = std::move(status);
   op->done = true;
+  op->done_flag.store(true, std::memory_order_release);
 }
 
 void FabricTransport::Shutdown() {
@@ -860,6 +1077,7 @@ void FabricTransport::Shutdown() {
       op->status = absl::UnavailableError(
           "transport shut down before the send completed");
       op->done = true;
+      op->done_flag.store(true, std::memory_order_release);
     }
   }
 }

@@ -104,6 +104,8 @@ struct Layer {
   bool has_indexer = false;
   LinearWeight iq, ik, iw;
   std::vector<float> ik_norm_w, ik_norm_b;
+  // GQA (gqa_block, gqa_dense); o_proj as above. Block indexer projections.
+  LinearWeight q_proj, k_proj, v_proj, index_q, index_k;
   // FFN
   bool moe = false;
   Ffn dense;
@@ -126,6 +128,65 @@ Ffn MakeFfn(const ModelFiles& f, const std::string& prefix) {
   ffn.up = Lin(f, prefix + "up_proj.weight");
   ffn.down = Lin(f, prefix + "down_proj.weight");
   return ffn;
+}
+
+// GQA projections for one layer (MODEL.md "gqa_block", "gqa_dense"):
+// q = W_q x [H, d], k, v = W_k x, W_v x [Hkv, d]; q and k roped with
+// interleaved pairs over the whole head_dim at the absolute position. For
+// gqa_block also q_i = W_iq x [H, Di] and k_i = W_ik x [Hkv, Di], not
+// roped. Fills the traffic (q: [q | q_i] per head in fp32; kv: k | v | k_i
+// in bf16), runs the backend and applies o_proj to the H x d outputs.
+absl::Status GqaAttentionImpl(const ModelConfig& c, const AttnShapes& s,
+                              const Layer& L, const std::vector<Segment>& segs,
+                              const std::vector<int64_t>& pos,
+                              const std::vector<float>& xn,
+                              AttentionBackend* backend, int layer,
+                              LayerTraffic* t, std::vector<float>* attn) {
+  const int N = static_cast<int>(pos.size());
+  const int H = s.heads, hkv = s.kv_heads, d = s.head_dim;
+  const int di = s.block_index_dim;
+  std::vector<float> q(size_t(N) * H * d), k(size_t(N) * hkv * d),
+      v(size_t(N) * hkv * d), qi, ki;
+  L.q_proj.Apply(xn.data(), N, q.data());
+  L.k_proj.Apply(xn.data(), N, k.data());
+  L.v_proj.Apply(xn.data(), N, v.data());
+  if (di > 0) {
+    qi.resize(size_t(N) * H * di);
+    ki.resize(size_t(N) * hkv * di);
+    L.index_q.Apply(xn.data(), N, qi.data());
+    L.index_k.Apply(xn.data(), N, ki.data());
+  }
+  t->has_indexer = false;
+  t->q.resize(size_t(N) * H * s.q_dim);
+  t->kv.resize(size_t(N) * s.kv_dim);
+  t->out.resize(size_t(N) * H * s.out_dim);
+  std::vector<float> cs(d / 2), sn(d / 2);
+  for (int r = 0; r < N; ++r) {
+    RopeTable(c.rope_theta, d, pos[r], cs.data(), sn.data());
+    for (int h = 0; h < H; ++h) {
+      float* qh = &q[(size_t(r) * H + h) * d];
+      RopeInterleaved(qh, d, cs.data(), sn.data());
+      float* dst = &t->q[(size_t(r) * H + h) * s.q_dim];
+      std::memcpy(dst, qh, sizeof(float) * d);
+      if (di > 0) {
+        std::memcpy(dst + d, &qi[(size_t(r) * H + h) * di],
+                    sizeof(float) * di);
+      }
+    }
+    uint16_t* kv = &t->kv[size_t(r) * s.kv_dim];
+    for (int g = 0; g < hkv; ++g) {
+      RopeInterleaved(&k[(size_t(r) * hkv + g) * d], d, cs.data(), sn.data());
+    }
+    FloatToBf16(&k[size_t(r) * hkv * d], size_t(hkv) * d, kv);
+    FloatToBf16(&v[size_t(r) * hkv * d], size_t(hkv) * d, kv + hkv * d);
+    if (di > 0) {
+      FloatToBf16(&ki[size_t(r) * hkv * di], size_t(hkv) * di,
+                  kv + 2 * hkv * d);
+    }
+  }
+  RETURN_IF_ERROR(backend->RunLayer(layer, segs, t));
+  L.o_proj.Apply(t->out.data(), N, attn->data());
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -174,11 +235,7 @@ const AttnShapes& ModelRunner::shapes() const { return impl_->shapes; }
 absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
     const ModelFiles& f) {
   const ModelConfig& c = f.config;
-  if (c.attention.type != AttentionType::kMlaDsa) {
-    return absl::UnimplementedError(absl::StrCat(
-        "attention type '", AttentionTypeName(c.attention.type),
-        "' is not served by this build yet; only mla_dsa is"));
-  }
+  const bool gqa = c.attention.type != AttentionType::kMlaDsa;
   for (const TensorSpec& spec : ExpectedTensors(c)) {
     if (f.tensors.find(spec.name) == f.tensors.end()) {
       return absl::InvalidArgumentError(
@@ -200,30 +257,41 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
     Layer L;
     L.in_norm = Vec(f, p + "input_layernorm.weight");
     L.post_norm = Vec(f, p + "post_attention_layernorm.weight");
-    L.q_a = Lin(f, a + "q_a_proj.weight");
-    L.q_a_norm = Vec(f, a + "q_a_layernorm.weight");
-    L.q_b = Lin(f, a + "q_b_proj.weight");
-    L.kv_a = Lin(f, a + "kv_a_proj_with_mqa.weight");
-    L.kv_a_norm = Vec(f, a + "kv_a_layernorm.weight");
-    L.o_proj = Lin(f, a + "o_proj.weight");
-    const Tensor& kvb = f.at(a + "kv_b_proj.weight");  // [H*(nope+v), lora]
-    for (int h = 0; h < H; ++h) {
-      const float* base = kvb.data.data() + size_t(h) * (nope + v) * lora;
-      std::vector<float> ukt(size_t(lora) * nope);
-      for (int i = 0; i < nope; ++i)
-        for (int j = 0; j < lora; ++j)
-          ukt[size_t(j) * nope + i] = base[size_t(i) * lora + j];
-      L.uk_t.emplace_back(ukt.data(), lora, nope);
-      L.uv.emplace_back(base + size_t(nope) * lora, v, lora);
-    }
-    L.has_indexer = c.HasIndexer(l);
-    if (L.has_indexer) {
-      L.iq = Lin(f, a + "indexer.wq_b.weight");
-      L.ik = Lin(f, a + "indexer.wk.weight");
-      L.iw = Lin(f, a + "indexer.weights_proj.weight");
-      L.ik_norm_w = Vec(f, a + "indexer.k_norm.weight");
-      L.ik_norm_b = Vec(f, a + "indexer.k_norm.bias");
-    }
+    if (gqa) {
+      L.q_proj = Lin(f, a + "q_proj.weight");
+      L.k_proj = Lin(f, a + "k_proj.weight");
+      L.v_proj = Lin(f, a + "v_proj.weight");
+      L.o_proj = Lin(f, a + "o_proj.weight");
+      if (c.attention.type == AttentionType::kGqaBlock) {
+        L.index_q = Lin(f, a + "index_q_proj.weight");
+        L.index_k = Lin(f, a + "index_k_proj.weight");
+      }
+    } else {
+      L.q_a = Lin(f, a + "q_a_proj.weight");
+      L.q_a_norm = Vec(f, a + "q_a_layernorm.weight");
+      L.q_b = Lin(f, a + "q_b_proj.weight");
+      L.kv_a = Lin(f, a + "kv_a_proj_with_mqa.weight");
+      L.kv_a_norm = Vec(f, a + "kv_a_layernorm.weight");
+      L.o_proj = Lin(f, a + "o_proj.weight");
+      const Tensor& kvb = f.at(a + "kv_b_proj.weight");  // [H*(nope+v), lora]
+      for (int h = 0; h < H; ++h) {
+        const float* base = kvb.data.data() + size_t(h) * (nope + v) * lora;
+        std::vector<float> ukt(size_t(lora) * nope);
+        for (int i = 0; i < nope; ++i)
+          for (int j = 0; j < lora; ++j)
+            ukt[size_t(j) * nope + i] = base[size_t(i) * lora + j];
+        L.uk_t.emplace_back(ukt.data(), lora, nope);
+        L.uv.emplace_back(base + size_t(nope) * lora, v, lora);
+      }
+      L.has_indexer = c.HasIndexer(l);
+      if (L.has_indexer) {
+        L.iq = Lin(f, a + "indexer.wq_b.weight");
+        L.ik = Lin(f, a + "indexer.wk.weight");
+        L.iw = Lin(f, a + "indexer.weights_proj.weight");
+        L.ik_norm_w = Vec(f, a + "indexer.k_norm.weight");
+        L.ik_norm_b = Vec(f, a + "indexer.k_norm.bias");
+      }
+    }  // mla_dsa
     L.moe = c.IsMoeLayer(l);
     const std::string mlp = p + "mlp.";
     if (L.moe) {
@@ -295,88 +363,97 @@ absl::StatusOr<std::vector<std::vector<float>>> ModelRunner::Step(
   t.kv.resize(size_t(N) * s.kv_dim);
   t.out.resize(size_t(N) * H * s.out_dim);
 
+  const bool gqa = c.attention.type != AttentionType::kMlaDsa;
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     const Layer& L = m.layers[l];
     for (int r = 0; r < N; ++r) {
       RmsNorm(&x[size_t(r) * D], D, L.in_norm.data(), eps, &xn[size_t(r) * D]);
     }
-    // Queries: q_a -> RMSNorm -> q_b, per head [nope | rope].
-    const int ql = L.q_a.out();
-    qa.resize(size_t(N) * ql);
-    qr.resize(size_t(N) * ql);
-    L.q_a.Apply(xn.data(), N, qa.data());
-    for (int r = 0; r < N; ++r) {
-      RmsNorm(&qa[size_t(r) * ql], ql, L.q_a_norm.data(), eps,
-              &qr[size_t(r) * ql]);
-    }
-    q.resize(size_t(N) * H * qh);
-    L.q_b.Apply(qr.data(), N, q.data());
-    // Latent KV: [c | k_pe].
-    kva.resize(size_t(N) * (lora + rope));
-    L.kv_a.Apply(xn.data(), N, kva.data());
-    for (int r = 0; r < N; ++r) {
-      float* row = &kva[size_t(r) * (lora + rope)];
-      std::vector<float> cn(lora);
-      RmsNorm(row, lora, L.kv_a_norm.data(), eps, cn.data());
-      std::memcpy(row, cn.data(), sizeof(float) * lora);
-      const float* cs = &rc[size_t(r) * (rope / 2)];
-      const float* sn = &rs[size_t(r) * (rope / 2)];
-      RopeInterleaved(row + lora, rope, cs, sn);
-      FloatToBf16(row, lora + rope, &t.kv[size_t(r) * s.kv_dim]);
-      for (int h = 0; h < H; ++h) {
-        float* qpe = &q[(size_t(r) * H + h) * qh + nope];
-        RopeInterleaved(qpe, rope, cs, sn);
-        std::memcpy(&t.q[(size_t(r) * H + h) * s.q_dim + lora], qpe,
-                    sizeof(float) * rope);
-      }
-    }
-    // Absorbed query: q_abs[h] = W_UK[h]^T q_nope[h].
-    for (int h = 0; h < H; ++h) {
-      L.uk_t[h].Apply(&q[size_t(h) * qh], H * qh, N,
-                      &t.q[size_t(h) * s.q_dim], H * s.q_dim);
-    }
-    // DSA indexer (Index-Build).
-    t.has_indexer = L.has_indexer;
-    if (L.has_indexer) {
-      t.index_q_codes.resize(size_t(N) * Hi * Di);
-      t.index_q_scales.resize(size_t(N) * Hi);
-      t.index_weights.resize(size_t(N) * Hi);
-      t.index_k_codes.resize(size_t(N) * Di);
-      t.index_k_scales.resize(N);
-      qi.resize(size_t(N) * Hi * Di);
-      ki.resize(size_t(N) * Di);
-      iw.resize(size_t(N) * Hi);
-      L.iq.Apply(qr.data(), N, qi.data());
-      L.ik.Apply(xn.data(), N, ki.data());
-      L.iw.Apply(xn.data(), N, iw.data());
-      const float wscale = 1.0f / std::sqrt(float(Hi));
+    if (gqa) {
+      attn.resize(size_t(N) * D);
+      RETURN_IF_ERROR(GqaAttentionImpl(c, s, L, segs, pos, xn, backend, l, &t,
+                                       &attn));
+    } else {
+      // Queries: q_a -> RMSNorm -> q_b, per head [nope | rope].
+      const int ql = L.q_a.out();
+      qa.resize(size_t(N) * ql);
+      qr.resize(size_t(N) * ql);
+      L.q_a.Apply(xn.data(), N, qa.data());
       for (int r = 0; r < N; ++r) {
+        RmsNorm(&qa[size_t(r) * ql], ql, L.q_a_norm.data(), eps,
+                &qr[size_t(r) * ql]);
+      }
+      q.resize(size_t(N) * H * qh);
+      L.q_b.Apply(qr.data(), N, q.data());
+      // Latent KV: [c | k_pe].
+      kva.resize(size_t(N) * (lora + rope));
+      L.kv_a.Apply(xn.data(), N, kva.data());
+      for (int r = 0; r < N; ++r) {
+        float* row = &kva[size_t(r) * (lora + rope)];
+        std::vector<float> cn(lora);
+        RmsNorm(row, lora, L.kv_a_norm.data(), eps, cn.data());
+        std::memcpy(row, cn.data(), sizeof(float) * lora);
         const float* cs = &rc[size_t(r) * (rope / 2)];
         const float* sn = &rs[size_t(r) * (rope / 2)];
-        for (int h = 0; h < Hi; ++h) {
-          float* v = &qi[(size_t(r) * Hi + h) * Di];
-          RopeHalfSplit(v, rope, cs, sn);
-          Hadamard(v, Di);
-          t.index_q_scales[size_t(r) * Hi + h] =
-              QuantizeFp8(v, Di, &t.index_q_codes[(size_t(r) * Hi + h) * Di]);
-          t.index_weights[size_t(r) * Hi + h] = iw[size_t(r) * Hi + h] * wscale;
+        RopeInterleaved(row + lora, rope, cs, sn);
+        FloatToBf16(row, lora + rope, &t.kv[size_t(r) * s.kv_dim]);
+        for (int h = 0; h < H; ++h) {
+          float* qpe = &q[(size_t(r) * H + h) * qh + nope];
+          RopeInterleaved(qpe, rope, cs, sn);
+          std::memcpy(&t.q[(size_t(r) * H + h) * s.q_dim + lora], qpe,
+                      sizeof(float) * rope);
         }
-        float* k = &ki[size_t(r) * Di];
-        LayerNorm(k, Di, L.ik_norm_w.data(), L.ik_norm_b.data(), 1e-6f);
-        RopeHalfSplit(k, rope, cs, sn);
-        Hadamard(k, Di);
-        t.index_k_scales[r] = QuantizeFp8(k, Di, &t.index_k_codes[size_t(r) * Di]);
       }
-    }
-    RETURN_IF_ERROR(backend->RunLayer(l, segs, &t));
-    // o[h] = W_UV[h] o_lat[h]; then the output projection and residual.
-    o.resize(size_t(N) * H * vdim);
-    for (int h = 0; h < H; ++h) {
-      L.uv[h].Apply(&t.out[size_t(h) * s.out_dim], H * s.out_dim, N,
-                    &o[size_t(h) * vdim], H * vdim);
-    }
-    attn.resize(size_t(N) * D);
-    L.o_proj.Apply(o.data(), N, attn.data());
+      // Absorbed query: q_abs[h] = W_UK[h]^T q_nope[h].
+      for (int h = 0; h < H; ++h) {
+        L.uk_t[h].Apply(&q[size_t(h) * qh], H * qh, N,
+                        &t.q[size_t(h) * s.q_dim], H * s.q_dim);
+      }
+      // DSA indexer (Index-Build).
+      t.has_indexer = L.has_indexer;
+      if (L.has_indexer) {
+        t.index_q_codes.resize(size_t(N) * Hi * Di);
+        t.index_q_scales.resize(size_t(N) * Hi);
+        t.index_weights.resize(size_t(N) * Hi);
+        t.index_k_codes.resize(size_t(N) * Di);
+        t.index_k_scales.resize(N);
+        qi.resize(size_t(N) * Hi * Di);
+        ki.resize(size_t(N) * Di);
+        iw.resize(size_t(N) * Hi);
+        L.iq.Apply(qr.data(), N, qi.data());
+        L.ik.Apply(xn.data(), N, ki.data());
+        L.iw.Apply(xn.data(), N, iw.data());
+        const float wscale = 1.0f / std::sqrt(float(Hi));
+        for (int r = 0; r < N; ++r) {
+          const float* cs = &rc[size_t(r) * (rope / 2)];
+          const float* sn = &rs[size_t(r) * (rope / 2)];
+          for (int h = 0; h < Hi; ++h) {
+            float* v = &qi[(size_t(r) * Hi + h) * Di];
+            RopeHalfSplit(v, rope, cs, sn);
+            Hadamard(v, Di);
+            t.index_q_scales[size_t(r) * Hi + h] =
+                QuantizeFp8(v, Di, &t.index_q_codes[(size_t(r) * Hi + h) * Di]);
+            t.index_weights[size_t(r) * Hi + h] =
+                iw[size_t(r) * Hi + h] * wscale;
+          }
+          float* k = &ki[size_t(r) * Di];
+          LayerNorm(k, Di, L.ik_norm_w.data(), L.ik_norm_b.data(), 1e-6f);
+          RopeHalfSplit(k, rope, cs, sn);
+          Hadamard(k, Di);
+          t.index_k_scales[r] =
+              QuantizeFp8(k, Di, &t.index_k_codes[size_t(r) * Di]);
+        }
+      }
+      RETURN_IF_ERROR(backend->RunLayer(l, segs, &t));
+      // o[h] = W_UV[h] o_lat[h]; then the output projection and residual.
+      o.resize(size_t(N) * H * vdim);
+      for (int h = 0; h < H; ++h) {
+        L.uv[h].Apply(&t.out[size_t(h) * s.out_dim], H * s.out_dim, N,
+                      &o[size_t(h) * vdim], H * vdim);
+      }
+      attn.resize(size_t(N) * D);
+      L.o_proj.Apply(o.data(), N, attn.data());
+    }  // mla_dsa
     for (size_t i = 0; i < x.size(); ++i) x[i] += attn[i];
     // FFN / MoE.
     for (int r = 0; r < N; ++r) {
@@ -475,9 +552,12 @@ struct LocalAttentionBackend::Impl {
   KvLayout layout;
   size_t capacity = 0;
   std::unique_ptr<PageArena> arena;
+  MethodWeights method_weights;
+  std::unique_ptr<SparseAttention> method;  // GQA forms only
   struct Sess {
     std::unique_ptr<SessionCache> cache;
     SelectionState sel;
+    std::unique_ptr<AttentionSessionState> method_state;
   };
   std::map<uint64_t, Sess> sessions;
 };
@@ -498,9 +578,17 @@ LocalAttentionBackend::~LocalAttentionBackend() {
 
 const KvLayout& LocalAttentionBackend::layout() const { return impl_->layout; }
 
+void LocalAttentionBackend::SetMethodWeights(MethodWeights weights) {
+  impl_->method_weights = std::move(weights);
+}
+
 absl::Status LocalAttentionBackend::Init() {
   ASSIGN_OR_RETURN(impl_->arena,
                    PageArena::Create(impl_->capacity, impl_->layout.page_bytes));
+  if (impl_->cfg.attention.type != AttentionType::kMlaDsa) {
+    ASSIGN_OR_RETURN(impl_->method,
+                     NewSparseAttention(impl_->cfg, impl_->method_weights));
+  }
   return absl::OkStatus();
 }
 
@@ -508,6 +596,10 @@ absl::Status LocalAttentionBackend::Reserve(uint64_t session, int tokens) {
   auto& s = impl_->sessions[session];
   if (!s.cache) {
     s.cache = std::make_unique<SessionCache>(&impl_->layout, impl_->arena.get());
+    if (impl_->method != nullptr) {
+      s.method_state = NewAttentionSessionState(*impl_->method,
+                                                impl_->cfg.num_hidden_layers);
+    }
   }
   return s.cache->Reserve(tokens);
 }
@@ -529,6 +621,13 @@ absl::Status LocalAttentionBackend::RunLayer(int layer,
     }
     auto& s = it->second;
     const int n = static_cast<int>(seg.tokens.size());
+    if (impl_->method != nullptr) {
+      RETURN_IF_ERROR(RunAttentionLayer(
+          *impl_->method, layer, seg.pos_start, n,
+          t->AttnFor(int(i), impl_->shapes), seg.ends_prefill, s.cache.get(),
+          s.method_state.get(), t->OutFor(int(i), impl_->shapes)));
+      continue;
+    }
     if (t->has_indexer) {
       RETURN_IF_ERROR(RunIndexer(impl_->shapes, layer, seg.pos_start, n,
                                  t->IndexFor(int(i), impl_->shapes),

@@ -12,19 +12,28 @@
 #include "absl/status/statusor.h"
 #include "common/attention.h"
 #include "common/kv_store.h"
+#include "common/sparse_attention.h"
 #include "common/weights.h"
 
 namespace karat {
 
 // New tokens of one request in a step: positions [pos_start, pos_start + n).
+// `ends_prefill`: the last token is the last of its turn's prefill (the
+// next token of the session is a sampled one); methods that update their
+// metadata once per turn (ClusterKV, MagicPIG) do it then, so the outputs do
+// not depend on how a prefill is cut into segments.
 struct Segment {
   uint64_t session = 0;
   int pos_start = 0;
   std::vector<int32_t> tokens;
+  bool ends_prefill = false;
 };
 
 // One layer's attention traffic for a step, token-major over all segments
-// in order (segment i's tokens start at row `offsets[i]`).
+// in order (segment i's tokens start at row `offsets[i]`). For the GQA forms
+// (AttnShapes.kv_heads > 0) `q` holds [q | q_i] per head (q_dim floats), `kv`
+// the entry k | v | k_i in bf16 and `out` H x head_dim per token; there is no
+// indexer traffic.
 struct LayerTraffic {
   bool has_indexer = false;
   std::vector<int> offsets;
@@ -79,6 +88,10 @@ class LocalAttentionBackend : public AttentionBackend {
   LocalAttentionBackend(const ModelConfig& config, int tokens_per_page,
                         size_t capacity_bytes);
   ~LocalAttentionBackend() override;
+  // Weights the attention method needs (MagicPIG's hyperplanes); call
+  // before Init().
+  void SetMethodWeights(MethodWeights weights);
+  // Creates the arena and, for the GQA forms, the attention method.
   absl::Status Init();
   // Ensures room for `tokens` positions of `session` (creating it).
   absl::Status Reserve(uint64_t session, int tokens);

@@ -22,6 +22,10 @@ absl::StatusOr<std::unique_ptr<ReferenceEngine>> ReferenceEngine::Create(
   ASSIGN_OR_RETURN(e->impl_->runner, ModelRunner::Create(files));
   e->impl_->backend = std::make_unique<LocalAttentionBackend>(
       files.config, options.tokens_per_page, options.capacity_bytes);
+  if (auto it = files.tensors.find("model.lsh_hyperplanes");
+      it != files.tensors.end()) {
+    e->impl_->backend->SetMethodWeights(MethodWeights{it->second.data});
+  }
   RETURN_IF_ERROR(e->impl_->backend->Init());
   return e;
 }
@@ -46,12 +50,16 @@ absl::StatusOr<std::vector<int32_t>> ReferenceEngine::RunTurn(
                         ? impl_->options.prefill_chunk
                         : static_cast<int>(feed.size());
   size_t done = 0;
+  bool decoding = false;
   while (true) {
     Segment seg;
     seg.session = s->key;
     seg.pos_start = s->kv_len;
     const size_t n = std::min(feed.size() - done, size_t(chunk));
     seg.tokens.assign(feed.begin() + done, feed.begin() + done + n);
+    // The prompt's last chunk ends the turn's prefill; a decode step's
+    // single sampled token does not.
+    seg.ends_prefill = !decoding && done + n == feed.size();
     ASSIGN_OR_RETURN(auto logits, impl_->runner->Step({seg}, impl_->backend.get()));
     s->kv_len += static_cast<int>(n);
     done += n;
@@ -63,6 +71,7 @@ absl::StatusOr<std::vector<int32_t>> ReferenceEngine::RunTurn(
     if (tok == c.eos_token_id || int(generated.size()) >= max_new_tokens) break;
     feed.assign(1, tok);
     done = 0;
+    decoding = true;
   }
   return generated;
 }

@@ -9,5 +9,7 @@ include(common/base.cmake)                # logging
 include(common/numerics.cmake OPTIONAL)   # numeric, config, safetensors, weights
 include(common/linear.cmake OPTIONAL)     # batch-invariant linear kernel
 include(common/transport.cmake OPTIONAL)  # libfabric transport, frames
+include(common/link.cmake OPTIONAL)       # link emulation, per-link counters
 include(common/model.cmake OPTIONAL)      # kv store, attention, runner, engine
 include(common/membership.cmake OPTIONAL)
+include(common/attention_methods.cmake)  # GQA attention methods

@@ -38,6 +38,16 @@ class Transport {
   // fully sent before returning, so the caller may reuse it. Fails with
   // UNAVAILABLE when the peer cannot be reached within the configured bound.
   virtual absl::Status Send(PeerId peer, const void* data, size_t len) = 0;
+  // Sends `*message` like Send(), but lets the transport read it in place
+  // instead of copying it where the provider allows (large messages). The
+  // transport keeps its reference until the provider is done with the bytes,
+  // which may outlast a failed (timed-out) call: the caller must not modify
+  // the string while it does not hold the only reference. The default
+  // implementation calls Send().
+  virtual absl::Status SendShared(PeerId peer,
+                                  std::shared_ptr<const std::string> message) {
+    return Send(peer, message->data(), message->size());
+  }
   // Set before the first message can arrive (before publishing the address).
   virtual void SetReceiveHandler(ReceiveHandler handler) = 0;
   virtual size_t MaxMessageSize() const = 0;
@@ -55,6 +65,19 @@ struct FabricOptions {
   int receive_buffers = 16;
   // Send fails with UNAVAILABLE after this long without completion.
   int send_timeout_ms = 10000;
+  // SendShared() hands messages of at least this many bytes to the provider
+  // without copying them (smaller ones are copied, which is cheaper than the
+  // provider's rendezvous). 0 disables it.
+  size_t zero_copy_threshold = 16 << 10;
+  // Messages up to the provider's inject size are handed over with
+  // fi_inject(): the provider copies them at once and Send() does not wait
+  // for a completion (a later delivery failure is then only logged).
+  bool use_inject = true;
+  // After traffic, the progress thread and a waiting sender poll the
+  // completion queue without sleeping for this long (plus the expected
+  // transfer time of a message in flight) before backing off to sleeps; an
+  // idle endpoint costs no CPU. 0 disables spinning.
+  int spin_us = 200;
 };
 
 // Opens a libfabric RDM endpoint with its progress thread. The thread blocks

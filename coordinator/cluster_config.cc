@@ -1,5 +1,7 @@
 #include "coordinator/cluster_config.h"
 
+#include <cmath>
+
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -36,6 +38,21 @@ absl::Status Invalid(const std::string& field, const std::string& problem) {
 }
 
 }  // namespace
+
+absl::Status ValidateLinkConfig(const cluster::LinkConfig& l,
+                                const std::string& f) {
+  if (l.source().empty())
+    return Invalid(f + ".source", "must be a node name or *");
+  if (l.destination().empty())
+    return Invalid(f + ".destination", "must be a node name or *");
+  if (l.latency_us() < 0) return Invalid(f + ".latency_us", "must be >= 0");
+  if (l.jitter_us() < 0) return Invalid(f + ".jitter_us", "must be >= 0");
+  if (!(l.bandwidth_mbps() >= 0) || std::isinf(l.bandwidth_mbps()))
+    return Invalid(f + ".bandwidth_mbps", "must be >= 0 and finite");
+  if (!(l.loss() >= 0 && l.loss() <= 1))
+    return Invalid(f + ".loss", "must be within [0, 1]");
+  return absl::OkStatus();
+}
 
 absl::Status ValidateClusterConfig(const cluster::ClusterConfig& config) {
   const auto& c = config.coordinator();
@@ -75,6 +92,11 @@ absl::Status ValidateClusterConfig(const cluster::ClusterConfig& config) {
         return Invalid(df + ".capacity_bytes", "must be > 0");
       if (k.devices(d).cores() < 0) return Invalid(df + ".cores", "must be >= 0");
     }
+  }
+  for (int i = 0; i < config.links_size(); ++i) {
+    absl::Status link =
+        ValidateLinkConfig(config.links(i), absl::StrCat("links[", i, "]"));
+    if (!link.ok()) return link;
   }
   return absl::OkStatus();
 }

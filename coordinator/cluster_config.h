@@ -26,4 +26,10 @@ absl::StatusOr<cluster::ClusterConfig> LoadClusterConfig(
 // capacity_bytes: must be > 0").
 absl::Status ValidateClusterConfig(const cluster::ClusterConfig& config);
 
+// Checks one link-emulation rule (names not empty, latency, jitter and
+// bandwidth >= 0, loss within [0, 1]); `field` prefixes the message
+// ("links[2].loss: must be within [0, 1]").
+absl::Status ValidateLinkConfig(const cluster::LinkConfig& link,
+                                const std::string& field);
+
 }  // namespace karat::coordinator

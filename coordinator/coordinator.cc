@@ -4,6 +4,7 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <map>
@@ -19,6 +20,7 @@
 #include "cluster.grpc.pb.h"
 #include "common/log.h"
 #include "common/tokenizer.h"
+#include "coordinator/cluster_config.h"
 #include "coordinator/placement.h"
 #include "karat.grpc.pb.h"
 
@@ -71,7 +73,8 @@ grpc::Status ToGrpc(const absl::Status& s) {
 // history stable meanwhile).
 class State {
  public:
-  explicit State(const Options& options) : options_(options) {}
+  explicit State(const Options& options)
+      : links_(options.links), options_(options) {}
 
   absl::Time Now() const { return options_.now ? options_.now() : absl::Now(); }
   const Options& options() const { return options_; }
@@ -108,9 +111,172 @@ class State {
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   int active_generations_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t tokens_generated_ ABSL_GUARDED_BY(mu_) = 0;
+  // Link-emulation rules (Admin API), pushed to every node.
+  std::vector<cl::LinkConfig> links_ ABSL_GUARDED_BY(mu_);
+  // Incremented on every change of the table or of the membership; a push
+  // carries the version it was built from.
+  uint64_t links_version_ ABSL_GUARDED_BY(mu_) = 0;
 
  private:
   const Options options_;
+};
+
+// ---------------------------------------------------------------------------
+// Link emulation: pushes the rule table to nodes (GpuNode/KaratNode
+// SetLinks), with each node's name by id so that rules can use names.
+
+struct LinkPushTarget {
+  std::string name;
+  NodeRole role;
+  std::shared_ptr<grpc::Channel> channel;
+};
+
+// Builds the request and the alive targets. Requires s->mu_.
+cl::SetLinksRequest LinkPushLocked(State* s, std::vector<LinkPushTarget>* targets)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu_) {
+  cl::SetLinksRequest req;
+  for (const auto& l : s->links_) *req.add_links() = l;
+  req.set_seed(s->options().link_seed);
+  for (const auto& [id, n] : s->nodes_) {
+    (*req.mutable_node_names())[id] = n.name;
+    if (s->AliveLocked(n)) targets->push_back({n.name, n.role, n.channel});
+  }
+  return req;
+}
+
+// Sends `req` to every target; returns "name: reason" for each failure.
+std::vector<std::string> PushLinks(const cl::SetLinksRequest& req,
+                                   const std::vector<LinkPushTarget>& targets,
+                                   int timeout_ms) {
+  std::vector<std::string> failed;
+  for (const LinkPushTarget& t : targets) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() +
+                                        absl::Milliseconds(timeout_ms)));
+    cl::SetLinksResponse resp;
+    grpc::Status st;
+    if (t.role == NodeRole::kGpu) {
+      st = cl::GpuNode::NewStub(t.channel)->SetLinks(&ctx, req, &resp);
+    } else {
+      st = cl::KaratNode::NewStub(t.channel)->SetLinks(&ctx, req, &resp);
+    }
+    if (!st.ok()) {
+      KLOG(Warning, kLog) << "cannot push link settings to " << t.name << ": "
+                          << st.error_message();
+      failed.push_back(absl::StrCat(t.name, ": ", st.error_message()));
+    }
+  }
+  return failed;
+}
+
+// Pushes the table in the background after registrations (a node that just
+// registered, and the KARAT nodes that must learn its name).
+class LinkPusher {
+ public:
+  explicit LinkPusher(State* s) : s_(s), thread_([this] { Loop(); }) {}
+  ~LinkPusher() { Stop(); }
+
+  void Request() {
+    absl::MutexLock lock(&mu_);
+    pending_ = true;
+  }
+
+  void Stop() {
+    {
+      absl::MutexLock lock(&mu_);
+      if (stop_) return;
+      stop_ = true;
+    }
+    thread_.join();
+  }
+
+ private:
+  void Loop() {
+    for (;;) {
+      {
+        absl::MutexLock lock(&mu_);
+        auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return pending_ || stop_;
+        };
+        mu_.Await(absl::Condition(&ready));
+        if (stop_) return;
+        pending_ = false;
+      }
+      // Give a node that just registered a moment to serve its RPCs.
+      absl::SleepFor(absl::Milliseconds(100));
+      std::vector<LinkPushTarget> targets;
+      cl::SetLinksRequest req;
+      {
+        absl::MutexLock lock(&s_->mu_);
+        if (s_->links_.empty()) continue;
+        req = LinkPushLocked(s_, &targets);
+      }
+      PushLinks(req, targets, s_->options().node_call_timeout_ms);
+    }
+  }
+
+  State* const s_;
+  absl::Mutex mu_;
+  bool pending_ ABSL_GUARDED_BY(mu_) = false;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
+// karat.cluster.Admin: link emulation at run time.
+class AdminService final : public cl::Admin::Service {
+ public:
+  explicit AdminService(State* state) : s_(state) {}
+
+  grpc::Status SetLink(grpc::ServerContext*, const cl::SetLinkRequest* req,
+                       cl::SetLinkResponse* resp) override {
+    const absl::Status valid = ValidateLinkConfig(req->link(), "link");
+    if (!valid.ok()) return ToGrpc(valid);
+    const cl::LinkConfig& link = req->link();
+    std::vector<LinkPushTarget> targets;
+    cl::SetLinksRequest push;
+    {
+      absl::MutexLock lock(&s_->mu_);
+      auto& links = s_->links_;
+      auto it = std::find_if(links.begin(), links.end(), [&](const auto& l) {
+        return l.source() == link.source() &&
+               l.destination() == link.destination();
+      });
+      if (req->remove()) {
+        if (it == links.end()) {
+          return grpc::Status(
+              grpc::StatusCode::NOT_FOUND,
+              absl::StrCat("no link rule ", link.source(), " -> ",
+                           link.destination()));
+        }
+        links.erase(it);
+      } else if (it != links.end()) {
+        *it = link;
+      } else {
+        links.push_back(link);
+      }
+      ++s_->links_version_;
+      push = LinkPushLocked(s_, &targets);
+      for (const auto& l : links) *resp->add_links() = l;
+    }
+    KLOG(Info, kLog) << (req->remove() ? "link rule removed: " : "link rule set: ")
+                     << link.ShortDebugString();
+    for (std::string& f :
+         PushLinks(push, targets, s_->options().node_call_timeout_ms)) {
+      resp->add_not_applied(std::move(f));
+    }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status GetLinks(grpc::ServerContext*, const cl::GetLinksRequest*,
+                        cl::GetLinksResponse* resp) override {
+    absl::MutexLock lock(&s_->mu_);
+    for (const auto& l : s_->links_) *resp->add_links() = l;
+    resp->set_seed(s_->options().link_seed);
+    return grpc::Status::OK;
+  }
+
+ private:
+  State* s_;
 };
 
 // ---------------------------------------------------------------------------
@@ -119,6 +285,9 @@ class State {
 class MembershipService final : public cl::Coordinator::Service {
  public:
   explicit MembershipService(State* state) : s_(state) {}
+
+  // Told after every registration (pushes the link table).
+  void set_link_pusher(LinkPusher* pusher) { pusher_ = pusher; }
 
   grpc::Status RegisterNode(grpc::ServerContext*,
                             const cl::RegisterNodeRequest* req,
@@ -180,6 +349,7 @@ class MembershipService final : public cl::Coordinator::Service {
     resp->set_node_id(n.id);
     resp->set_heartbeat_interval_ms(s_->options().heartbeat_interval_ms);
     s_->nodes_.emplace(n.id, std::move(n));
+    if (pusher_ != nullptr && !s_->links_.empty()) pusher_->Request();
     return grpc::Status::OK;
   }
 
@@ -202,6 +372,7 @@ class MembershipService final : public cl::Coordinator::Service {
 
  private:
   State* s_;
+  LinkPusher* pusher_ = nullptr;
 };
 
 // ---------------------------------------------------------------------------
@@ -735,7 +906,13 @@ grpc::Status KaratService::Generate(
 class CoordinatorImpl final : public Coordinator {
  public:
   explicit CoordinatorImpl(const Options& options)
-      : state_(options), karat_(&state_), membership_(&state_) {}
+      : state_(options),
+        karat_(&state_),
+        membership_(&state_),
+        admin_(&state_),
+        link_pusher_(&state_) {
+    membership_.set_link_pusher(&link_pusher_);
+  }
   ~CoordinatorImpl() override { Shutdown(absl::Seconds(5)); }
 
   absl::Status Init() {
@@ -747,6 +924,7 @@ class CoordinatorImpl final : public Coordinator {
                              grpc::InsecureServerCredentials(), &port);
     builder.RegisterService(&karat_);
     builder.RegisterService(&membership_);
+    builder.RegisterService(&admin_);
     server_ = builder.BuildAndStart();
     if (server_ == nullptr || port == 0) {
       return absl::UnavailableError(
@@ -776,6 +954,7 @@ class CoordinatorImpl final : public Coordinator {
       server_->Shutdown(absl::ToChronoTime(absl::Now() + deadline));
       server_->Wait();
     }
+    link_pusher_.Stop();
     KLOG(Info, kLog) << "shut down";
   }
 
@@ -787,6 +966,8 @@ class CoordinatorImpl final : public Coordinator {
   State state_;
   KaratService karat_;
   MembershipService membership_;
+  AdminService admin_;
+  LinkPusher link_pusher_;
   std::unique_ptr<grpc::Server> server_;
   std::string address_;
   absl::Mutex shutdown_mu_;

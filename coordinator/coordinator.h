@@ -16,9 +16,11 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "cluster.pb.h"
 
 namespace karat::coordinator {
 
@@ -34,6 +36,12 @@ struct Options {
   int node_timeout_ms = 5000;
   // Deadline of each control call to a node (Reserve, FreeSession).
   int node_call_timeout_ms = 10000;
+  // Link emulation in force from the start (ClusterConfig.links) and the seed
+  // of its draws; changed at run time through karat.cluster.Admin, which the
+  // same server offers. The table is pushed to every node (SetLinks) when it
+  // changes and when a node registers, as long as it is not empty.
+  std::vector<cluster::LinkConfig> links;
+  uint64_t link_seed = 1;
   // The clock (a seam for tests). Defaults to absl::Now.
   std::function<absl::Time()> now;
 };

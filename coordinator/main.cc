@@ -89,6 +89,8 @@ int main(int argc, char** argv) {
     if (c.heartbeat_interval_ms() > 0)
       options.heartbeat_interval_ms = c.heartbeat_interval_ms();
     if (c.node_timeout_ms() > 0) options.node_timeout_ms = c.node_timeout_ms();
+    options.links.assign(config->links().begin(), config->links().end());
+    if (config->link_seed() != 0) options.link_seed = config->link_seed();
   }
   if (!listen.empty()) options.listen = listen;
   if (max_new_tokens_limit > 0) options.max_new_tokens_limit = max_new_tokens_limit;

@@ -281,6 +281,7 @@ void DecodeLoop::RunStep(std::vector<std::shared_ptr<Request>>* active) {
     if (r.state == RequestState::kPrefill) {
       seg.tokens.assign(r.turn.feed_tokens.begin() + r.fed,
                         r.turn.feed_tokens.begin() + r.fed + chunk[i]);
+      seg.ends_prefill = r.fed + chunk[i] == r.turn.feed_tokens.size();
     } else {
       seg.tokens.push_back(r.next_token);
     }

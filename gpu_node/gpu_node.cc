@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "cluster.grpc.pb.h"
+#include "common/link_emulation.h"
 #include "common/log.h"
 #include "common/membership.h"
 #include "common/model_runner.h"
@@ -103,6 +104,21 @@ class GpuNodeService final : public cluster::GpuNode::Service {
     return grpc::Status::OK;
   }
 
+  grpc::Status SetLinks(grpc::ServerContext*,
+                        const cluster::SetLinksRequest* request,
+                        cluster::SetLinksResponse*) override {
+    if (links_ == nullptr) {
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "no data plane");
+    }
+    absl::StatusOr<std::vector<LinkRule>> rules =
+        LinkRulesFromProto(request->links());
+    if (!rules.ok()) return ToGrpc(rules.status());
+    if (request->seed() != 0) links_->SetSeed(request->seed());
+    return ToGrpc(links_->SetLinks(*std::move(rules)));
+  }
+
+  void set_links(LinkEmulator* links) { links_ = links; }
+
   void Fill(google::protobuf::Map<std::string, double>* stats) const {
     const DecodeStats s = loop_->stats();
     (*stats)["steps"] = double(s.steps);
@@ -117,9 +133,11 @@ class GpuNodeService final : public cluster::GpuNode::Service {
     (*stats)["data_bytes_sent"] = double(backend_->bytes_sent());
     (*stats)["data_bytes_received"] = double(backend_->bytes_received());
     (*stats)["frames_invalid"] = double(backend_->frames_invalid());
+    if (links_ != nullptr) links_->stats()->ExportTo(stats);
   }
 
  private:
+  LinkEmulator* links_ = nullptr;
   DecodeLoop* const loop_;
   const RemoteAttentionBackend* const backend_;
   const int vocab_size_;
@@ -143,6 +161,7 @@ struct GpuNodeDaemon::Impl {
   std::unique_ptr<ModelRunner> runner;
   std::string fingerprint;
   std::unique_ptr<Transport> transport;
+  LinkEmulator* links = nullptr;  // == transport
   std::unique_ptr<RemoteAttentionBackend> backend;
   std::unique_ptr<DecodeLoop> loop;
   std::unique_ptr<GpuNodeService> service;
@@ -187,6 +206,7 @@ absl::StatusOr<std::unique_ptr<GpuNodeDaemon>> GpuNodeDaemon::Start(
   FabricOptions fabric;
   fabric.provider = options.provider;
   fabric.node = options.fabric_node;
+  fabric.send_timeout_ms = options.send_timeout_ms;
   absl::StatusOr<std::unique_ptr<Transport>> transport =
       OpenFabricTransport(fabric);
   if (!transport.ok()) {
@@ -194,7 +214,13 @@ absl::StatusOr<std::unique_ptr<GpuNodeDaemon>> GpuNodeDaemon::Start(
                         absl::StrCat("data plane (provider ", options.provider,
                                      "): ", transport.status().message()));
   }
-  impl->transport = std::move(transport).value();
+  // Link emulation and per-link counters; rules arrive from the coordinator.
+  LinkEmulatorOptions link_options;
+  link_options.local_name = options.name;
+  auto links = std::make_unique<LinkEmulator>(std::move(transport).value(),
+                                              link_options);
+  impl->links = links.get();
+  impl->transport = std::move(links);
   RemoteAttentionOptions remote;
   remote.timeout = options.attention_timeout;
   impl->backend = std::make_unique<RemoteAttentionBackend>(
@@ -212,6 +238,7 @@ absl::StatusOr<std::unique_ptr<GpuNodeDaemon>> GpuNodeDaemon::Start(
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   impl->service = std::make_unique<GpuNodeService>(
       impl->loop.get(), impl->backend.get(), impl->runner->config().vocab_size);
+  impl->service->set_links(impl->links);
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(),

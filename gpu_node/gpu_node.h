@@ -34,6 +34,8 @@ struct GpuNodeOptions {
   // When set, the bound gRPC address is written here once listening.
   std::string port_file;
   absl::Duration attention_timeout = absl::Seconds(30);
+  // A data-plane send fails with UNAVAILABLE after this long.
+  int send_timeout_ms = 10000;
   absl::Duration heartbeat_interval = absl::Seconds(1);
 };
 

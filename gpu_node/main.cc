@@ -16,7 +16,8 @@ constexpr char kUsage[] =
     "usage: karat-gpu-node --model DIR [--coordinator HOST:PORT]\n"
     "  [--listen HOST:PORT] [--name NAME] [--provider shm|tcp]\n"
     "  [--fabric-node ADDR] [--max-step-tokens N] [--max-batch N]\n"
-    "  [--threads N] [--attention-timeout-ms N] [--port-file PATH]\n"
+    "  [--threads N] [--attention-timeout-ms N] [--send-timeout-ms N]\n"
+    "  [--port-file PATH]\n"
     "  [--log-level debug|info|warning|error]\n";
 
 [[noreturn]] void BadFlag(const std::string& flag, const std::string& why) {
@@ -75,6 +76,8 @@ karat::GpuNodeOptions ParseFlags(int argc, char** argv) {
       o.threads = PositiveInt(flag, value);
     } else if (flag == "--attention-timeout-ms") {
       o.attention_timeout = absl::Milliseconds(PositiveInt(flag, value));
+    } else if (flag == "--send-timeout-ms") {
+      o.send_timeout_ms = PositiveInt(flag, value);
     } else if (flag == "--port-file") {
       o.port_file = value;
     } else if (flag == "--log-level") {

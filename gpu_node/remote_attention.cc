@@ -324,10 +324,17 @@ absl::Status RemoteAttentionBackend::RunLayer(int layer,
     if (sent.ok()) {
       const AttnInputs in = traffic->AttnFor(int(i), s);
       header.type = static_cast<uint16_t>(FrameType::kAttnQKV);
-      sent = m.Send(
-          peers[i], node, header,
-          {Bytes(in.q, n * size_t(s.heads) * size_t(s.q_dim) * sizeof(float)),
-           Bytes(in.kv, n * size_t(s.kv_dim) * sizeof(uint16_t))});
+      std::vector<std::string_view> sections = {
+          Bytes(in.q, n * size_t(s.heads) * size_t(s.q_dim) * sizeof(float)),
+          Bytes(in.kv, n * size_t(s.kv_dim) * sizeof(uint16_t))};
+      // The optional flags section of the GQA forms
+      // (karat_node/data_plane.h): bit 0 marks the end of the turn's
+      // prefill; sent only when set, so every other frame stays as it was.
+      static constexpr uint32_t kEndsPrefill = 1;
+      if (segs[i].ends_prefill && s.kv_heads > 0) {
+        sections.push_back(Bytes(&kEndsPrefill, sizeof(kEndsPrefill)));
+      }
+      sent = m.Send(peers[i], node, header, sections);
     }
     if (!sent.ok()) {
       clear_pending();

@@ -22,9 +22,19 @@ absl::StatusOr<std::unique_ptr<DataPlaneHandler>> DataPlaneHandler::Create(
   }
   std::unique_ptr<DataPlaneHandler> handler(
       new DataPlaneHandler(config, transport));
+  // One attention method for every device (the GQA forms; mla_dsa runs
+  // RunIndexer/RunAttention).
+  std::shared_ptr<const SparseAttention> method;
+  if (config.attention.type != AttentionType::kMlaDsa) {
+    MethodWeights weights;
+    if (!options.model_dir.empty()) {
+      ASSIGN_OR_RETURN(weights, LoadMethodWeights(options.model_dir, config));
+    }
+    ASSIGN_OR_RETURN(method, NewSparseAttention(config, weights));
+  }
   for (size_t i = 0; i < options.devices.size(); ++i) {
     auto device = KaratDevice::Create(int(i), config, options.tokens_per_page,
-                                      options.devices[i]);
+                                      options.devices[i], method);
     if (!device.ok()) {
       return absl::Status(
           device.status().code(),

@@ -8,8 +8,16 @@
 //              step and session, so the sender can match it).
 //   kIndexQK   [q_codes n*Hi*Di B, q_scales n*Hi f32, weights n*Hi f32,
 //               k_codes n*Di B, k_scales n f32]
-//   kAttnQKV   [q n*H*q_dim f32, kv n*kv_dim bf16] -> kAttnOut
-//              [out n*H*out_dim f32] with the same layer/step/session.
+//   kAttnQKV   [q n*H*q_dim f32, kv n*kv_dim bf16 (, flags u32)] ->
+//              kAttnOut [out n*H*out_dim f32] with the same
+//              layer/step/session. The optional flags section (bit 0,
+//              kAttnFlagEndsPrefill: the segment ends its turn's prefill)
+//              drives the once-per-turn metadata of the GQA methods. For the
+//              GQA forms q is [q | q_i] per head and kv is k | v | k_i
+//              (common/sparse_attention.h).
+//
+// MagicPIG's hyperplanes (`model.lsh_hyperplanes`) are the only weights a
+// KARAT node holds: Create() reads them from DataPlaneOptions.model_dir.
 //
 // A frame that fails DecodeFrame is dropped and counted (frames_invalid).
 // A frame naming an unknown session or device, or with a section of the
@@ -40,6 +48,9 @@ namespace karat {
 
 struct DataPlaneOptions {
   int tokens_per_page = 64;
+  // The model directory, read only for the weights an attention method
+  // needs (MagicPIG's hyperplanes); may be empty for other methods.
+  std::string model_dir;
   std::vector<DeviceOptions> devices;
 };
 

@@ -1,5 +1,7 @@
 #include "karat_node/karat_device.h"
 
+#include <algorithm>
+#include <cstring>
 #include <limits>
 #include <utility>
 
@@ -54,6 +56,25 @@ void SerialWorker::Run() {
 }
 
 // ---------------------------------------------------------------------------
+// Timing model
+
+absl::Duration RooflineTime(const KernelCost& cost, double bandwidth_gbps,
+                            double tflops) {
+  double seconds = 0;
+  if (bandwidth_gbps > 0) {
+    seconds = std::max(seconds, cost.bytes / (bandwidth_gbps * 1e9));
+  }
+  if (tflops > 0) seconds = std::max(seconds, cost.flops / (tflops * 1e12));
+  return absl::Seconds(seconds);
+}
+
+absl::Duration PacingDelay(const KernelCost& cost, double bandwidth_gbps,
+                           double tflops, absl::Duration elapsed) {
+  const absl::Duration d = RooflineTime(cost, bandwidth_gbps, tflops) - elapsed;
+  return d > absl::ZeroDuration() ? d : absl::ZeroDuration();
+}
+
+// ---------------------------------------------------------------------------
 // KaratDevice
 
 namespace {
@@ -81,6 +102,7 @@ KaratDevice::KaratDevice(int index, const ModelConfig& config,
       layout_(MakeKvLayout(config, tokens_per_page)),
       shapes_(MakeAttnShapes(config)),
       options_(options),
+      pool_(std::make_unique<CorePool>(options.cores)),
       worker_(absl::StrCat("device-", index)) {}
 
 KaratDevice::~KaratDevice() { worker_.Stop(); }
@@ -88,6 +110,13 @@ KaratDevice::~KaratDevice() { worker_.Stop(); }
 absl::StatusOr<std::unique_ptr<KaratDevice>> KaratDevice::Create(
     int index, const ModelConfig& config, int tokens_per_page,
     const DeviceOptions& options) {
+  return Create(index, config, tokens_per_page, options, nullptr);
+}
+
+absl::StatusOr<std::unique_ptr<KaratDevice>> KaratDevice::Create(
+    int index, const ModelConfig& config, int tokens_per_page,
+    const DeviceOptions& options,
+    std::shared_ptr<const SparseAttention> attention) {
   if (tokens_per_page <= 0) {
     return absl::InvalidArgumentError("tokens per page must be > 0");
   }
@@ -105,6 +134,13 @@ absl::StatusOr<std::unique_ptr<KaratDevice>> KaratDevice::Create(
   ASSIGN_OR_RETURN(
       device->arena_,
       PageArena::Create(options.capacity_bytes, device->layout_.page_bytes));
+  if (config.attention.type != AttentionType::kMlaDsa) {
+    device->method_ = std::move(attention);
+    if (device->method_ == nullptr) {
+      ASSIGN_OR_RETURN(device->method_,
+                       NewSparseAttention(config, MethodWeights{}));
+    }
+  }
   return device;
 }
 
@@ -119,6 +155,10 @@ absl::Status KaratDevice::Reserve(uint64_t session, int tokens) {
   if (created) {
     Session s;
     s.cache = std::make_unique<SessionCache>(&layout_, arena_.get());
+    if (method_ != nullptr) {
+      s.method_state =
+          NewAttentionSessionState(*method_, config_.num_hidden_layers);
+    }
     it = sessions_.emplace(session, std::move(s)).first;
   }
   absl::Status status = EnsureRoom(session, &it->second, tokens);
@@ -155,6 +195,7 @@ absl::Status KaratDevice::Free(uint64_t session) {
     return absl::NotFoundError(
         absl::StrCat("session ", session, " is not on device ", index_));
   }
+  metadata_bytes_.fetch_sub(it->second.metadata_bytes);
   sessions_.erase(it);
   num_sessions_.fetch_sub(1);
   return absl::OkStatus();
@@ -189,7 +230,10 @@ absl::Status KaratDevice::Process(const FrameView& frame,
   const uint64_t un = h.n_tokens;
   const AttnShapes& s = shapes_;
 
-  absl::MutexLock lock(&mu_);
+  // The timing model's clock starts before the wait for the device.
+  const absl::Time start = absl::Now();
+  KernelCost cost;
+  absl::ReleasableMutexLock lock(&mu_);
   auto it = sessions_.find(h.session);
   if (it == sessions_.end()) {
     return absl::NotFoundError(
@@ -220,8 +264,11 @@ absl::Status KaratDevice::Process(const FrameView& frame,
     in.k_codes = reinterpret_cast<const uint8_t*>(frame.sections[3].data());
     in.k_scales = reinterpret_cast<const float*>(frame.sections[4].data());
     RETURN_IF_ERROR(RunIndexer(s, layer, pos_start, n, in, session.cache.get(),
-                               &session.selection));
+                               &session.selection, pool_.get(), &cost));
     *ingested = un * (di + 4);
+  } else if (method_ != nullptr) {
+    RETURN_IF_ERROR(ProcessGqa(frame, &session, out, &cost));
+    *ingested = un * uint64_t(s.kv_dim) * 2;
   } else {
     if (h.n_sections != 2) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -241,7 +288,8 @@ absl::Status KaratDevice::Process(const FrameView& frame,
                                     : nullptr;
     out->assign(size_t(n) * s.heads * s.out_dim, 0.0f);
     RETURN_IF_ERROR(RunAttention(s, layer, pos_start, n, in,
-                                 session.cache.get(), sel, out->data()));
+                                 session.cache.get(), sel, out->data(),
+                                 pool_.get(), &cost));
     *ingested = un * uint64_t(s.kv_dim) * 2;
   }
   session.ingested_bytes += *ingested;
@@ -249,6 +297,12 @@ absl::Status KaratDevice::Process(const FrameView& frame,
       << "session=" << h.session << " device=" << index_ << " layer=" << layer
       << " " << FrameTypeName(h.type) << " positions " << pos_start << ".."
       << pos_start + n - 1 << " ingested_bytes=" << session.ingested_bytes;
+  lock.Release();
+  // Frames run one at a time on the device worker, so sleeping here keeps
+  // the device busy until the roofline time without blocking Reserve().
+  const absl::Duration delay = PacingDelay(cost, options_.bandwidth_gbps,
+                                           options_.tflops, absl::Now() - start);
+  if (delay > absl::ZeroDuration()) absl::SleepFor(delay);
   return absl::OkStatus();
 }
 
@@ -256,7 +310,47 @@ size_t KaratDevice::capacity_bytes() const {
   return size_t(arena_->total_pages()) * arena_->page_bytes();
 }
 
-size_t KaratDevice::used_bytes() const { return arena_->used_bytes(); }
+size_t KaratDevice::used_bytes() const {
+  return arena_->used_bytes() + metadata_bytes_.load();
+}
+
+absl::Status KaratDevice::ProcessGqa(const FrameView& frame, Session* session,
+                                     std::vector<float>* out,
+                                     KernelCost* cost) {
+  const FrameHeader& h = frame.header;
+  const AttnShapes& s = shapes_;
+  const uint64_t un = h.n_tokens;
+  const int n = int(h.n_tokens), pos_start = int(h.pos_start);
+  if (h.n_sections != 2 && h.n_sections != 3) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "AttnQKV carries ", h.n_sections, " sections; expected 2 or 3"));
+  }
+  RETURN_IF_ERROR(CheckSection(
+      frame, 0, un * uint64_t(s.heads) * uint64_t(s.q_dim) * 4, "q"));
+  RETURN_IF_ERROR(CheckSection(frame, 1, un * uint64_t(s.kv_dim) * 2, "kv"));
+  uint32_t flags = 0;
+  if (h.n_sections == 3) {
+    RETURN_IF_ERROR(CheckSection(frame, 2, 4, "flags"));
+    std::memcpy(&flags, frame.sections[2].data(), 4);
+    if ((flags & ~kAttnFlagEndsPrefill) != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("AttnQKV flags ", flags, " has unknown bits"));
+    }
+  }
+  RETURN_IF_ERROR(EnsureRoom(h.session, session, pos_start + n));
+  AttnInputs in;
+  in.q = reinterpret_cast<const float*>(frame.sections[0].data());
+  in.kv = reinterpret_cast<const uint16_t*>(frame.sections[1].data());
+  out->assign(size_t(n) * s.heads * s.out_dim, 0.0f);
+  absl::Status status = RunAttentionLayer(
+      *method_, int(h.layer), pos_start, n, in,
+      (flags & kAttnFlagEndsPrefill) != 0, session->cache.get(),
+      session->method_state.get(), out->data(), cost);
+  const size_t bytes = session->method_state->bytes();
+  metadata_bytes_.fetch_add(bytes - session->metadata_bytes);
+  session->metadata_bytes = bytes;
+  return status;
+}
 
 cluster::DeviceInfo KaratDevice::Info() const {
   cluster::DeviceInfo info;

@@ -18,13 +18,21 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "cluster.pb.h"
 #include "common/attention.h"
+#include "common/core_pool.h"
 #include "common/frame.h"
 #include "common/kv_store.h"
 #include "common/model_config.h"
+#include "common/sparse_attention.h"
 
 namespace karat {
+
+// Bit 0 of kAttnQKV's optional flags section: the segment's last token is
+// the last of its turn's prefill.
+constexpr uint32_t kAttnFlagEndsPrefill = 1;
 
 // A thread that runs posted work items one at a time, in posting order.
 // Blocks on a condition variable while idle. Thread-safe.
@@ -49,10 +57,27 @@ class SerialWorker {
 
 struct DeviceOptions {
   size_t capacity_bytes = size_t(1) << 30;
-  // GPNM cores; kernels run on the device worker for now, the count is
-  // configuration and reported in statistics.
+  // GPNM cores: the size of the device's core pool. The device worker is
+  // one of them; cores - 1 more threads join each kernel (a scan is split by
+  // token range, the result does not depend on the count).
   int cores = 1;
+  // Timing model (DESIGN.md §3), off when both are 0: a kernel completes
+  // no earlier than max(bytes / bandwidth, flops / FLOP rate) after it
+  // started, so one box can stand in for slower devices. A zero rate leaves
+  // its term out.
+  double bandwidth_gbps = 0;  // 1e9 bytes/s
+  double tflops = 0;          // 1e12 floating-point operations/s
 };
+
+// The roofline time of a kernel: max(bytes / bandwidth, flops / rate), each
+// term only when its rate is > 0; zero when both are off. Pure.
+absl::Duration RooflineTime(const KernelCost& cost, double bandwidth_gbps,
+                            double tflops);
+// How much longer a kernel that started `elapsed` ago must take to last its
+// roofline time: RooflineTime - elapsed, or zero when that is not positive.
+// Pure.
+absl::Duration PacingDelay(const KernelCost& cost, double bandwidth_gbps,
+                           double tflops, absl::Duration elapsed);
 
 // Thread safety: every method may be called from any thread; the session
 // caches are guarded by one mutex, so a Reserve() waits for a kernel in
@@ -63,6 +88,13 @@ class KaratDevice {
   static absl::StatusOr<std::unique_ptr<KaratDevice>> Create(
       int index, const ModelConfig& config, int tokens_per_page,
       const DeviceOptions& options);
+  // `attention`: the method of the GQA forms, shared by the devices of a
+  // node; when null it is built from the config (MagicPIG then fails: it
+  // needs its hyperplanes). Ignored for mla_dsa.
+  static absl::StatusOr<std::unique_ptr<KaratDevice>> Create(
+      int index, const ModelConfig& config, int tokens_per_page,
+      const DeviceOptions& options,
+      std::shared_ptr<const SparseAttention> attention);
   ~KaratDevice();
 
   int index() const { return index_; }
@@ -92,6 +124,7 @@ class KaratDevice {
 
   cluster::DeviceInfo Info() const;
   size_t capacity_bytes() const;
+  // Pages held plus the attention methods' metadata.
   size_t used_bytes() const;
   int sessions() const { return num_sessions_.load(); }
 
@@ -99,11 +132,20 @@ class KaratDevice {
   struct Session {
     std::unique_ptr<SessionCache> cache;
     SelectionState selection;
+    // GQA methods: per-layer metadata, and its bytes counted in
+    // metadata_bytes_.
+    std::unique_ptr<AttentionSessionState> method_state;
+    size_t metadata_bytes = 0;
     uint64_t ingested_bytes = 0;
   };
   KaratDevice(int index, const ModelConfig& config, int tokens_per_page,
               const DeviceOptions& options);
   absl::Status EnsureRoom(uint64_t session, Session* s, int tokens)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // kAttnQKV for the GQA forms: validates the sections (q, kv, optional
+  // flags) and runs RunAttentionLayer.
+  absl::Status ProcessGqa(const FrameView& frame, Session* session,
+                          std::vector<float>* out, KernelCost* cost)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const int index_;
@@ -112,6 +154,10 @@ class KaratDevice {
   const AttnShapes shapes_;
   const DeviceOptions options_;
   std::unique_ptr<PageArena> arena_;
+  // The device's GPNM cores; kernels run on it under mu_.
+  std::unique_ptr<CorePool> pool_;
+  std::shared_ptr<const SparseAttention> method_;  // GQA forms only
+  std::atomic<size_t> metadata_bytes_{0};
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<uint64_t, Session> sessions_ ABSL_GUARDED_BY(mu_);

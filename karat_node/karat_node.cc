@@ -6,6 +6,7 @@
 
 #include <cctype>
 #include <limits>
+#include <map>
 #include <utility>
 #include <vector>
 
@@ -13,6 +14,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "cluster.grpc.pb.h"
+#include "common/link_emulation.h"
 #include "common/log.h"
 #include "common/membership.h"
 #include "common/model_config.h"
@@ -69,11 +71,35 @@ class KaratNodeService final : public cluster::KaratNode::Service {
       (*response->mutable_stats())[k] = v;
     }
     for (const auto& d : handler_->Devices()) *response->add_devices() = d;
+    if (links_ != nullptr) links_->stats()->ExportTo(response->mutable_stats());
     return grpc::Status::OK;
   }
 
+  // Link emulation of the data plane. GPU nodes are known to the data plane
+  // as "node-<id>"; the coordinator's id -> name map lets rules use names.
+  grpc::Status SetLinks(grpc::ServerContext*,
+                        const cluster::SetLinksRequest* request,
+                        cluster::SetLinksResponse*) override {
+    if (links_ == nullptr) {
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "no data plane");
+    }
+    absl::StatusOr<std::vector<LinkRule>> rules =
+        LinkRulesFromProto(request->links());
+    if (!rules.ok()) return ToGrpc(rules.status());
+    if (request->seed() != 0) links_->SetSeed(request->seed());
+    std::map<std::string, std::string> names;
+    for (const auto& [id, name] : request->node_names()) {
+      names[absl::StrCat("node-", id)] = name;
+    }
+    links_->SetPeerNames(std::move(names));
+    return ToGrpc(links_->SetLinks(*std::move(rules)));
+  }
+
+  void set_links(LinkEmulator* links) { links_ = links; }
+
  private:
   DataPlaneHandler* const handler_;
+  LinkEmulator* links_ = nullptr;
 };
 
 }  // namespace
@@ -122,6 +148,7 @@ struct KaratNodeDaemon::Impl {
   KaratNodeOptions options;
   ModelConfig config;
   std::unique_ptr<Transport> transport;
+  LinkEmulator* links = nullptr;  // == transport
   std::unique_ptr<DataPlaneHandler> handler;
   std::unique_ptr<KaratNodeService> service;
   std::unique_ptr<grpc::Server> server;
@@ -143,6 +170,7 @@ struct KaratNodeDaemon::Impl {
   void FillHeartbeat(cluster::HeartbeatRequest* r) const {
     for (const auto& d : handler->Devices()) *r->add_devices() = d;
     for (const auto& [k, v] : handler->Counters()) (*r->mutable_stats())[k] = v;
+    if (links != nullptr) links->stats()->ExportTo(r->mutable_stats());
   }
 };
 
@@ -177,13 +205,22 @@ absl::StatusOr<std::unique_ptr<KaratNodeDaemon>> KaratNodeDaemon::Start(
                         absl::StrCat("data plane (provider ", options.provider,
                                      "): ", transport.status().message()));
   }
-  impl->transport = std::move(transport).value();
+  // Link emulation and per-link counters; rules arrive from the coordinator.
+  LinkEmulatorOptions link_options;
+  link_options.local_name = options.name;
+  auto links = std::make_unique<LinkEmulator>(std::move(transport).value(),
+                                              link_options);
+  impl->links = links.get();
+  impl->transport = std::move(links);
 
   DataPlaneOptions plane;
   plane.tokens_per_page = options.tokens_per_page;
+  plane.model_dir = options.model_dir;  // MagicPIG reads its hyperplanes
   for (int i = 0; i < options.devices; ++i) {
-    plane.devices.push_back(
-        DeviceOptions{options.device_capacity_bytes, options.cores});
+    DeviceOptions device{options.device_capacity_bytes, options.cores};
+    device.bandwidth_gbps = options.device_bandwidth_gbps;
+    device.tflops = options.device_tflops;
+    plane.devices.push_back(device);
   }
   ASSIGN_OR_RETURN(
       impl->handler,
@@ -192,6 +229,7 @@ absl::StatusOr<std::unique_ptr<KaratNodeDaemon>> KaratNodeDaemon::Start(
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   impl->service = std::make_unique<KaratNodeService>(impl->handler.get());
+  impl->service->set_links(impl->links);
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(),

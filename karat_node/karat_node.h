@@ -31,6 +31,10 @@ struct KaratNodeOptions {
   int devices = 1;
   size_t device_capacity_bytes = size_t(1) << 30;
   int cores = 1;
+  // Device timing model (DeviceOptions): bandwidth in GB/s and FLOP rate in
+  // TFLOP/s; 0 leaves the term out, both 0 (the default) turn it off.
+  double device_bandwidth_gbps = 0;
+  double device_tflops = 0;
   int tokens_per_page = 64;
   // When set, the bound gRPC address is written here once listening.
   std::string port_file;

@@ -16,6 +16,7 @@ constexpr char kUsage[] =
     "  [--listen HOST:PORT] [--name NAME] [--provider shm|tcp]\n"
     "  [--fabric-node ADDR] [--devices N] [--device-capacity BYTES]\n"
     "  [--cores N] [--tokens-per-page N] [--port-file PATH]\n"
+    "  [--device-bandwidth-gbps GBPS] [--device-tflops TFLOPS]\n"
     "  [--log-level debug|info|warning|error]\n";
 
 [[noreturn]] void BadFlag(const std::string& flag, const std::string& why) {
@@ -27,6 +28,14 @@ int PositiveInt(const std::string& flag, const std::string& value) {
   int v = 0;
   if (!absl::SimpleAtoi(value, &v) || v <= 0) {
     BadFlag(flag, "expected a positive integer, got '" + value + "'");
+  }
+  return v;
+}
+
+double NonNegativeDouble(const std::string& flag, const std::string& value) {
+  double v = 0;
+  if (!absl::SimpleAtod(value, &v) || !(v >= 0) || v > 1e12) {
+    BadFlag(flag, "expected a non-negative number, got '" + value + "'");
   }
   return v;
 }
@@ -77,6 +86,10 @@ karat::KaratNodeOptions ParseFlags(int argc, char** argv) {
       o.device_capacity_bytes = *bytes;
     } else if (flag == "--cores") {
       o.cores = PositiveInt(flag, value);
+    } else if (flag == "--device-bandwidth-gbps") {
+      o.device_bandwidth_gbps = NonNegativeDouble(flag, value);
+    } else if (flag == "--device-tflops") {
+      o.device_tflops = NonNegativeDouble(flag, value);
     } else if (flag == "--tokens-per-page") {
       o.tokens_per_page = PositiveInt(flag, value);
     } else if (flag == "--port-file") {

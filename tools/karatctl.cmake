@@ -2,7 +2,9 @@
 add_library(karatctl_lib STATIC
   tools/karatctl/bench.cc
   tools/karatctl/client.cc
-  tools/karatctl/workload.cc)
+  tools/karatctl/workload.cc
+  # Prometheus text of the nodes' counters (`karatctl metrics`).
+  common/link_stats.cc)
 target_include_directories(karatctl_lib PUBLIC ${PROJECT_SOURCE_DIR})
 target_link_libraries(karatctl_lib PUBLIC
   karat_coordinator karat_proto gRPC::grpc++ absl::status absl::statusor

@@ -1,11 +1,14 @@
 // Hand-worked and brute-force checks of the KARAT-side kernels.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <random>
 
 #include "common/attention.h"
+#include "common/core_pool.h"
 #include "common/kv_store.h"
 #include "common/numeric.h"
 
@@ -29,6 +32,79 @@ struct Store {
     cache = std::make_unique<SessionCache>(&layout, arena.get());
   }
 };
+
+// The indexer's defined arithmetic (attention.h), one key at a time:
+// pairwise bf16 products (exact for fp8 values) added odd then even into an
+// fp32 chain, then the ReLU'd head terms fused in head order, then the key
+// scale. `key` holds decoded values.
+float ScalarIndexScore(const uint8_t* q_codes, const float* q_scales,
+                       const float* w, int heads, int dim, const float* key,
+                       float k_scale) {
+  const int padded = (dim + 31) / 32 * 32;
+  const float dim_scale = 1.0f / std::sqrt(float(dim));
+  float acc = 0.0f;
+  for (int h = 0; h < heads; ++h) {
+    auto qv = [&](int d) {
+      return d < dim ? Fp8E4M3ToFloat(q_codes[h * dim + d]) : 0.0f;
+    };
+    auto kv = [&](int d) { return d < dim ? key[d] : 0.0f; };
+    float dot = 0.0f;
+    for (int p = 0; p < padded / 2; ++p) {
+      dot = dot + qv(2 * p + 1) * kv(2 * p + 1);
+      dot = dot + qv(2 * p) * kv(2 * p);
+    }
+    const float c = (w[h] * dim_scale) * q_scales[h];
+    acc = std::fma(c, dot > 0.0f ? dot : 0.0f, acc);
+  }
+  return acc * k_scale;
+}
+
+// Checks IndexerScore's output for keys [0, n) of `keys` (decoded values,
+// n x dim; the codes and scales as stored). Without the tile unit the
+// result must equal ScalarIndexScore bit for bit. With it (its internal
+// accumulation has no scalar model) each key must score exactly as it does
+// alone, in lane 0 of a fresh block, and within fp32 noise of a double
+// reference.
+void CheckIndexScores(const float* got, int n, const uint8_t* q_codes,
+                      const float* q_scales, const float* w, int heads,
+                      int dim, const std::vector<uint8_t>& key_codes,
+                      const std::vector<float>& keys,
+                      const std::vector<float>& scales) {
+  if (!IndexerUsesTileUnit()) {
+    for (int s = 0; s < n; ++s) {
+      const float want = ScalarIndexScore(q_codes, q_scales, w, heads, dim,
+                                          &keys[size_t(s) * dim], scales[s]);
+      CHECK(std::memcmp(&want, &got[s], 4) == 0);
+    }
+    return;
+  }
+  Store alone(8, dim, 4);
+  REQUIRE(alone.cache->Reserve(1).ok());
+  const float dim_scale = 1.0f / std::sqrt(float(dim));
+  for (int s = 0; s < n; ++s) {
+    REQUIRE(alone.cache
+                ->WriteIndexKey(0, 0, &key_codes[size_t(s) * dim], scales[s])
+                .ok());
+    float one;
+    IndexerScore(alone.cache->View(0), 1, q_codes, q_scales, w, heads, dim,
+                 &one);
+    CHECK(std::memcmp(&one, &got[s], 4) == 0);
+    double ref = 0, mag = 0;
+    for (int h = 0; h < heads; ++h) {
+      double dot = 0, amag = 0;
+      for (int d = 0; d < dim; ++d) {
+        const double t = double(Fp8E4M3ToFloat(q_codes[h * dim + d])) *
+                         keys[size_t(s) * dim + d];
+        dot += t;
+        amag += std::fabs(t);
+      }
+      const double c = double(w[h]) * dim_scale * q_scales[h] * scales[s];
+      ref += c * std::max(dot, 0.0);
+      mag += std::fabs(c) * amag;
+    }
+    CHECK(std::fabs(double(got[s]) - ref) <= 1e-5 * mag + 1e-30);
+  }
+}
 
 TEST_CASE("DSA indexer: the ReLU changes the top-k", "[attention]") {
   // Two heads with signed weights +1 and -1. Without the ReLU key A would
@@ -187,17 +263,19 @@ TEST_CASE("MLA absorbed equals the naive expansion", "[attention]") {
 TEST_CASE("blocked kernels equal the one-position-at-a-time arithmetic",
           "[attention]") {
   // The kernels vectorise across positions; each position must still get
-  // exactly the scalar fma chain, so chunking and batching cannot matter.
+  // exactly the arithmetic defined in attention.h, so chunking and batching
+  // cannot matter.
   const int kDim = 32, kHeads = 8, kN = 150, kLora = 24, kRope = 8;
   Store st(kLora + kRope, kDim, 16);
   REQUIRE(st.cache->Reserve(kN).ok());
   std::mt19937 rng(11);
   std::normal_distribution<float> nd;
   std::vector<float> keys(size_t(kN) * kDim), scales(kN);
+  std::vector<uint8_t> key_codes(size_t(kN) * kDim);
   for (int s = 0; s < kN; ++s) {
     std::vector<float> k(kDim);
     for (auto& v : k) v = nd(rng);
-    uint8_t codes[kDim];
+    uint8_t* codes = &key_codes[size_t(s) * kDim];
     scales[s] = QuantizeFp8(k.data(), kDim, codes);
     for (int d = 0; d < kDim; ++d) keys[size_t(s) * kDim + d] = Fp8E4M3ToFloat(codes[d]);
     REQUIRE(st.cache->WriteIndexKey(0, s, codes, scales[s]).ok());
@@ -219,18 +297,8 @@ TEST_CASE("blocked kernels equal the one-position-at-a-time arithmetic",
   std::vector<float> got(kN);
   IndexerScore(st.cache->View(0), kN, qc.data(), qs.data(), w.data(), kHeads,
                kDim, got.data());
-  const float dim_scale = 1.0f / std::sqrt(float(kDim));
-  for (int s = 0; s < kN; ++s) {
-    float acc = 0.0f;
-    for (int h = 0; h < kHeads; ++h) {
-      float dot = 0.0f;
-      for (int d = 0; d < kDim; ++d)
-        dot = std::fma(Fp8E4M3ToFloat(qc[h * kDim + d]), keys[size_t(s) * kDim + d], dot);
-      const float v = dot * qs[h] * scales[s];
-      acc = std::fma(w[h] * dim_scale, v > 0.0f ? v : 0.0f, acc);
-    }
-    CHECK(std::memcmp(&acc, &got[s], 4) == 0);
-  }
+  CheckIndexScores(got.data(), kN, qc.data(), qs.data(), w.data(), kHeads,
+                   kDim, key_codes, keys, scales);
   // Scoring a prefix gives the same values as scoring everything.
   std::vector<float> prefix(77);
   IndexerScore(st.cache->View(0), 77, qc.data(), qs.data(), w.data(), kHeads,
@@ -263,8 +331,15 @@ TEST_CASE("blocked kernels equal the one-position-at-a-time arithmetic",
       sc[j] = dot * sh.softmax_scale;
       m = std::max(m, sc[j]);
     }
-    float z = 0.0f;
-    for (auto& x : sc) z += (x = std::exp(x - m));
+    float lanes[16] = {};
+    for (size_t j = 0; j < sc.size(); ++j) {
+      sc[j] = KernelExp(sc[j] - m);
+      lanes[j % 16] = lanes[j % 16] + sc[j];
+    }
+    for (int w = 8; w >= 1; w /= 2) {
+      for (int l = 0; l < w; ++l) lanes[l] = lanes[l] + lanes[l + w];
+    }
+    const float z = lanes[0];
     std::vector<float> want(kLora, 0.0f);
     for (size_t j = 0; j < sel.size(); ++j) {
       std::vector<float> e(sh.kv_dim);
@@ -274,6 +349,226 @@ TEST_CASE("blocked kernels equal the one-position-at-a-time arithmetic",
     }
     CHECK(std::memcmp(want.data(), &o[h * kLora], kLora * 4) == 0);
   }
+}
+
+TEST_CASE("indexer: odd shapes and page sizes keep the defined arithmetic",
+          "[attention]") {
+  struct Shape { int heads, dim, tpp, n; };
+  for (const Shape sh : {Shape{13, 20, 7, 100}, Shape{64, 128, 64, 70},
+                         Shape{3, 64, 5, 33}}) {
+    Store st(8, sh.dim, sh.tpp);
+    REQUIRE(st.cache->Reserve(sh.n).ok());
+    std::mt19937 rng(sh.heads * 100 + sh.dim);
+    std::normal_distribution<float> nd;
+    std::vector<float> keys(size_t(sh.n) * sh.dim), scales(sh.n);
+    std::vector<uint8_t> key_codes(size_t(sh.n) * sh.dim);
+    for (int s = 0; s < sh.n; ++s) {
+      std::vector<float> k(sh.dim);
+      for (auto& v : k) v = nd(rng) * (s % 5 == 0 ? 1e-3f : 1.0f);
+      uint8_t* codes = &key_codes[size_t(s) * sh.dim];
+      scales[s] = QuantizeFp8(k.data(), sh.dim, codes);
+      for (int d = 0; d < sh.dim; ++d) {
+        keys[size_t(s) * sh.dim + d] = Fp8E4M3ToFloat(codes[d]);
+      }
+      REQUIRE(st.cache->WriteIndexKey(0, s, codes, scales[s]).ok());
+    }
+    std::vector<uint8_t> qc(size_t(sh.heads) * sh.dim);
+    std::vector<float> qs(sh.heads), w(sh.heads);
+    for (int h = 0; h < sh.heads; ++h) {
+      std::vector<float> q(sh.dim);
+      for (auto& v : q) v = nd(rng);
+      qs[h] = QuantizeFp8(q.data(), sh.dim, &qc[size_t(h) * sh.dim]);
+      w[h] = nd(rng);
+    }
+    std::vector<float> got(sh.n);
+    IndexerScore(st.cache->View(0), sh.n, qc.data(), qs.data(), w.data(),
+                 sh.heads, sh.dim, got.data());
+    CheckIndexScores(got.data(), sh.n, qc.data(), qs.data(), w.data(),
+                     sh.heads, sh.dim, key_codes, keys, scales);
+    CorePool pool(3);
+    std::vector<float> split(sh.n);
+    IndexerScore(st.cache->View(0), sh.n, qc.data(), qs.data(), w.data(),
+                 sh.heads, sh.dim, split.data(), &pool);
+    CHECK(std::memcmp(split.data(), got.data(), got.size() * 4) == 0);
+  }
+}
+
+TEST_CASE("top-k: sampled threshold path equals brute force", "[attention]") {
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> d(-1, 1);
+  for (const int n : {5000, 20000, 131072}) {
+    for (const int k : {1, 100, 2048}) {
+      for (const bool ties : {false, true}) {
+        std::vector<float> s(n);
+        for (auto& v : s) v = d(rng);
+        // With ties: few distinct values, so the cut falls inside a tie.
+        if (ties) {
+          for (auto& v : s) v = std::round(v * 8.0f) / 8.0f;
+        }
+        std::vector<int32_t> top;
+        SelectTopK(s.data(), n, k, &top);
+        std::vector<int32_t> idx(n);
+        for (int i = 0; i < n; ++i) idx[i] = i;
+        std::stable_sort(idx.begin(), idx.end(),
+                         [&](int a, int b) { return s[a] > s[b]; });
+        idx.resize(std::min(k, n));
+        std::sort(idx.begin(), idx.end());
+        CHECK(top == idx);
+      }
+    }
+  }
+}
+
+TEST_CASE("core pool: every item once, in contiguous ranges", "[core_pool]") {
+  for (const int cores : {1, 2, 3, 5}) {
+    CorePool pool(cores);
+    CHECK(pool.cores() == cores);
+    for (const int64_t n : {0, 1, 7, 64, 1000}) {
+      for (const int64_t grain : {1, 32}) {
+        std::vector<std::atomic<int>> hits(size_t(n) + 1);
+        std::atomic<int> calls{0};
+        pool.ParallelFor(n, grain, [&](int64_t b, int64_t e) {
+          CHECK(b < e);
+          CHECK((b % grain) == 0);
+          ++calls;
+          for (int64_t i = b; i < e; ++i) ++hits[i];
+        });
+        for (int64_t i = 0; i < n; ++i) CHECK(hits[i].load() == 1);
+        CHECK(calls.load() <= cores);
+      }
+    }
+  }
+}
+
+// Runs a 3-layer-free session through RunIndexer + RunAttention, the
+// positions split into the given segments, on `pool`; returns each token's
+// selection and output.
+struct SessionRun {
+  std::vector<std::vector<int32_t>> selections;
+  std::vector<float> outputs;
+};
+SessionRun RunSession(const std::vector<int>& segments, CorePool* pool) {
+  const int kHi = 8, kDi = 32, kLora = 32, kRope = 16, kHeads = 4, kTopk = 24;
+  int total = 0;
+  for (int n : segments) total += n;
+  ModelConfig c;
+  c.num_hidden_layers = 1;
+  c.attention.type = AttentionType::kMlaDsa;
+  c.kv_lora_rank = kLora;
+  c.qk_rope_head_dim = kRope;
+  c.index_head_dim = kDi;
+  KvLayout layout = MakeKvLayout(c, 16);
+  auto arena = *PageArena::Create(size_t(16) << 20, layout.page_bytes);
+  SessionCache cache(&layout, arena.get());
+  REQUIRE(cache.Reserve(total).ok());
+  AttnShapes sh;
+  sh.heads = kHeads;
+  sh.kv_lora = kLora;
+  sh.rope = kRope;
+  sh.kv_dim = sh.q_dim = kLora + kRope;
+  sh.out_dim = kLora;
+  sh.index_heads = kHi;
+  sh.index_dim = kDi;
+  sh.index_topk = kTopk;
+  sh.softmax_scale = 0.2f;
+  // Per-token inputs, a pure function of the position.
+  std::mt19937 rng(21);
+  std::normal_distribution<float> nd;
+  std::vector<uint8_t> qc(size_t(total) * kHi * kDi), kc(size_t(total) * kDi);
+  std::vector<float> qs(size_t(total) * kHi), w(size_t(total) * kHi),
+      ks(total);
+  std::vector<float> q(size_t(total) * kHeads * sh.q_dim);
+  std::vector<uint16_t> kv(size_t(total) * sh.kv_dim);
+  for (int t = 0; t < total; ++t) {
+    std::vector<float> x(kDi);
+    for (int h = 0; h < kHi; ++h) {
+      for (auto& v : x) v = nd(rng);
+      qs[size_t(t) * kHi + h] =
+          QuantizeFp8(x.data(), kDi, &qc[(size_t(t) * kHi + h) * kDi]);
+      w[size_t(t) * kHi + h] = nd(rng);
+    }
+    for (auto& v : x) v = nd(rng);
+    ks[t] = QuantizeFp8(x.data(), kDi, &kc[size_t(t) * kDi]);
+    for (int i = 0; i < kHeads * sh.q_dim; ++i) {
+      q[size_t(t) * kHeads * sh.q_dim + i] = nd(rng);
+    }
+    std::vector<float> e(sh.kv_dim);
+    for (auto& v : e) v = nd(rng);
+    FloatToBf16(e.data(), e.size(), &kv[size_t(t) * sh.kv_dim]);
+  }
+  SessionRun run;
+  run.outputs.resize(size_t(total) * kHeads * kLora);
+  int pos = 0;
+  for (int n : segments) {
+    IndexInputs ii;
+    ii.q_codes = &qc[size_t(pos) * kHi * kDi];
+    ii.q_scales = &qs[size_t(pos) * kHi];
+    ii.weights = &w[size_t(pos) * kHi];
+    ii.k_codes = &kc[size_t(pos) * kDi];
+    ii.k_scales = &ks[pos];
+    SelectionState sel;
+    KernelCost cost;
+    REQUIRE(RunIndexer(sh, 0, pos, n, ii, &cache, &sel, pool, &cost).ok());
+    CHECK(cost.bytes > 0);
+    CHECK(cost.flops > 0);
+    for (auto& t : sel.per_token) run.selections.push_back(t);
+    AttnInputs ai;
+    ai.q = &q[size_t(pos) * kHeads * sh.q_dim];
+    ai.kv = &kv[size_t(pos) * sh.kv_dim];
+    REQUIRE(RunAttention(sh, 0, pos, n, ai, &cache, &sel,
+                         &run.outputs[size_t(pos) * kHeads * kLora], pool,
+                         &cost)
+                .ok());
+    pos += n;
+  }
+  return run;
+}
+
+TEST_CASE("indexer and attention: same bits for any core count and any "
+          "segmentation", "[attention][core_pool]") {
+  const SessionRun ref = RunSession({1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+                                     1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+                                     1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+                                     1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+                                     1, 1, 1, 1, 1, 1, 1, 1, 150, 1, 1, 1},
+                                    nullptr);
+  REQUIRE(ref.selections.size() == 213);
+  CHECK(ref.selections.back().size() == 24);
+  for (const int cores : {1, 2, 3}) {
+    CorePool pool(cores);
+    for (const auto& segs : {std::vector<int>{213}, std::vector<int>{70, 143},
+                             std::vector<int>{5, 100, 1, 1, 106}}) {
+      const SessionRun got = RunSession(segs, &pool);
+      CHECK(got.selections == ref.selections);
+      REQUIRE(got.outputs.size() == ref.outputs.size());
+      CHECK(std::memcmp(got.outputs.data(), ref.outputs.data(),
+                        ref.outputs.size() * 4) == 0);
+    }
+  }
+}
+
+TEST_CASE("KernelExp: vector lanes equal the scalar function, near exp",
+          "[attention]") {
+  std::mt19937 rng(9);
+  std::uniform_real_distribution<float> d(-120.0f, 90.0f);
+  std::vector<float> xs = {0.0f, -0.0f, 1.0f, -1.0f, -103.9f, -104.0f,
+                           -104.1f, 88.0f, 89.0f, -INFINITY, INFINITY, NAN};
+  for (int i = 0; i < 20000; ++i) xs.push_back(d(rng));
+  for (const float x : xs) {
+    const float e = KernelExp(x);
+    if (std::isnan(x)) {
+      CHECK(std::isnan(e));
+      continue;
+    }
+    if (x < -104.0f) {
+      CHECK(e == 0.0f);
+    } else if (x <= 88.0f && x > -87.0f) {
+      CHECK(e == Approx(std::exp(double(x))).epsilon(3e-7));
+    }
+  }
+  // The vector path is exercised through MlaAttend in the test above; here
+  // softmax weights of a one-entry selection must be exactly 1.
+  CHECK(KernelExp(0.0f) == 1.0f);
 }
 
 TEST_CASE("page arena: all-or-nothing reservations", "[kv_store]") {

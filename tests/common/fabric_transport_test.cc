@@ -352,5 +352,72 @@ TEST_CASE("tcp: exchange on 127.0.0.1 through ofi_rxm", "[fabric]") {
   for (int i = 0; i < kMessages; ++i) REQUIRE(got[i] == std::to_string(i));
 }
 
+// SendShared(): large messages go out without a copy; the transport drops
+// its reference once the send completed, and the bytes arrive intact, in
+// order with copied sends.
+void ExchangeShared(Pair& p) {
+  std::vector<std::string> want;
+  for (size_t size : {size_t{100}, size_t{16} << 10, size_t{1} << 20,
+                      size_t{3} << 20, size_t{7}}) {
+    auto shared = std::make_shared<const std::string>(
+        Pattern(size, static_cast<int>(want.size())));
+    REQUIRE(p.a->SendShared(p.b_at_a, shared).ok());
+    CHECK(shared.use_count() == 1);
+    want.push_back(*shared);
+    const std::string copied = Pattern(size / 2 + 1, 50);
+    REQUIRE(p.a->Send(p.b_at_a, copied.data(), copied.size()).ok());
+    want.push_back(copied);
+  }
+  REQUIRE(p.inbox_b.WaitFor(want.size()));
+  const auto got = p.inbox_b.Take();
+  REQUIRE(got.size() == want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    INFO("message " << i);
+    CHECK(got[i] == want[i]);
+  }
+}
+
+TEST_CASE("shm: SendShared sends large messages in place", "[fabric]") {
+  auto p = OpenPair(Options("shm", 4 << 20));
+  REQUIRE(p != nullptr);
+  ExchangeShared(*p);
+}
+
+TEST_CASE("tcp: SendShared sends large messages in place", "[fabric]") {
+  auto p = OpenPair(Options("tcp", 4 << 20));
+  if (p == nullptr) return;  // provider missing; WARN printed
+  ExchangeShared(*p);
+}
+
+TEST_CASE("shm: without spinning, messages still flow", "[fabric]") {
+  FabricOptions options = Options("shm");
+  options.spin_us = 0;
+  auto p = OpenPair(options);
+  REQUIRE(p != nullptr);
+  ExchangeSizes(*p, {1, 4096, 1 << 20});
+}
+
+TEST_CASE("shm: a sending thread and a handler that sends share the CQ",
+          "[fabric]") {
+  // b echoes from its handler while a's main thread keeps sending: a's
+  // sender reads the completion queue itself and hands the echoes it finds
+  // to the progress thread, in order.
+  auto p = OpenPair(Options("shm"));
+  REQUIRE(p != nullptr);
+  Transport* b = p->b.get();
+  const PeerId a_at_b = p->a_at_b;
+  b->SetReceiveHandler([b, a_at_b](std::string_view m) {
+    (void)b->Send(a_at_b, m.data(), m.size());
+  });
+  constexpr int kMessages = 2000;
+  for (int i = 0; i < kMessages; ++i) {
+    const std::string m = std::to_string(i);
+    REQUIRE(p->a->Send(p->b_at_a, m.data(), m.size()).ok());
+  }
+  REQUIRE(p->inbox_a.WaitFor(kMessages));
+  const auto got = p->inbox_a.Take();
+  for (int i = 0; i < kMessages; ++i) REQUIRE(got[i] == std::to_string(i));
+}
+
 }  // namespace
 }  // namespace karat

@@ -144,6 +144,69 @@ TEST_CASE("cluster tokens equal the reference engine, greedy and sampled",
   }
 }
 
+// Every attention form of MODEL.md on both paths: for each small preset, two
+// concurrent sessions (one greedy, one sampled) of two turns whose contexts
+// exceed the sparse methods' budgets, so that they drop tokens; the prefill
+// is cut into max_step_tokens chunks that the reference engine does not cut.
+TEST_CASE("every attention form: cluster tokens equal the reference engine",
+          "[integration]") {
+  constexpr int kSessions = 2, kTurns = 2, kMaxNew = 16;
+  auto temperature = [](int s) { return s == 0 ? 0.0f : 0.8f; };
+  auto prompt = [](int s, int t) {
+    std::string p = "attention form check, session " + std::to_string(s) +
+                    " turn " + std::to_string(t) + ": ";
+    for (int i = 0; i < 70 + 25 * s; ++i) {
+      p += char('a' + (s * 11 + t * 5 + i * 7) % 26);
+    }
+    return p;
+  };
+  for (const char* preset :
+       {"minimax-small", "llama-small", "llama-small-quest",
+        "llama-small-magicpig", "llama-small-clusterkv", "glm-small"}) {
+    INFO("preset " << preset);
+    ClusterSpec spec;
+    spec.preset = preset;
+    spec.max_step_tokens = 48;
+    Cluster cluster(spec);
+    std::vector<std::vector<TurnResult>> got(kSessions);
+    std::vector<std::thread> threads;
+    for (int s = 0; s < kSessions; ++s) {
+      threads.emplace_back([&, s] {
+        auto stub = cluster.NewStub();
+        grpc::ClientContext ctx;
+        karat::v1::CreateSessionRequest req;
+        req.set_seed(uint64_t(500 + s));
+        karat::v1::Session sess;
+        if (!stub->CreateSession(&ctx, req, &sess).ok()) return;
+        for (int t = 0; t < kTurns; ++t) {
+          got[s].push_back(Generate(stub.get(), sess.session_id(),
+                                    prompt(s, t), kMaxNew, temperature(s)));
+        }
+      });
+    }
+    for (auto& th : threads) th.join();
+
+    ModelFiles files = LoadOrFail(cluster.model_dir());
+    auto engine = ReferenceEngine::Create(files);
+    REQUIRE(engine.ok());
+    for (int s = 0; s < kSessions; ++s) {
+      REQUIRE(got[s].size() == kTurns);
+      ReferenceSession ref;
+      ref.key = uint64_t(s + 1);
+      ref.seed = uint64_t(500 + s);
+      for (int t = 0; t < kTurns; ++t) {
+        INFO("session " << s << " turn " << t);
+        INFO(got[s][t].status.error_message());
+        REQUIRE(got[s][t].status.ok());
+        auto want = (*engine)->RunTurn(&ref, EncodeText(prompt(s, t)), kMaxNew,
+                                       temperature(s));
+        REQUIRE(want.ok());
+        CHECK(got[s][t].tokens == *want);
+      }
+    }
+  }
+}
+
 TEST_CASE("bad requests get clear statuses and sessions survive",
           "[integration]") {
   ClusterSpec spec;

@@ -7,3 +7,13 @@ target_compile_definitions(cluster_test PRIVATE
 # The daemons and tools the test starts.
 add_dependencies(cluster_test karat-coordinator karat-node karat-gpu-node
                  karat-weights karat-reference)
+# Two network namespaces over tcp (skipped without the privilege), and link
+# emulation through the admin API.
+add_unit_test(netns_test
+  SOURCES tests/integration/netns_test.cc tests/integration/cluster_harness.cc
+  LIBS karat_common karat_proto
+  LABELS integration)
+target_compile_definitions(netns_test PRIVATE
+  KARAT_BIN_DIR="${PROJECT_BINARY_DIR}/bin")
+add_dependencies(netns_test karat-coordinator karat-node karat-gpu-node
+                 karat-weights karatctl)

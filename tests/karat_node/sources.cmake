@@ -7,3 +7,8 @@ add_unit_test(membership_test
   SOURCES tests/karat_node/membership_test.cc
   LIBS karat_common
   LABELS unit)
+add_unit_test(karat_device_test SOURCES tests/karat_node/karat_device_test.cc
+              LIBS karat_karat_node)
+add_unit_test(karat_device_gqa_test
+              SOURCES tests/karat_node/karat_device_gqa_test.cc
+              LIBS karat_karat_node)

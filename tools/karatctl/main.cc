@@ -10,10 +10,15 @@
 #include <string>
 #include <vector>
 
+#include <grpcpp/grpcpp.h>
+
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "cluster.grpc.pb.h"
+#include "common/link_stats.h"
 #include "coordinator/cluster_config.h"
 #include "tools/karatctl/bench.h"
 #include "tools/karatctl/client.h"
@@ -38,6 +43,15 @@ commands:
         [--max-new-tokens-cap C] [--think-scale X] [--seed S]
         [--temperature T] [--json FILE]
       Closed-loop workload from the kvcache-tester trace.
+  link set --from NODE|* --to NODE|* [--latency-us N] [--jitter-us N]
+           [--bandwidth-mbps R] [--loss P] [--down | --up]
+  link remove --from NODE|* --to NODE|*
+  link list
+      Link emulation of the data plane (the coordinator pushes it to the
+      nodes); `status` shows the rules and per-link counters too.
+  metrics
+      Every node's counters in the Prometheus text format (per-link messages,
+      bytes, drops, failures, send latency).
   plan --config FILE
       Prints the daemons of a cluster config, one per line (used by
       deploy/karat): "model_dir DIR", "provider P", "gpu NAME FLAGS...",
@@ -195,7 +209,9 @@ int Chat(Client& client, const Flags& f) {
   return 0;
 }
 
-int Status(Client& client, const Flags& f) {
+void PrintLinks(const std::string& address, const v1::ClusterStatus& st);
+
+int Status(Client& client, const std::string& address, const Flags& f) {
   auto st = client.GetClusterStatus();
   if (!st.ok()) return PrintError(st.status());
   std::printf("%-6s %-12s %-6s %-22s %s\n", "ROLE", "NAME", "ALIVE", "ADDRESS",
@@ -218,6 +234,7 @@ int Status(Client& client, const Flags& f) {
   std::printf("sessions %d, active generations %d, tokens generated %lld\n",
               st->sessions(), st->active_generations(),
               static_cast<long long>(st->tokens_generated()));
+  PrintLinks(address, *st);
   if (f.Has("expect-alive")) {
     std::vector<std::string> names =
         absl::StrSplit(f.Str("expect-alive"), ',', absl::SkipEmpty());
@@ -227,6 +244,115 @@ int Status(Client& client, const Flags& f) {
         if (n.name() == name && n.alive()) alive = true;
       if (!alive) return 3;
     }
+  }
+  return 0;
+}
+
+std::string DescribeLinkConfig(const cluster::LinkConfig& l) {
+  std::vector<std::string> parts;
+  if (l.latency_us() > 0) parts.push_back(absl::StrCat("latency ", l.latency_us(), "us"));
+  if (l.jitter_us() > 0) parts.push_back(absl::StrCat("jitter ", l.jitter_us(), "us"));
+  if (l.bandwidth_mbps() > 0)
+    parts.push_back(absl::StrFormat("bandwidth %gMb/s", l.bandwidth_mbps()));
+  if (l.loss() > 0) parts.push_back(absl::StrFormat("loss %g", l.loss()));
+  if (l.down()) parts.push_back("down");
+  return parts.empty() ? std::string("plain") : absl::StrJoin(parts, " ");
+}
+
+std::unique_ptr<cluster::Admin::Stub> AdminStub(const std::string& address) {
+  return cluster::Admin::NewStub(
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+}
+
+absl::Status FromGrpc(const grpc::Status& s) {
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                      s.error_message());
+}
+
+// Link rules and, from the nodes' heartbeat counters, traffic per link.
+void PrintLinks(const std::string& address, const v1::ClusterStatus& st) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  cluster::GetLinksResponse links;
+  const grpc::Status gs =
+      AdminStub(address)->GetLinks(&ctx, cluster::GetLinksRequest(), &links);
+  if (gs.ok() && links.links_size() > 0) {
+    std::printf("link rules:\n");
+    for (const auto& l : links.links()) {
+      std::printf("  %-12s -> %-12s %s\n", l.source().c_str(),
+                  l.destination().c_str(), DescribeLinkConfig(l).c_str());
+    }
+  }
+  bool header = false;
+  for (const auto& n : st.nodes()) {
+    std::map<std::string, std::map<std::string, double>> per_peer;
+    for (const auto& [k, v] : n.stats()) {
+      if (k.rfind("link.", 0) != 0) continue;
+      const size_t dot = k.rfind('.');
+      if (dot <= 5) continue;
+      per_peer[k.substr(5, dot - 5)][k.substr(dot + 1)] = v;
+    }
+    for (auto& [peer, c] : per_peer) {
+      if (!header) {
+        std::printf("%-12s %-12s %10s %12s %9s %9s %8s %7s\n", "LINK FROM",
+                    "TO", "MESSAGES", "BYTES", "P50 us", "P99 us", "DROPPED",
+                    "FAILED");
+        header = true;
+      }
+      std::printf("%-12s %-12s %10.0f %12.0f %9.0f %9.0f %8.0f %7.0f\n",
+                  n.name().c_str(), peer.c_str(), c["messages"], c["bytes"],
+                  c["latency_us_p50"], c["latency_us_p99"], c["dropped"],
+                  c["failed"]);
+    }
+  }
+}
+
+int Link(const std::string& address, const std::string& action,
+         const Flags& f) {
+  auto stub = AdminStub(address);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  if (action == "list") {
+    cluster::GetLinksResponse resp;
+    const grpc::Status gs = stub->GetLinks(&ctx, cluster::GetLinksRequest(), &resp);
+    if (!gs.ok()) return PrintError(FromGrpc(gs));
+    for (const auto& l : resp.links()) {
+      std::printf("%-12s -> %-12s %s\n", l.source().c_str(),
+                  l.destination().c_str(), DescribeLinkConfig(l).c_str());
+    }
+    return 0;
+  }
+  if (!f.Has("from") || !f.Has("to")) Usage("link " + action + " needs --from and --to");
+  cluster::SetLinkRequest req;
+  cluster::LinkConfig* l = req.mutable_link();
+  l->set_source(f.Str("from"));
+  l->set_destination(f.Str("to"));
+  l->set_latency_us(f.Int("latency-us", 0));
+  l->set_jitter_us(f.Int("jitter-us", 0));
+  l->set_bandwidth_mbps(f.Double("bandwidth-mbps", 0));
+  l->set_loss(f.Double("loss", 0));
+  if (f.Has("down") && f.Has("up")) Usage("--down and --up exclude each other");
+  l->set_down(f.Has("down"));
+  req.set_remove(action == "remove");
+  cluster::SetLinkResponse resp;
+  const grpc::Status gs = stub->SetLink(&ctx, req, &resp);
+  if (!gs.ok()) return PrintError(FromGrpc(gs));
+  for (const auto& r : resp.links()) {
+    std::printf("%-12s -> %-12s %s\n", r.source().c_str(),
+                r.destination().c_str(), DescribeLinkConfig(r).c_str());
+  }
+  for (const auto& n : resp.not_applied()) {
+    std::fprintf(stderr, "karatctl: not applied on %s\n", n.c_str());
+  }
+  return resp.not_applied_size() > 0 ? 1 : 0;
+}
+
+int Metrics(Client& client) {
+  auto st = client.GetClusterStatus();
+  if (!st.ok()) return PrintError(st.status());
+  for (const auto& n : st->nodes()) {
+    std::map<std::string, double> stats(n.stats().begin(), n.stats().end());
+    std::fputs(PrometheusFromStatsMap(n.name(), stats).c_str(), stdout);
   }
   return 0;
 }
@@ -309,6 +435,7 @@ int Main(int argc, char** argv) {
   if (command == "plan") return Plan(Flags(rest, {"config"}, {}));
 
   std::set<std::string> known, switches;
+  std::string link_action;
   if (command == "generate") {
     known = {"prompt", "max-new-tokens", "temperature", "seed", "session"};
     switches = {"ids"};
@@ -316,6 +443,14 @@ int Main(int argc, char** argv) {
     known = {"max-new-tokens", "temperature", "seed"};
   } else if (command == "status") {
     known = {"expect-alive"};
+  } else if (command == "metrics") {
+  } else if (command == "link") {
+    if (rest.empty() || (rest[0] != "set" && rest[0] != "remove" && rest[0] != "list"))
+      Usage("link needs set, remove or list");
+    link_action = rest[0];
+    rest.erase(rest.begin());
+    known = {"from", "to", "latency-us", "jitter-us", "bandwidth-mbps", "loss"};
+    switches = {"down", "up"};
   } else if (command == "bench") {
     known = {"trace", "sessions", "turns", "scale", "max-new-tokens-cap",
              "think-scale", "seed", "temperature", "json"};
@@ -338,7 +473,9 @@ int Main(int argc, char** argv) {
   Client client(address);
   if (command == "generate") return Generate(client, flags);
   if (command == "chat") return Chat(client, flags);
-  if (command == "status") return Status(client, flags);
+  if (command == "status") return Status(client, address, flags);
+  if (command == "metrics") return Metrics(client);
+  if (command == "link") return Link(address, link_action, flags);
 
   BenchOptions b;
   if (!flags.Has("trace") || !flags.Has("sessions") || !flags.Has("turns") ||

@@ -1,0 +1,198 @@
+// gqa_dense, method `clusterkv` (MODEL.md; Liu et al., "ClusterKV: Manipulating
+// LLM KV Cache in Semantic Space for Recallable Compression", §3): after each
+// turn's prefill the tokens not yet clustered are grouped per KV head by
+// k-means under cosine similarity; a query takes whole clusters, best
+// q . centroid first, up to a token budget.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "common/numeric.h"
+#include "common/sparse_attention.h"
+
+namespace karat {
+namespace {
+
+struct Cluster {
+  std::vector<float> centroid;   // d
+  std::vector<int32_t> members;  // increasing positions
+};
+
+class ClusterState final : public MethodLayerState {
+ public:
+  int clustered_upto = 0;  // positions [sink, clustered_upto) are clustered
+  std::vector<std::vector<Cluster>> heads;  // per KV head, creation order
+  size_t bytes() const override {
+    size_t n = 0;
+    for (const auto& h : heads) {
+      for (const Cluster& c : h) {
+        n += c.centroid.size() * sizeof(float) +
+             c.members.size() * sizeof(int32_t);
+      }
+    }
+    return n;
+  }
+};
+
+float Dot(const float* a, const float* b, int d) {
+  float s = 0.0f;
+  for (int c = 0; c < d; ++c) s = std::fma(a[c], b[c], s);
+  return s;
+}
+
+class ClusterKvAttention final : public SparseAttention {
+ public:
+  ClusterKvAttention(const AttnShapes& s, const AttentionConfig& a)
+      : SparseAttention(s),
+        sink_(a.sink),
+        size_(a.cluster_size),
+        budget_(a.cluster_budget),
+        iters_(a.kmeans_iters) {}
+  const char* name() const override { return "gqa_dense/clusterkv"; }
+  std::unique_ptr<MethodLayerState> NewLayerState() const override {
+    auto st = std::make_unique<ClusterState>();
+    st->clustered_upto = sink_;
+    st->heads.resize(shapes_.kv_heads);
+    return st;
+  }
+
+  void OnPrefillEnd(const LayerView& view, MethodLayerState* state,
+                    KernelCost* cost) const override {
+    auto* st = static_cast<ClusterState*>(state);
+    const int from = st->clustered_upto, to = view.length;
+    const int n = to - from;
+    if (n <= 0) return;
+    const int k = (n + size_ - 1) / size_;
+    const int d = shapes_.head_dim;
+    std::vector<float> x(size_t(n) * d), xn(n), cent(size_t(k) * d), cn(k);
+    std::vector<int> assign(n);
+    for (int g = 0; g < shapes_.kv_heads; ++g) {
+      for (int i = 0; i < n; ++i) {
+        float* xi = &x[size_t(i) * d];
+        Bf16ToFloat(view.Kv(from + i) + GqaEntry::K(shapes_, g), d, xi);
+        xn[i] = std::sqrt(Dot(xi, xi, d));
+      }
+      // Initial centroids: evenly spaced tokens.
+      for (int j = 0; j < k; ++j) {
+        const int i = int(int64_t(j) * n / k);
+        std::copy_n(&x[size_t(i) * d], d, &cent[size_t(j) * d]);
+      }
+      auto assign_all = [&] {
+        for (int j = 0; j < k; ++j) {
+          cn[j] = std::sqrt(Dot(&cent[size_t(j) * d], &cent[size_t(j) * d], d));
+        }
+        for (int i = 0; i < n; ++i) {
+          int best = 0;
+          float best_cos = -INFINITY;
+          for (int j = 0; j < k; ++j) {
+            const float den = xn[i] * cn[j];
+            const float cosv =
+                den > 0.0f
+                    ? Dot(&x[size_t(i) * d], &cent[size_t(j) * d], d) / den
+                    : 0.0f;
+            if (cosv > best_cos) {  // ties keep the lower cluster
+              best_cos = cosv;
+              best = j;
+            }
+          }
+          assign[i] = best;
+        }
+      };
+      auto update_all = [&] {
+        std::vector<float> sum(size_t(k) * d, 0.0f);
+        std::vector<int> count(k, 0);
+        for (int i = 0; i < n; ++i) {
+          float* s = &sum[size_t(assign[i]) * d];
+          const float* xi = &x[size_t(i) * d];
+          for (int c = 0; c < d; ++c) s[c] += xi[c];
+          ++count[assign[i]];
+        }
+        for (int j = 0; j < k; ++j) {
+          if (count[j] == 0) continue;  // an empty cluster keeps its centroid
+          for (int c = 0; c < d; ++c) {
+            cent[size_t(j) * d + c] = sum[size_t(j) * d + c] / float(count[j]);
+          }
+        }
+      };
+      // kmeans_iters rounds of (assign, update); the membership is the last
+      // assignment, so every centroid is the mean of its members. With 0
+      // rounds the tokens are assigned to the initial centroids.
+      assign_all();
+      for (int r = 0; r < iters_; ++r) {
+        if (r > 0) assign_all();
+        update_all();
+      }
+      std::vector<Cluster> fresh(k);
+      for (int j = 0; j < k; ++j) {
+        fresh[j].centroid.assign(&cent[size_t(j) * d],
+                                 &cent[size_t(j) * d] + d);
+      }
+      for (int i = 0; i < n; ++i) fresh[assign[i]].members.push_back(from + i);
+      for (Cluster& c : fresh) {
+        if (!c.members.empty()) st->heads[g].push_back(std::move(c));
+      }
+    }
+    st->clustered_upto = to;
+    cost->bytes += double(n) * shapes_.kv_heads * d * 2;
+    cost->flops += double(n) * k * d * 2 * (iters_ + 1) * shapes_.kv_heads;
+  }
+
+  void Select(const LayerView& view, int pos, const float* q,
+              const MethodLayerState* state, std::vector<HeadSelection>* heads,
+              KernelCost* cost) const override {
+    const auto* st = static_cast<const ClusterState*>(state);
+    const int clustered = std::max(0, st->clustered_upto - sink_);
+    if (clustered <= budget_ || pos < st->clustered_upto) {
+      SelectDense(pos, heads);
+      return;
+    }
+    const int H = shapes_.heads, d = shapes_.head_dim;
+    const int group = H / shapes_.kv_heads;
+    heads->resize(H);
+    std::vector<float> score;
+    std::vector<int> order;
+    for (int h = 0; h < H; ++h) {
+      const std::vector<Cluster>& cl = st->heads[h / group];
+      const float* qh = q + size_t(h) * shapes_.q_dim;
+      score.resize(cl.size());
+      for (size_t j = 0; j < cl.size(); ++j) {
+        score[j] = Dot(qh, cl[j].centroid.data(), d);
+      }
+      order.resize(cl.size());
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+        return score[a] > score[b];  // stable: ties to the lower cluster
+      });
+      HeadSelection& sel = (*heads)[h];
+      sel.positions.clear();
+      sel.bias.clear();
+      int left = budget_;
+      for (int j : order) {
+        if (left == 0) break;
+        const auto& m = cl[j].members;
+        const int take = std::min(left, int(m.size()));
+        sel.positions.insert(sel.positions.end(), m.begin(), m.begin() + take);
+        left -= take;
+      }
+      for (int t = 0; t < sink_ && t <= pos; ++t) sel.positions.push_back(t);
+      for (int t = st->clustered_upto; t <= pos; ++t) {
+        sel.positions.push_back(t);
+      }
+      std::sort(sel.positions.begin(), sel.positions.end());
+      cost->flops += double(cl.size()) * d * 2;
+      cost->bytes += double(cl.size()) * d * 4;
+    }
+  }
+
+ private:
+  const int sink_, size_, budget_, iters_;
+};
+
+}  // namespace
+
+std::unique_ptr<SparseAttention> NewClusterKvAttention(
+    const AttnShapes& s, const AttentionConfig& a) {
+  return std::make_unique<ClusterKvAttention>(s, a);
+}
+
+}  // namespace karat

@@ -1,0 +1,63 @@
+// A fixed pool of worker threads standing in for one KARAT device's GPNM
+// cores (DESIGN.md §3, §III-C). Kernels split a scan by token range with
+// ParallelFor; every item range is computed with the same per-item
+// arithmetic whatever the split, so results do not depend on the number of
+// cores (DESIGN.md §6).
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace karat {
+
+class CorePool {
+ public:
+  // Starts `cores - 1` worker threads: the thread that calls ParallelFor
+  // works too, so `cores` threads run a loop. cores <= 1 starts none and runs
+  // everything on the caller.
+  explicit CorePool(int cores);
+  ~CorePool();  // joins the workers
+  CorePool(const CorePool&) = delete;
+  CorePool& operator=(const CorePool&) = delete;
+
+  int cores() const { return cores_; }
+
+  // Splits [0, n_items) into at most cores() contiguous ranges, each a
+  // multiple of `grain` items except the last, and calls fn(begin, end) once
+  // per non-empty range, concurrently; returns when all calls are done.
+  // Range i covers items [i * chunk, (i + 1) * chunk) with chunk =
+  // ceil(n_items / (cores * grain)) * grain, so the split is a pure function
+  // of (n_items, grain, cores). Calls from several threads are serialised
+  // (one loop at a time); fn must not call ParallelFor on the same pool.
+  // Idle workers block on a condition variable (no spinning).
+  void ParallelFor(int64_t n_items, int64_t grain,
+                   const std::function<void(int64_t, int64_t)>& fn);
+
+ private:
+  void WorkerLoop(int worker);
+
+  const int cores_;
+  std::mutex call_mu_;  // one ParallelFor at a time
+  std::mutex mu_;
+  std::condition_variable wake_;
+  std::condition_variable done_;
+  // The current loop; written under mu_ before generation_ advances.
+  const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
+  int64_t n_items_ = 0, chunk_ = 0;
+  uint64_t generation_ = 0;  // guarded by mu_
+  int pending_ = 0;          // guarded by mu_: workers still running the loop
+  bool stopping_ = false;    // guarded by mu_
+  std::vector<std::thread> threads_;
+};
+
+// Runs fn over [0, n_items) on `pool`, or on the calling thread in one call
+// when `pool` is null (the reference engine's path: same ranges' arithmetic,
+// same bits).
+void ParallelFor(CorePool* pool, int64_t n_items, int64_t grain,
+                 const std::function<void(int64_t, int64_t)>& fn);
+
+}  // namespace karat

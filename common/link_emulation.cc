@@ -1,0 +1,457 @@
+#include "common/link_emulation.h"
+
+#include <algorithm>
+#include <cmath>
+#include <deque>
+#include <functional>
+#include <random>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "common/log.h"
+#include "common/status_macros.h"
+
+namespace karat {
+namespace {
+
+constexpr const char* kLogModule = "link";
+
+uint64_t SplitMix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// FNV-1a, stable across runs and builds (std::hash is not).
+uint64_t StableHash(const std::string& s) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 0x100000001b3ull;
+  }
+  return h;
+}
+
+// One queued message of a delayed link.
+struct Pending {
+  std::string data;
+  absl::Time deliver_at;
+  absl::Time sent_at;  // when Send() was called
+};
+
+}  // namespace
+
+absl::Status ValidateLinkRule(const LinkRule& r) {
+  const std::string name = absl::StrCat("link ", r.source, " -> ",
+                                        r.destination);
+  if (r.source.empty() || r.destination.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": source and destination must be node names or *"));
+  }
+  const LinkSettings& s = r.settings;
+  if (s.latency_us < 0 || s.jitter_us < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": latency_us and jitter_us must be >= 0"));
+  }
+  if (!(s.bandwidth_mbps >= 0) || std::isinf(s.bandwidth_mbps)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": bandwidth_mbps must be >= 0 and finite"));
+  }
+  if (!(s.loss >= 0 && s.loss <= 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": loss must be within [0, 1], got ", s.loss));
+  }
+  return absl::OkStatus();
+}
+
+LinkSettings ResolveLink(const std::vector<LinkRule>& rules,
+                         const std::string& source,
+                         const std::string& destination) {
+  int best_rank = -1;
+  LinkSettings best;
+  for (const LinkRule& r : rules) {
+    const bool src_exact = r.source == source;
+    const bool dst_exact = r.destination == destination;
+    if (!src_exact && r.source != "*") continue;
+    if (!dst_exact && r.destination != "*") continue;
+    const int rank = (src_exact ? 2 : 0) + (dst_exact ? 1 : 0);
+    if (rank >= best_rank) {
+      best_rank = rank;
+      best = r.settings;
+    }
+  }
+  return best;
+}
+
+LinkRule LinkRuleFromProto(const cluster::LinkConfig& c) {
+  LinkRule r;
+  r.source = c.source();
+  r.destination = c.destination();
+  r.settings.latency_us = c.latency_us();
+  r.settings.jitter_us = c.jitter_us();
+  r.settings.bandwidth_mbps = c.bandwidth_mbps();
+  r.settings.loss = c.loss();
+  r.settings.down = c.down();
+  return r;
+}
+
+cluster::LinkConfig LinkRuleToProto(const LinkRule& r) {
+  cluster::LinkConfig c;
+  c.set_source(r.source);
+  c.set_destination(r.destination);
+  c.set_latency_us(r.settings.latency_us);
+  c.set_jitter_us(r.settings.jitter_us);
+  c.set_bandwidth_mbps(r.settings.bandwidth_mbps);
+  c.set_loss(r.settings.loss);
+  c.set_down(r.settings.down);
+  return c;
+}
+
+absl::StatusOr<std::vector<LinkRule>> LinkRulesFromProto(
+    const google::protobuf::RepeatedPtrField<cluster::LinkConfig>& configs) {
+  std::vector<LinkRule> rules;
+  for (const cluster::LinkConfig& c : configs) {
+    rules.push_back(LinkRuleFromProto(c));
+    RETURN_IF_ERROR(ValidateLinkRule(rules.back()));
+  }
+  return rules;
+}
+
+std::string DescribeLink(const LinkSettings& s) {
+  if (!s.Active()) return "-";
+  std::vector<std::string> parts;
+  if (s.latency_us > 0) parts.push_back(absl::StrCat("latency ", s.latency_us, "us"));
+  if (s.jitter_us > 0) parts.push_back(absl::StrCat("jitter ", s.jitter_us, "us"));
+  if (s.bandwidth_mbps > 0) {
+    parts.push_back(absl::StrFormat("bandwidth %gMb/s", s.bandwidth_mbps));
+  }
+  if (s.loss > 0) parts.push_back(absl::StrFormat("loss %g", s.loss));
+  if (s.down) parts.push_back("down");
+  std::string out;
+  for (const std::string& p : parts) {
+    if (!out.empty()) out += ' ';
+    out += p;
+  }
+  return out;
+}
+
+struct LinkEmulator::Impl {
+  // One link: this node -> one peer.
+  struct Link {
+    PeerId id = kUnknownPeer;
+    std::string added_name;  // as given to AddPeer()
+    // The node name rules match and counters use.
+    std::string name ABSL_GUARDED_BY(mu);
+    absl::Mutex mu;
+    LinkSettings settings ABSL_GUARDED_BY(mu);
+    std::deque<Pending> queue ABSL_GUARDED_BY(mu);
+    size_t queued_bytes ABSL_GUARDED_BY(mu) = 0;
+    absl::Time busy_until ABSL_GUARDED_BY(mu) = absl::InfinitePast();
+    absl::Time last_delivery ABSL_GUARDED_BY(mu) = absl::InfinitePast();
+    std::mt19937_64 rng ABSL_GUARDED_BY(mu);
+    bool stop ABSL_GUARDED_BY(mu) = false;
+    bool thread_started ABSL_GUARDED_BY(mu) = false;
+    absl::CondVar cv;
+    std::thread thread;
+  };
+
+  Impl(std::unique_ptr<Transport> t, LinkEmulatorOptions o)
+      : inner(std::move(t)), options(std::move(o)) {
+    if (options.stats == nullptr) options.stats = std::make_shared<LinkStats>();
+  }
+
+  Link* Find(PeerId peer) {
+    absl::MutexLock lock(&links_mu);
+    auto it = links.find(peer);
+    return it == links.end() ? nullptr : it->second.get();
+  }
+
+  void DeliveryLoop(Link* link);
+  // Called with links_mu held (options.seed may change).
+  uint64_t LinkSeed(const std::string& peer) const {
+    return SplitMix64(options.seed ^ SplitMix64(StableHash(options.local_name) ^
+                                                StableHash(peer)));
+  }
+  void StopLinks();
+
+  const std::unique_ptr<Transport> inner;
+  LinkEmulatorOptions options;
+
+  mutable absl::Mutex links_mu;
+  std::vector<LinkRule> rules ABSL_GUARDED_BY(links_mu);
+  std::map<std::string, std::string> peer_names ABSL_GUARDED_BY(links_mu);
+  absl::flat_hash_map<PeerId, std::unique_ptr<Link>> links
+      ABSL_GUARDED_BY(links_mu);
+  bool shut_down ABSL_GUARDED_BY(links_mu) = false;
+};
+
+void LinkEmulator::Impl::DeliveryLoop(Link* link) {
+  LinkStats& stats = *options.stats;
+  absl::MutexLock lock(&link->mu);
+  for (;;) {
+    if (link->stop) return;
+    if (link->queue.empty()) {
+      link->cv.Wait(&link->mu);
+      continue;
+    }
+    if (link->settings.down) {
+      // Disconnected: what was in flight is lost.
+      KLOG(Warning, kLogModule)
+          << "link " << options.local_name << " -> " << link->name
+          << " is down: discarding " << link->queue.size()
+          << " queued messages";
+      for (size_t i = 0; i < link->queue.size(); ++i) {
+        stats.RecordFailed(link->name);
+      }
+      link->queue.clear();
+      link->queued_bytes = 0;
+      continue;
+    }
+    const absl::Time now = absl::Now();
+    if (now < link->queue.front().deliver_at) {
+      link->cv.WaitWithDeadline(&link->mu, link->queue.front().deliver_at);
+      continue;
+    }
+    Pending p = std::move(link->queue.front());
+    link->queue.pop_front();
+    link->queued_bytes -= p.data.size();
+    const std::string name = link->name;
+    link->mu.Unlock();
+    const absl::Status status =
+        inner->Send(link->id, p.data.data(), p.data.size());
+    if (status.ok()) {
+      stats.RecordSent(name, p.data.size(), absl::Now() - p.sent_at);
+    } else {
+      stats.RecordFailed(name);
+      KLOG(Warning, kLogModule) << "delayed send of " << p.data.size()
+                                << " bytes to '" << name
+                                << "' failed: " << status;
+    }
+    link->mu.Lock();
+  }
+}
+
+void LinkEmulator::Impl::StopLinks() {
+  std::vector<Link*> all;
+  {
+    absl::MutexLock lock(&links_mu);
+    shut_down = true;
+    for (auto& [id, link] : links) all.push_back(link.get());
+  }
+  for (Link* link : all) {
+    {
+      absl::MutexLock lock(&link->mu);
+      link->stop = true;
+      if (!link->queue.empty()) {
+        KLOG(Info, kLogModule) << "shutdown discards " << link->queue.size()
+                               << " messages queued to '" << link->name << "'";
+      }
+      link->queue.clear();
+      link->queued_bytes = 0;
+      link->cv.SignalAll();
+    }
+    if (link->thread.joinable()) {
+      if (link->thread.get_id() == std::this_thread::get_id()) {
+        link->thread.detach();
+      } else {
+        link->thread.join();
+      }
+    }
+  }
+}
+
+LinkEmulator::LinkEmulator(std::unique_ptr<Transport> inner,
+                           LinkEmulatorOptions options)
+    : impl_(std::make_unique<Impl>(std::move(inner), std::move(options))) {}
+
+LinkEmulator::~LinkEmulator() { Shutdown(); }
+
+absl::Status LinkEmulator::SetLinks(std::vector<LinkRule> rules) {
+  for (const LinkRule& r : rules) RETURN_IF_ERROR(ValidateLinkRule(r));
+  absl::MutexLock lock(&impl_->links_mu);
+  impl_->rules = std::move(rules);
+  for (auto& [id, link] : impl_->links) {
+    const LinkSettings s =
+        ResolveLink(impl_->rules, impl_->options.local_name, link->name);
+    absl::MutexLock link_lock(&link->mu);
+    if (!(link->settings == s)) {
+      KLOG(Info, kLogModule) << "link " << impl_->options.local_name << " -> "
+                             << link->name << ": " << DescribeLink(s);
+    }
+    link->settings = s;
+    link->cv.SignalAll();
+  }
+  return absl::OkStatus();
+}
+
+void LinkEmulator::SetSeed(uint64_t seed) {
+  absl::MutexLock lock(&impl_->links_mu);
+  if (impl_->options.seed == seed) return;
+  impl_->options.seed = seed;
+  for (auto& [id, link] : impl_->links) {
+    absl::MutexLock link_lock(&link->mu);
+    link->rng.seed(impl_->LinkSeed(link->name));
+  }
+}
+
+void LinkEmulator::SetPeerNames(std::map<std::string, std::string> names) {
+  absl::MutexLock lock(&impl_->links_mu);
+  impl_->peer_names = std::move(names);
+  for (auto& [id, link] : impl_->links) {
+    auto it = impl_->peer_names.find(link->added_name);
+    const std::string name =
+        it == impl_->peer_names.end() ? link->added_name : it->second;
+    absl::MutexLock link_lock(&link->mu);
+    link->name = name;
+    link->settings = ResolveLink(impl_->rules, impl_->options.local_name, name);
+  }
+}
+
+std::vector<LinkRule> LinkEmulator::links() const {
+  absl::MutexLock lock(&impl_->links_mu);
+  return impl_->rules;
+}
+
+LinkSettings LinkEmulator::SettingsFor(PeerId peer) const {
+  Impl::Link* link = impl_->Find(peer);
+  if (link == nullptr) return {};
+  absl::MutexLock lock(&link->mu);
+  return link->settings;
+}
+
+const std::shared_ptr<LinkStats>& LinkEmulator::stats() const {
+  return impl_->options.stats;
+}
+
+std::string LinkEmulator::LocalAddress() const {
+  return impl_->inner->LocalAddress();
+}
+
+absl::StatusOr<PeerId> LinkEmulator::AddPeer(const std::string& name,
+                                             const std::string& address) {
+  absl::StatusOr<PeerId> id = impl_->inner->AddPeer(name, address);
+  if (!id.ok()) return id;
+  absl::MutexLock lock(&impl_->links_mu);
+  auto& slot = impl_->links[*id];
+  if (slot == nullptr) {
+    slot = std::make_unique<Impl::Link>();
+    slot->id = *id;
+    slot->added_name = name;
+    auto alias = impl_->peer_names.find(name);
+    absl::MutexLock link_lock(&slot->mu);
+    slot->name = alias == impl_->peer_names.end() ? name : alias->second;
+    slot->settings =
+        ResolveLink(impl_->rules, impl_->options.local_name, slot->name);
+    slot->stop = impl_->shut_down;
+    slot->rng.seed(impl_->LinkSeed(slot->name));
+  }
+  return id;
+}
+
+absl::Status LinkEmulator::Send(PeerId peer, const void* data, size_t len) {
+  Impl::Link* link = impl_->Find(peer);
+  LinkStats& stats = *impl_->options.stats;
+  if (link == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown peer id ", peer));
+  }
+  const absl::Time start = absl::Now();
+  std::string name;
+  {
+    absl::MutexLock lock(&link->mu);
+    name = link->name;
+    const LinkSettings s = link->settings;
+    if (s.down) {
+      stats.RecordFailed(link->name);
+      return absl::UnavailableError(
+          absl::StrCat("send to peer '", link->name, "': link ",
+                       impl_->options.local_name, " -> ", link->name,
+                       " is down"));
+    }
+    if (link->stop) {
+      return absl::UnavailableError(absl::StrCat(
+          "send to peer '", link->name, "': transport is shut down"));
+    }
+    if (s.Active() || !link->queue.empty()) {
+      if (s.loss > 0 &&
+          std::uniform_real_distribution<double>(0.0, 1.0)(link->rng) <
+              s.loss) {
+        stats.RecordDropped(link->name);
+        return absl::OkStatus();
+      }
+      const size_t max_queued = impl_->options.max_queued_bytes;
+      // Runs under link->mu (absl::Condition evaluates it with the lock).
+      auto has_room = [link, len, max_queued]()
+                          ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                            return link->stop || link->queue.empty() ||
+                                   link->queued_bytes + len <= max_queued;
+                          };
+      link->mu.Await(absl::Condition(&has_room));
+      if (link->stop) {
+        return absl::UnavailableError(absl::StrCat(
+            "send to peer '", link->name, "': transport is shut down"));
+      }
+      const absl::Time now = absl::Now();
+      absl::Time ready = now;
+      if (s.bandwidth_mbps > 0) {
+        const absl::Duration serialisation = absl::Seconds(
+            static_cast<double>(len) * 8.0 / (s.bandwidth_mbps * 1e6));
+        ready = std::max(now, link->busy_until) + serialisation;
+        link->busy_until = ready;
+      }
+      int64_t delay_us = s.latency_us;
+      if (s.jitter_us > 0) {
+        delay_us += std::uniform_int_distribution<int64_t>(0, s.jitter_us)(
+            link->rng);
+      }
+      const absl::Time deliver_at =
+          std::max(ready + absl::Microseconds(delay_us), link->last_delivery);
+      link->last_delivery = deliver_at;
+      link->queue.push_back(Pending{
+          std::string(static_cast<const char*>(data), len), deliver_at, start});
+      link->queued_bytes += len;
+      if (!link->thread_started) {
+        link->thread_started = true;
+        link->thread =
+            std::thread([this, link] { impl_->DeliveryLoop(link); });
+      }
+      link->cv.Signal();
+      return absl::OkStatus();
+    }
+  }
+  const absl::Status status = impl_->inner->Send(peer, data, len);
+  if (status.ok()) {
+    stats.RecordSent(name, len, absl::Now() - start);
+  } else {
+    stats.RecordFailed(name);
+  }
+  return status;
+}
+
+void LinkEmulator::SetReceiveHandler(ReceiveHandler handler) {
+  std::shared_ptr<LinkStats> stats = impl_->options.stats;
+  impl_->inner->SetReceiveHandler(
+      [stats, handler = std::move(handler)](std::string_view message) {
+        stats->RecordReceived(message.size());
+        if (handler) handler(message);
+      });
+}
+
+size_t LinkEmulator::MaxMessageSize() const {
+  return impl_->inner->MaxMessageSize();
+}
+
+void LinkEmulator::Shutdown() {
+  impl_->StopLinks();
+  impl_->inner->Shutdown();
+}
+
+}  // namespace karat

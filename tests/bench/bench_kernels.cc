@@ -1,0 +1,406 @@
+// karat-bench-kernels: the KARAT-side DSA kernels (Score, Select, Gather +
+// Attend; §III-D) against this machine's limits, measured in the same run
+// the way they are really reached:
+//   * read bandwidth: both cores stream >= 1 GiB of huge pages
+//     (MADV_HUGEPAGE) into several independent accumulators;
+//   * fp32 FMA and bf16 dot-product (vdpbf16ps) peaks: 24 independent
+//     accumulators per thread, both cores; and, where the kernel grants it,
+//     the matrix tile unit's (tdpbf16ps, 4 accumulator tiles per thread).
+// Then, per kernel and context length, tokens/s, GB/s, GFLOP/s and the
+// percentage of the roofline bound min(BW x OI, peak), where peak is the
+// rate of the arithmetic the kernel runs on (the tile unit or bf16 dot
+// products for Score, fp32 FMA for Attend; Select against bandwidth). Shapes: the small models' indexer (8 heads x 32)
+// and DeepSeek-V3.2's real one (64 heads x 128, fp8 keys), MLA entries of
+// 128 + 16 (8 heads) and 512 + 64 (128 heads). KV and index keys live in the
+// device page arena (huge pages). Not a test: prints a table.
+#include <immintrin.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/attention.h"
+#include "common/core_pool.h"
+#include "common/kv_store.h"
+#include "common/model_config.h"
+#include "common/numeric.h"
+
+namespace karat {
+namespace {
+
+constexpr int kCores = 2;
+
+double Now() {
+  return std::chrono::duration<double>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Best time of `reps` runs of fn (at least one; stops early after ~budget
+// seconds).
+double BestOf(int reps, double budget, const std::function<void()>& fn) {
+  double best = 1e30;
+  const double t_end = Now() + budget;
+  for (int r = 0; r < reps; ++r) {
+    const double t0 = Now();
+    fn();
+    best = std::min(best, Now() - t0);
+    if (r >= 2 && Now() > t_end) break;
+  }
+  return best;
+}
+
+// --- Machine limits ---------------------------------------------------------
+
+double MeasureReadBandwidth(CorePool* pool) {
+  const size_t bytes = size_t(1) << 30;
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return 0;
+  madvise(p, bytes, MADV_HUGEPAGE);
+  std::memset(p, 1, bytes);
+  const __m512i* v = static_cast<const __m512i*>(p);
+  const int64_t nvec = int64_t(bytes / 64);
+  std::vector<int64_t> sink(kCores * 8);
+  const double t = BestOf(8, 3.0, [&] {
+    pool->ParallelFor(nvec, 1024, [&](int64_t b, int64_t e) {
+      __m512i a[8];
+      for (auto& x : a) x = _mm512_setzero_si512();
+      for (int64_t i = b; i + 8 <= e; i += 8) {
+        for (int k = 0; k < 8; ++k) {
+          a[k] = _mm512_add_epi64(a[k], _mm512_load_si512(v + i + k));
+        }
+      }
+      for (int k = 1; k < 8; ++k) a[0] = _mm512_add_epi64(a[0], a[k]);
+      sink[(b * kCores / nvec) * 8] = _mm512_reduce_add_epi64(a[0]);
+    });
+  });
+  munmap(p, bytes);
+  return double(bytes) / t / 1e9;
+}
+
+template <bool kBf16>
+double MeasurePeak(CorePool* pool) {
+  constexpr int kAcc = 24;
+  const int64_t iters = 4 << 20;
+  std::vector<float> sink(kCores * 16);
+  const double t = BestOf(20, 1.0, [&] {
+    pool->ParallelFor(kCores, 1, [&](int64_t b, int64_t e) {
+      for (int64_t w = b; w < e; ++w) {
+        __m512 a[kAcc];
+#pragma GCC unroll 32
+        for (int k = 0; k < kAcc; ++k) a[k] = _mm512_set1_ps(float(k + w));
+        const __m512 x = _mm512_set1_ps(1.0000001f);
+        const __m512 y = _mm512_set1_ps(-1e-7f);
+        for (int64_t i = 0; i < iters; ++i) {
+#pragma GCC unroll 32
+          for (int k = 0; k < kAcc; ++k) {
+            if constexpr (kBf16) {
+              a[k] = _mm512_dpbf16_ps(a[k], (__m512bh)x, (__m512bh)y);
+            } else {
+              a[k] = _mm512_fmadd_ps(a[k], x, y);
+            }
+          }
+        }
+#pragma GCC unroll 32
+        for (int k = 1; k < kAcc; ++k) a[0] = _mm512_add_ps(a[0], a[k]);
+        sink[w * 16] = _mm512_reduce_add_ps(a[0]);
+      }
+    });
+  });
+  const double flops_per_op = kBf16 ? 64.0 : 32.0;  // per 512-bit instruction
+  return double(kCores) * iters * kAcc * flops_per_op / t / 1e9;
+}
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+// Peak of the matrix tile unit (TDPBF16PS, 16 x 16 x 32 per instruction),
+// four independent accumulator tiles per thread. Valid only after
+// IndexerUsesTileUnit() has obtained the tile state from the kernel.
+double MeasureTilePeak(CorePool* pool) {
+  struct alignas(64) Config {
+    uint8_t palette = 1, start = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  };
+  const int64_t iters = 1 << 18;
+  alignas(64) static uint16_t a[16 * 32], b[16 * 32];
+  for (int i = 0; i < 16 * 32; ++i) a[i] = b[i] = 0x3F80;
+  const double t = BestOf(20, 1.0, [&] {
+    // Static: ldtilecfg's intrinsic does not tell the compiler that it
+    // reads the whole block, so stores to a local one may be dropped.
+    static const Config config = [] {
+      Config c;
+      for (int i = 0; i < 8; ++i) {
+        c.colsb[i] = 64;
+        c.rows[i] = 16;
+      }
+      return c;
+    }();
+    pool->ParallelFor(kCores, 1, [&](int64_t, int64_t) {
+      _tile_loadconfig(&config);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      _tile_loadd(4, a, 64);
+      _tile_loadd(5, b, 64);
+      for (int64_t i = 0; i < iters; ++i) {
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_dpbf16ps(1, 4, 5);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_dpbf16ps(3, 4, 5);
+      }
+      _tile_release();
+    });
+  });
+  return double(kCores) * iters * 4 * (16.0 * 16 * 32 * 2) / t / 1e9;
+}
+#endif
+
+// --- Stores -----------------------------------------------------------------
+
+struct Shape {
+  const char* name;
+  int index_heads, index_dim;
+  int heads, kv_lora, rope;
+};
+
+struct Store {
+  KvLayout layout;
+  std::unique_ptr<PageArena> arena;
+  std::unique_ptr<SessionCache> cache;
+  AttnShapes shapes;
+};
+
+uint64_t Mix(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+float Gauss(uint64_t* s) {  // cheap, deterministic, roughly normal
+  float acc = 0;
+  for (int i = 0; i < 4; ++i) {
+    *s = Mix(*s);
+    acc += float(*s >> 40) / float(1 << 24) - 0.5f;
+  }
+  return acc * 1.7f;
+}
+
+std::unique_ptr<Store> MakeStore(const Shape& sh, int tokens) {
+  auto st = std::make_unique<Store>();
+  ModelConfig c;
+  c.num_hidden_layers = 1;
+  c.attention.type = AttentionType::kMlaDsa;
+  c.kv_lora_rank = sh.kv_lora;
+  c.qk_rope_head_dim = sh.rope;
+  c.index_head_dim = sh.index_dim;
+  st->layout = MakeKvLayout(c, 64);
+  const size_t pages = (tokens + 63) / 64 + 1;
+  st->arena = *PageArena::Create(pages * st->layout.page_bytes,
+                                 st->layout.page_bytes);
+  st->cache = std::make_unique<SessionCache>(&st->layout, st->arena.get());
+  if (!st->cache->Reserve(tokens).ok()) return nullptr;
+  AttnShapes& a = st->shapes;
+  a.heads = sh.heads;
+  a.kv_lora = sh.kv_lora;
+  a.rope = sh.rope;
+  a.kv_dim = a.q_dim = sh.kv_lora + sh.rope;
+  a.out_dim = sh.kv_lora;
+  a.index_heads = sh.index_heads;
+  a.index_dim = sh.index_dim;
+  a.index_topk = 2048;
+  a.softmax_scale = 1.0f / std::sqrt(192.0f);
+  uint64_t seed = 12345;
+  std::vector<float> x(std::max(sh.index_dim, a.kv_dim));
+  std::vector<uint8_t> codes(sh.index_dim);
+  std::vector<uint16_t> kv(a.kv_dim);
+  for (int t = 0; t < tokens; ++t) {
+    for (int d = 0; d < sh.index_dim; ++d) x[d] = Gauss(&seed);
+    const float s = QuantizeFp8(x.data(), sh.index_dim, codes.data());
+    (void)st->cache->WriteIndexKey(0, t, codes.data(), s);
+    for (int d = 0; d < a.kv_dim; ++d) x[d] = Gauss(&seed);
+    FloatToBf16(x.data(), a.kv_dim, kv.data());
+    (void)st->cache->WriteKv(0, t, kv.data());
+  }
+  st->cache->SetLength(0, tokens);
+  return st;
+}
+
+struct Query {
+  std::vector<uint8_t> codes;
+  std::vector<float> scales, weights, q;
+};
+Query MakeQuery(const AttnShapes& a) {
+  Query q;
+  uint64_t seed = 777;
+  q.codes.resize(size_t(a.index_heads) * a.index_dim);
+  q.scales.resize(a.index_heads);
+  q.weights.resize(a.index_heads);
+  std::vector<float> x(a.index_dim);
+  for (int h = 0; h < a.index_heads; ++h) {
+    for (auto& v : x) v = Gauss(&seed);
+    q.scales[h] = QuantizeFp8(x.data(), a.index_dim, &q.codes[size_t(h) * a.index_dim]);
+    q.weights[h] = Gauss(&seed) / std::sqrt(float(a.index_heads));
+  }
+  q.q.resize(size_t(a.heads) * a.q_dim);
+  for (auto& v : q.q) v = Gauss(&seed);
+  return q;
+}
+
+struct Limits {
+  double bw_gbps, fp32_gflops, bf16_gflops;
+};
+
+void PrintRow(const char* kernel, const char* shape, int ctx, double seconds,
+              double tokens, double bytes, double flops, double peak_gflops,
+              const Limits& lim, const char* note) {
+  const double gbps = bytes / seconds / 1e9;
+  if (flops <= 0) {  // no arithmetic to speak of: against bandwidth alone
+    std::printf("%-8s %-10s %7d %10.1f %12.3e %8.1f %9s %8.1f %6.1f%%  %s\n",
+                kernel, shape, ctx, seconds * 1e6, tokens / seconds, gbps,
+                "-", lim.bw_gbps, 100.0 * gbps / lim.bw_gbps, note);
+    return;
+  }
+  const double gflops = flops / seconds / 1e9;
+  const double oi = flops / bytes;
+  const double bound = std::min(lim.bw_gbps * oi, peak_gflops);
+  std::printf("%-8s %-10s %7d %10.1f %12.3e %8.1f %9.1f %8.1f %6.1f%%  %s\n",
+              kernel, shape, ctx, seconds * 1e6, tokens / seconds, gbps,
+              gflops, bound, 100.0 * gflops / bound, note);
+}
+
+}  // namespace
+}  // namespace karat
+
+int main() {
+  using namespace karat;
+  CorePool pool(kCores);
+  std::printf("karat-bench-kernels: %d cores\n", kCores);
+  Limits lim;
+  lim.bw_gbps = MeasureReadBandwidth(&pool);
+  lim.fp32_gflops = MeasurePeak<false>(&pool);
+  lim.bf16_gflops = MeasurePeak<true>(&pool);
+  // The indexer's arithmetic runs on the tile unit where the kernel grants
+  // it, else on the vector unit's bf16 dot products: its roofline uses the
+  // peak of whichever it runs on.
+  double tile_gflops = 0;
+  const bool tiles = IndexerUsesTileUnit();
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+  if (tiles) tile_gflops = MeasureTilePeak(&pool);
+#endif
+  const double score_peak = tiles ? tile_gflops : lim.bf16_gflops;
+  std::printf(
+      "limits (measured now): read %.1f GB/s (1 GiB, huge pages), fp32 FMA "
+      "%.1f GFLOP/s, bf16 dot (vdpbf16ps) %.1f GFLOP/s, tile unit "
+      "(tdpbf16ps) %.1f GFLOP/s\n"
+      "indexer scores on the %s; its roofline peak is %.1f GFLOP/s\n\n",
+      lim.bw_gbps, lim.fp32_gflops, lim.bf16_gflops, tile_gflops,
+      tiles ? "tile unit" : "vector unit", score_peak);
+
+  const Shape shapes[] = {
+      {"tiny", 8, 32, 8, 128, 16},
+      {"dsv32", 64, 128, 128, 512, 64},
+  };
+  const int contexts[] = {1024, 16384, 131072};
+  std::printf("%-8s %-10s %7s %10s %12s %8s %9s %8s %7s\n", "kernel", "shape",
+              "context", "time_us", "tokens/s", "GB/s", "GFLOP/s", "bound",
+              "%bound");
+  struct Fit {
+    std::vector<double> x, y;
+  };
+  for (const Shape& sh : shapes) {
+    auto st = MakeStore(sh, contexts[2]);
+    if (st == nullptr) {
+      std::printf("cannot allocate the %s store\n", sh.name);
+      return 1;
+    }
+    const AttnShapes& a = st->shapes;
+    const Query q = MakeQuery(a);
+    const LayerView view = st->cache->View(0);
+    std::vector<float> scores(contexts[2]);
+    Fit score_fit;
+    std::vector<double> attend_times;
+    double scan_128k = 0, select_128k = 0;
+    for (const int ctx : contexts) {
+      const int reps = ctx >= 131072 ? 8 : 30;
+      // Score.
+      const double ts = BestOf(reps, 2.0, [&] {
+        IndexerScore(view, ctx, q.codes.data(), q.scales.data(),
+                     q.weights.data(), a.index_heads, a.index_dim,
+                     scores.data(), &pool);
+      });
+      const double key_bytes = double(ctx) * (a.index_dim + 4);
+      const double score_flops = 2.0 * ctx * a.index_heads * a.index_dim;
+      char note[96];
+      std::snprintf(note, sizeof note, "%.2fx fp32 peak",
+                    score_flops / ts / 1e9 / lim.fp32_gflops);
+      PrintRow("score", sh.name, ctx, ts, ctx, key_bytes, score_flops,
+               score_peak, lim, note);
+      score_fit.x.push_back(ctx);
+      score_fit.y.push_back(ts);
+      // Select.
+      std::vector<int32_t> sel;
+      const double tsel = BestOf(reps, 1.0, [&] {
+        SelectTopK(scores.data(), ctx, a.index_topk, &sel);
+      });
+      std::snprintf(note, sizeof note, "top-%d, %.2f%% of the scan",
+                    a.index_topk, 100.0 * tsel / ts);
+      PrintRow("select", sh.name, ctx, tsel, ctx, double(ctx) * 4, 0, 0, lim,
+               note);
+      if (ctx == contexts[2]) {
+        scan_128k = ts;
+        select_128k = tsel;
+      }
+      // Gather + Attend over the selection.
+      std::vector<float> out(size_t(a.heads) * a.out_dim);
+      const double tat = BestOf(reps, 2.0, [&] {
+        MlaAttend(view, sel.data(), int(sel.size()), q.q.data(), a,
+                  out.data(), &pool);
+      });
+      const double ent_bytes = double(sel.size()) * a.kv_dim * 2;
+      const double at_flops =
+          double(sel.size()) * a.heads * (2.0 * a.kv_dim + 2.0 * a.kv_lora);
+      std::snprintf(note, sizeof note, "%.2fx the read time of %zu entries",
+                    tat / (ent_bytes / (lim.bw_gbps * 1e9)), sel.size());
+      PrintRow("attend", sh.name, ctx, tat, double(sel.size()), ent_bytes,
+               at_flops, lim.fp32_gflops, lim, note);
+      attend_times.push_back(tat);
+    }
+    // Score time against context: least-squares line and its fit.
+    const Fit& f = score_fit;
+    const double n = double(f.x.size());
+    double sx = 0, sy = 0, sxx = 0, sxy = 0;
+    for (size_t i = 0; i < f.x.size(); ++i) {
+      sx += f.x[i];
+      sy += f.y[i];
+      sxx += f.x[i] * f.x[i];
+      sxy += f.x[i] * f.y[i];
+    }
+    const double slope = (n * sxy - sx * sy) / (n * sxx - sx * sx);
+    const double icpt = (sy - slope * sx) / n;
+    double ss_res = 0, ss_tot = 0;
+    for (size_t i = 0; i < f.x.size(); ++i) {
+      const double e = f.y[i] - (icpt + slope * f.x[i]);
+      ss_res += e * e;
+      ss_tot += (f.y[i] - sy / n) * (f.y[i] - sy / n);
+    }
+    const double amin = *std::min_element(attend_times.begin() + 1, attend_times.end());
+    const double amax = *std::max_element(attend_times.begin() + 1, attend_times.end());
+    std::printf(
+        "%s: score slope %.3f ns/token, intercept %.1f us, R^2 %.5f; attend "
+        "at top-%d: max/min over 16K..128K %.2f; select at 128K = %.2f%% of "
+        "the scan\n\n",
+        sh.name, slope * 1e9, icpt * 1e6, 1.0 - ss_res / ss_tot, a.index_topk,
+        amax / amin, 100.0 * select_128k / scan_128k);
+  }
+  return 0;
+}

@@ -1,0 +1,317 @@
+// LinkEmulator over the FakeFabric, and LinkStats. Timing checks are lower
+// bounds only (a message must not arrive before the delay it was given).
+#include <catch2/catch.hpp>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "common/link_emulation.h"
+#include "common/link_stats.h"
+#include "common/transport.h"
+
+namespace karat {
+namespace {
+
+// Bound on waiting for deliveries, so that a lost message fails the test
+// instead of hanging it. Not a performance expectation.
+constexpr absl::Duration kDeliveryBound = absl::Seconds(60);
+
+class Inbox {
+ public:
+  Transport::ReceiveHandler Handler() {
+    return [this](std::string_view m) {
+      absl::MutexLock lock(&mu_);
+      messages_.emplace_back(m);
+      times_.push_back(absl::Now());
+    };
+  }
+  bool WaitFor(size_t n) {
+    absl::MutexLock lock(&mu_);
+    auto enough = [this, n]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return messages_.size() >= n;
+    };
+    return mu_.AwaitWithTimeout(absl::Condition(&enough), kDeliveryBound);
+  }
+  std::vector<std::string> Messages() {
+    absl::MutexLock lock(&mu_);
+    return messages_;
+  }
+  std::vector<absl::Time> Times() {
+    absl::MutexLock lock(&mu_);
+    return times_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<std::string> messages_ ABSL_GUARDED_BY(mu_);
+  std::vector<absl::Time> times_ ABSL_GUARDED_BY(mu_);
+};
+
+// Node "a" (emulated) sends to node "b" (plain fake endpoint).
+struct Pair {
+  explicit Pair(std::vector<LinkRule> rules, uint64_t seed = 7) {
+    LinkEmulatorOptions o;
+    o.local_name = "a";
+    o.seed = seed;
+    a = std::make_unique<LinkEmulator>(fabric.NewEndpoint("a"), o);
+    b = fabric.NewEndpoint("b");
+    b->SetReceiveHandler(inbox.Handler());
+    a->SetReceiveHandler([](std::string_view) {});
+    REQUIRE(a->SetLinks(std::move(rules)).ok());
+    auto id = a->AddPeer("b", b->LocalAddress());
+    REQUIRE(id.ok());
+    peer = *id;
+  }
+  ~Pair() {
+    a->Shutdown();
+    b->Shutdown();
+  }
+  absl::Status Send(const std::string& m) {
+    return a->Send(peer, m.data(), m.size());
+  }
+
+  Inbox inbox;  // outlives the endpoints
+  FakeFabric fabric;
+  std::unique_ptr<LinkEmulator> a;
+  std::unique_ptr<Transport> b;
+  PeerId peer = kUnknownPeer;
+};
+
+LinkRule Rule(const std::string& src, const std::string& dst, LinkSettings s) {
+  return LinkRule{src, dst, s};
+}
+
+TEST_CASE("rules resolve exact names before wildcards", "[link]") {
+  LinkSettings any, to_b, a_to_b;
+  any.latency_us = 1;
+  to_b.latency_us = 2;
+  a_to_b.latency_us = 3;
+  const std::vector<LinkRule> rules = {Rule("*", "*", any),
+                                       Rule("a", "b", a_to_b),
+                                       Rule("*", "b", to_b)};
+  CHECK(ResolveLink(rules, "a", "b").latency_us == 3);
+  CHECK(ResolveLink(rules, "c", "b").latency_us == 2);
+  CHECK(ResolveLink(rules, "a", "c").latency_us == 1);
+  CHECK(!ResolveLink({}, "a", "b").Active());
+  LinkSettings bad;
+  bad.loss = 1.5;
+  CHECK(ValidateLinkRule(Rule("a", "b", bad)).code() ==
+        absl::StatusCode::kInvalidArgument);
+  bad = {};
+  bad.latency_us = -1;
+  CHECK(!ValidateLinkRule(Rule("a", "b", bad)).ok());
+  CHECK(!ValidateLinkRule(Rule("", "b", {})).ok());
+}
+
+TEST_CASE("a plain link passes messages through and counts them", "[link]") {
+  Pair p({});
+  for (int i = 0; i < 5; ++i) REQUIRE(p.Send(absl::StrCat("m", i)).ok());
+  REQUIRE(p.inbox.WaitFor(5));
+  CHECK(p.inbox.Messages() ==
+        std::vector<std::string>{"m0", "m1", "m2", "m3", "m4"});
+  const auto links = p.a->stats()->Snapshot();
+  REQUIRE(links.count("b") == 1);
+  CHECK(links.at("b").messages == 5);
+  CHECK(links.at("b").bytes == 10);
+  CHECK(links.at("b").latency_count == 5);
+}
+
+TEST_CASE("added latency delays delivery and keeps the order", "[link]") {
+  LinkSettings s;
+  s.latency_us = 20000;
+  s.jitter_us = 15000;
+  Pair p({Rule("a", "b", s)});
+  std::vector<absl::Time> sent;
+  constexpr int kN = 20;
+  for (int i = 0; i < kN; ++i) {
+    sent.push_back(absl::Now());
+    REQUIRE(p.Send(absl::StrCat(i)).ok());
+  }
+  REQUIRE(p.inbox.WaitFor(kN));
+  const auto messages = p.inbox.Messages();
+  const auto times = p.inbox.Times();
+  for (int i = 0; i < kN; ++i) {
+    CHECK(messages[i] == absl::StrCat(i));
+    CHECK(times[i] - sent[i] >= absl::Microseconds(s.latency_us));
+  }
+  const auto links = p.a->stats()->Snapshot();
+  CHECK(links.at("b").messages == kN);
+  CHECK(LinkLatencyQuantileUs(links.at("b"), 0.5) >= 20000);
+}
+
+TEST_CASE("a rule set at run time applies to later messages", "[link]") {
+  Pair p({});
+  REQUIRE(p.Send("before").ok());
+  LinkSettings s;
+  s.latency_us = 30000;
+  REQUIRE(p.a->SetLinks({Rule("*", "*", s)}).ok());
+  CHECK(p.a->SettingsFor(p.peer).latency_us == 30000);
+  const absl::Time t0 = absl::Now();
+  REQUIRE(p.Send("after").ok());
+  REQUIRE(p.inbox.WaitFor(2));
+  CHECK(p.inbox.Messages()[1] == "after");
+  CHECK(p.inbox.Times()[1] - t0 >= absl::Milliseconds(30));
+  // Rules whose source is another node do not apply here.
+  REQUIRE(p.a->SetLinks({Rule("x", "*", s)}).ok());
+  CHECK(!p.a->SettingsFor(p.peer).Active());
+}
+
+TEST_CASE("loss 1.0 drops every message", "[link]") {
+  LinkSettings s;
+  s.loss = 1.0;
+  Pair p({Rule("a", "*", s)});
+  for (int i = 0; i < 10; ++i) REQUIRE(p.Send("x").ok());
+  // A marker sent after lifting the loss arrives; nothing before it did.
+  REQUIRE(p.a->SetLinks({}).ok());
+  REQUIRE(p.Send("marker").ok());
+  REQUIRE(p.inbox.WaitFor(1));
+  CHECK(p.inbox.Messages() == std::vector<std::string>{"marker"});
+  CHECK(p.a->stats()->Snapshot().at("b").dropped == 10);
+}
+
+TEST_CASE("partial loss is reproducible from the seed", "[link]") {
+  LinkSettings s;
+  s.loss = 0.5;
+  auto run = [&](uint64_t seed) {
+    Pair p({Rule("a", "b", s)}, seed);
+    for (int i = 0; i < 40; ++i) REQUIRE(p.Send(absl::StrCat(i)).ok());
+    REQUIRE(p.a->SetLinks({}).ok());
+    REQUIRE(p.Send("end").ok());
+    const uint64_t dropped = p.a->stats()->Snapshot().at("b").dropped;
+    REQUIRE(p.inbox.WaitFor(41 - dropped));
+    return p.inbox.Messages();
+  };
+  const auto first = run(11);
+  CHECK(first == run(11));
+  CHECK(first.size() > 1);
+  CHECK(first.size() < 41);
+}
+
+TEST_CASE("a down link fails sends with UNAVAILABLE", "[link]") {
+  LinkSettings s;
+  s.down = true;
+  Pair p({Rule("a", "b", s)});
+  const absl::Status st = p.Send("x");
+  CHECK(st.code() == absl::StatusCode::kUnavailable);
+  CHECK(st.message().find("down") != std::string::npos);
+  CHECK(p.a->stats()->Snapshot().at("b").failed == 1);
+  REQUIRE(p.a->SetLinks({}).ok());
+  REQUIRE(p.Send("up again").ok());
+  REQUIRE(p.inbox.WaitFor(1));
+  CHECK(p.inbox.Messages() == std::vector<std::string>{"up again"});
+}
+
+TEST_CASE("a bandwidth cap delays in proportion to size", "[link]") {
+  LinkSettings s;
+  s.bandwidth_mbps = 80;  // 10 bytes per microsecond
+  Pair p({Rule("a", "b", s)});
+  // 400 kB at 10 B/us: the last byte cannot leave before 40 ms.
+  const std::string chunk(100000, 'x');
+  const absl::Time t0 = absl::Now();
+  for (int i = 0; i < 4; ++i) REQUIRE(p.Send(chunk).ok());
+  REQUIRE(p.inbox.WaitFor(4));
+  const auto times = p.inbox.Times();
+  for (int i = 0; i < 4; ++i) {
+    CHECK(times[i] - t0 >= absl::Microseconds(10000 * (i + 1)));
+  }
+  // A small message after the queue drained takes its own small share.
+  const absl::Time t1 = absl::Now();
+  REQUIRE(p.Send(std::string(1000, 'y')).ok());
+  REQUIRE(p.inbox.WaitFor(5));
+  CHECK(p.inbox.Times()[4] - t1 >= absl::Microseconds(100));
+}
+
+TEST_CASE("shutdown with queued messages does not hang", "[link]") {
+  LinkSettings s;
+  s.latency_us = 10'000'000;
+  Pair p({Rule("a", "b", s)});
+  for (int i = 0; i < 3; ++i) REQUIRE(p.Send("late").ok());
+  p.a->Shutdown();
+  CHECK(p.Send("after").code() == absl::StatusCode::kUnavailable);
+  CHECK(p.inbox.Messages().empty());
+}
+
+TEST_CASE("link stats export as a stats map and Prometheus text", "[link]") {
+  LinkStats stats;
+  stats.RecordSent("karat0", 100, absl::Microseconds(3));
+  stats.RecordSent("karat0", 50, absl::Microseconds(700));
+  stats.RecordDropped("karat0");
+  stats.RecordReceived(42);
+  google::protobuf::Map<std::string, double> map;
+  stats.ExportTo(&map);
+  CHECK(map["link.karat0.messages"] == 2);
+  CHECK(map["link.karat0.bytes"] == 150);
+  CHECK(map["link.karat0.dropped"] == 1);
+  CHECK(map["link.karat0.latency_us_p50"] == 5);
+  CHECK(map["link.karat0.latency_us_p99"] == 1000);
+  CHECK(map["link.received_bytes"] == 42);
+
+  const std::string text = stats.Prometheus("gpu0");
+  CHECK(text.find("# TYPE karat_link_messages_total counter") !=
+        std::string::npos);
+  CHECK(text.find("karat_link_messages_total{node=\"gpu0\",peer=\"karat0\"} 2") !=
+        std::string::npos);
+  CHECK(text.find("karat_link_send_latency_seconds_bucket{node=\"gpu0\","
+                  "peer=\"karat0\",le=\"+Inf\"} 2") != std::string::npos);
+  CHECK(text.find("karat_link_send_latency_seconds_count{node=\"gpu0\","
+                  "peer=\"karat0\"} 2") != std::string::npos);
+
+  std::map<std::string, double> flat(map.begin(), map.end());
+  flat["tokens"] = 7;
+  const std::string from_map = PrometheusFromStatsMap("gpu0", flat);
+  CHECK(from_map.find("karat_link_bytes_total{node=\"gpu0\",peer=\"karat0\"} "
+                      "150") != std::string::npos);
+  CHECK(from_map.find("karat_node_stat{node=\"gpu0\",name=\"tokens\"} 7") !=
+        std::string::npos);
+}
+
+TEST_CASE("peer names map transport names to node names", "[link]") {
+  // The KARAT node knows a GPU node as "node-<id>"; rules use node names.
+  LinkSettings s;
+  s.down = true;
+  Inbox inbox;
+  FakeFabric fabric;
+  LinkEmulatorOptions o;
+  o.local_name = "karat0";
+  LinkEmulator a(fabric.NewEndpoint("karat0"), o);
+  auto b = fabric.NewEndpoint("gpu0");
+  b->SetReceiveHandler(inbox.Handler());
+  REQUIRE(a.SetLinks({Rule("karat0", "gpu0", s)}).ok());
+  auto peer = a.AddPeer("node-3", b->LocalAddress());
+  REQUIRE(peer.ok());
+  CHECK(a.Send(*peer, "x", 1).ok());  // the rule names gpu0, not node-3
+  a.SetPeerNames({{"node-3", "gpu0"}});
+  CHECK(a.Send(*peer, "y", 1).code() == absl::StatusCode::kUnavailable);
+  const auto links = a.stats()->Snapshot();
+  CHECK(links.at("node-3").messages == 1);
+  CHECK(links.at("gpu0").failed == 1);
+  REQUIRE(inbox.WaitFor(1));
+  a.Shutdown();
+  b->Shutdown();
+}
+
+TEST_CASE("the seed decides which messages are lost", "[link]") {
+  LinkSettings s;
+  s.loss = 0.5;
+  auto run = [&](uint64_t seed) {
+    Pair p({Rule("a", "b", s)}, 1);
+    p.a->SetSeed(seed);
+    for (int i = 0; i < 40; ++i) REQUIRE(p.Send(absl::StrCat(i)).ok());
+    REQUIRE(p.a->SetLinks({}).ok());
+    REQUIRE(p.Send("end").ok());
+    const uint64_t dropped = p.a->stats()->Snapshot().at("b").dropped;
+    REQUIRE(p.inbox.WaitFor(41 - dropped));
+    return p.inbox.Messages();
+  };
+  const auto first = run(5);
+  CHECK(first == run(5));
+  // 40 fair coin flips agree for two seeds with probability 2^-40.
+  CHECK(first != run(6));
+}
+
+}  // namespace
+}  // namespace karat
