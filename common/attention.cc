@@ -22,19 +22,7 @@
 namespace karat {
 namespace {
 
-// fp8 e4m3 code -> float, built once.
-struct Fp8Table {
-  float v[256];
-  Fp8Table() {
-    for (int i = 0; i < 256; ++i) v[i] = Fp8E4M3ToFloat(uint8_t(i));
-  }
-};
-[[maybe_unused]] const Fp8Table& Fp8Lut() {
-  static const Fp8Table t;
-  return t;
-}
-
-[[maybe_unused]] float Bf16(uint16_t b) {
+float Bf16(uint16_t b) {
   uint32_t u = uint32_t(b) << 16;
   float f;
   std::memcpy(&f, &u, 4);
@@ -119,7 +107,14 @@ struct Aligned64Allocator {
 template <typename T>
 using AlignedVector = std::vector<T, Aligned64Allocator<T>>;
 
-constexpr int kKeyBlock = 64;
+constexpr int kKeyBlock = 32;
+
+// Waking the other cores costs a few microseconds: a kernel with less work
+// than the pool's threshold (in multiply-adds) runs on the calling thread
+// alone. The split never changes the result, only where it is computed.
+CorePool* PoolFor(CorePool* pool, double work) {
+  return pool != nullptr && work >= pool->min_parallel_work() ? pool : nullptr;
+}
 constexpr int kHeadBlock = 8;
 
 // Pads Di to whole 16-pair tiles of the transpose.
@@ -304,40 +299,30 @@ void LoadKeyBlock(const LayerView& view, int s0, int b, int end, int dim,
   }
   for (int i = b; i < kKeyBlock; ++i) kb->scale[i] = 0.0f;
   const uint32_t* r32 = reinterpret_cast<const uint32_t*>(rows);
-  for (int quarter = 0; quarter < kKeyBlock / 16; ++quarter) {
-    if (16 * quarter >= b) {  // all-zero keys: zero pairs
-      for (int p = 0; p < pairs; ++p) {
-        _mm512_storeu_si512(&kb->kt[size_t(p) * kKeyBlock + 16 * quarter],
-                            _mm512_setzero_si512());
-      }
-      continue;
-    }
+  for (int half = 0; half < 2; ++half) {
     for (int p0 = 0; p0 < pairs; p0 += 16) {
       __m512i r[16];
       for (int i = 0; i < 16; ++i) {
-        r[i] = _mm512_loadu_si512(r32 + size_t(16 * quarter + i) * pairs + p0);
+        r[i] = _mm512_loadu_si512(r32 + size_t(16 * half + i) * pairs + p0);
       }
       Transpose16(r);
       for (int i = 0; i < 16; ++i) {
-        _mm512_storeu_si512(
-            &kb->kt[size_t(p0 + i) * kKeyBlock + 16 * quarter], r[i]);
+        _mm512_storeu_si512(&kb->kt[size_t(p0 + i) * kKeyBlock + 16 * half],
+                            r[i]);
       }
     }
   }
 }
 
-// Keys [off, off + 32) of a block, heads [h, h + HB) (q, coef point at h).
 template <int HB>
-inline void ScoreHeads(const uint32_t* kt, int off, int pairs,
-                       const uint32_t* q, const float* coef, __m512* s0,
-                       __m512* s1) {
+inline void ScoreHeads(const uint32_t* kt, int pairs, const uint32_t* q,
+                       const float* coef, __m512* s0, __m512* s1) {
   __m512 a0[HB], a1[HB];
   for (int h = 0; h < HB; ++h) a0[h] = a1[h] = _mm512_setzero_ps();
   for (int p = 0; p < pairs; ++p) {
-    const __m512bh k0 =
-        (__m512bh)_mm512_load_si512(kt + size_t(p) * kKeyBlock + off);
+    const __m512bh k0 = (__m512bh)_mm512_load_si512(kt + size_t(p) * kKeyBlock);
     const __m512bh k1 =
-        (__m512bh)_mm512_load_si512(kt + size_t(p) * kKeyBlock + off + 16);
+        (__m512bh)_mm512_load_si512(kt + size_t(p) * kKeyBlock + 16);
     for (int h = 0; h < HB; ++h) {
       const __m512bh qb =
           (__m512bh)_mm512_set1_epi32(int(q[size_t(h) * pairs + p]));
@@ -384,66 +369,40 @@ bool RequestTileUnit() {
   return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
 }
 
-// Per 64-key block: dots[h * 64 + j] = q[h] . k[j] for every (padded)
-// head. Four accumulator tiles are in flight at a time (the tile unit's
-// latency is several instructions long): one group of 16 heads against the
-// four 16-key quarters, or two groups against two quarters.
+// Per 32-key block: dots[h * 32 + j] = q[h] . k[j] for every (padded) head.
 void TileDots(const KeyBlock& kb, const IndexQuery& iq, float* dots) {
   const int groups = (iq.heads + 15) / 16;
   const int steps = iq.pairs / 16;
   const size_t qstride = size_t(iq.pairs) * 4;
-  constexpr size_t kRow = kKeyBlock * 4;  // bytes per kt row and dots row
   const uint32_t* kt = kb.kt.data();
-  int g = 0;
-  for (; g + 2 <= groups; g += 2) {
+  for (int g = 0; g < groups; g += 2) {
+    const bool two = g + 1 < groups;
     const uint32_t* q0 = &iq.q[size_t(g) * 16 * iq.pairs];
     const uint32_t* q1 = q0 + size_t(16) * iq.pairs;
-    for (int qt = 0; qt < 4; qt += 2) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int k = 0; k < steps; ++k) {
-        const uint32_t* kk = kt + size_t(k) * 16 * kKeyBlock + 16 * qt;
-        _tile_loadd(6, kk, kRow);
-        _tile_loadd(7, kk + 16, kRow);
-        _tile_loadd(4, q0 + k * 16, qstride);
-        _tile_loadd(5, q1 + k * 16, qstride);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-      }
-      float* d0 = dots + size_t(g) * 16 * kKeyBlock + 16 * qt;
-      _tile_stored(0, d0, kRow);
-      _tile_stored(1, d0 + 16, kRow);
-      _tile_stored(2, d0 + 16 * kKeyBlock, kRow);
-      _tile_stored(3, d0 + 16 * kKeyBlock + 16, kRow);
-    }
-  }
-  if (g < groups) {
-    const uint32_t* q0 = &iq.q[size_t(g) * 16 * iq.pairs];
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int k = 0; k < steps; ++k) {
       const uint32_t* kk = kt + size_t(k) * 16 * kKeyBlock;
+      _tile_loadd(6, kk, kKeyBlock * 4);
+      _tile_loadd(7, kk + 16, kKeyBlock * 4);
       _tile_loadd(4, q0 + k * 16, qstride);
-      _tile_loadd(5, kk, kRow);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(6, kk + 16, kRow);
-      _tile_dpbf16ps(1, 4, 6);
-      _tile_loadd(7, kk + 32, kRow);
-      _tile_dpbf16ps(2, 4, 7);
-      _tile_loadd(5, kk + 48, kRow);
-      _tile_dpbf16ps(3, 4, 5);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      if (two) {
+        _tile_loadd(5, q1 + k * 16, qstride);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
     }
     float* d0 = dots + size_t(g) * 16 * kKeyBlock;
-    _tile_stored(0, d0, kRow);
-    _tile_stored(1, d0 + 16, kRow);
-    _tile_stored(2, d0 + 32, kRow);
-    _tile_stored(3, d0 + 48, kRow);
+    _tile_stored(0, d0, kKeyBlock * 4);
+    _tile_stored(1, d0 + 16, kKeyBlock * 4);
+    if (two) {
+      _tile_stored(2, d0 + 16 * kKeyBlock, kKeyBlock * 4);
+      _tile_stored(3, d0 + 16 * kKeyBlock + 16, kKeyBlock * 4);
+    }
   }
 }
 #else
@@ -461,11 +420,10 @@ const bool g_tile_unit = false;
 
 bool UseTileUnit() { return kHaveTileUnit && g_tile_unit; }
 
-// Scores the 64 keys of `kb` for query `iq`; writes the first `b` to out.
+// Scores the 32 keys of `kb` for query `iq`; writes the first `b` to out.
 void ScoreKeyBlock(const KeyBlock& kb, const IndexQuery& iq, int b,
                    float* out, float* dots) {
-  __m512 acc[4];
-  for (auto& a : acc) a = _mm512_setzero_ps();
+  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
   if (dots != nullptr) {
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
     TileDots(kb, iq, dots);
@@ -474,39 +432,36 @@ void ScoreKeyBlock(const KeyBlock& kb, const IndexQuery& iq, int b,
     for (int h = 0; h < iq.heads; ++h) {
       const __m512 c = _mm512_set1_ps(iq.coef[h]);
       const float* d = dots + size_t(h) * kKeyBlock;
-      for (int v = 0; v < 4; ++v) {
-        acc[v] = _mm512_fmadd_ps(
-            c, _mm512_max_ps(_mm512_load_ps(d + 16 * v), zero), acc[v]);
-      }
+      s0 = _mm512_fmadd_ps(c, _mm512_max_ps(_mm512_load_ps(d), zero), s0);
+      s1 = _mm512_fmadd_ps(c, _mm512_max_ps(_mm512_load_ps(d + 16), zero), s1);
     }
   } else {
     const uint32_t* kt = kb.kt.data();
     const int pairs = iq.pairs;
-    for (int half = 0; half < 2 && 32 * half < b; ++half) {
-      __m512* s0 = &acc[2 * half];
-      __m512* s1 = &acc[2 * half + 1];
-      const int off = 32 * half;
-      int h = 0;
-      for (; h + kHeadBlock <= iq.heads; h += kHeadBlock) {
-        ScoreHeads<kHeadBlock>(kt, off, pairs, &iq.q[size_t(h) * pairs],
-                               &iq.coef[h], s0, s1);
-      }
-      for (; h + 4 <= iq.heads; h += 4) {
-        ScoreHeads<4>(kt, off, pairs, &iq.q[size_t(h) * pairs], &iq.coef[h],
-                      s0, s1);
-      }
-      for (; h < iq.heads; ++h) {
-        ScoreHeads<1>(kt, off, pairs, &iq.q[size_t(h) * pairs], &iq.coef[h],
-                      s0, s1);
-      }
+    int h = 0;
+    for (; h + kHeadBlock <= iq.heads; h += kHeadBlock) {
+      ScoreHeads<kHeadBlock>(kt, pairs, &iq.q[size_t(h) * pairs], &iq.coef[h],
+                             &s0, &s1);
+    }
+    for (; h + 4 <= iq.heads; h += 4) {
+      ScoreHeads<4>(kt, pairs, &iq.q[size_t(h) * pairs], &iq.coef[h], &s0,
+                    &s1);
+    }
+    for (; h < iq.heads; ++h) {
+      ScoreHeads<1>(kt, pairs, &iq.q[size_t(h) * pairs], &iq.coef[h], &s0,
+                    &s1);
     }
   }
-  for (int v = 0; v < 4; ++v) {
-    const int cnt = std::min(16, b - 16 * v);
-    if (cnt <= 0) break;
-    const __mmask16 m = cnt >= 16 ? 0xFFFF : __mmask16((1u << cnt) - 1);
-    _mm512_mask_storeu_ps(out + 16 * v, m,
-                          _mm512_mul_ps(acc[v], _mm512_load_ps(kb.scale + 16 * v)));
+  s0 = _mm512_mul_ps(s0, _mm512_load_ps(kb.scale));
+  s1 = _mm512_mul_ps(s1, _mm512_load_ps(kb.scale + 16));
+  if (b == kKeyBlock) {
+    _mm512_storeu_ps(out, s0);
+    _mm512_storeu_ps(out + 16, s1);
+  } else {
+    const __mmask16 m0 = b >= 16 ? 0xFFFF : __mmask16((1u << b) - 1);
+    const __mmask16 m1 = b <= 16 ? 0 : __mmask16((1u << (b - 16)) - 1);
+    _mm512_mask_storeu_ps(out, m0, s0);
+    _mm512_mask_storeu_ps(out + 16, m1, s1);
   }
 }
 
@@ -555,9 +510,10 @@ void IndexerScore(const LayerView& view, int n, const uint8_t* q_codes,
   PrepareIndexQuery(q_codes, q_scales, weights, heads, dim, &iq);
   float* out[1] = {scores};
   const int limit[1] = {n};
-  ParallelFor(pool, n, kKeyBlock, [&](int64_t b, int64_t e) {
-    ScoreKeyRange(view, dim, int(b), int(e), &iq, 1, limit, out);
-  });
+  ParallelFor(PoolFor(pool, double(n) * heads * dim), n, kKeyBlock,
+              [&](int64_t b, int64_t e) {
+                ScoreKeyRange(view, dim, int(b), int(e), &iq, 1, limit, out);
+              });
 }
 
 // --- Select (§III-D) ---------------------------------------------------------
@@ -873,6 +829,7 @@ void MlaAttend(const LayerView& view, const int32_t* sel, int nsel,
                CorePool* pool) {
   const int heads = shapes.heads, kv_dim = shapes.kv_dim;
   const int nb = (nsel + kEntryBlock - 1) / kEntryBlock;
+  pool = PoolFor(pool, double(nsel) * heads * (kv_dim + shapes.kv_lora));
   const size_t s_stride = size_t(nb) * kEntryBlock;
   // Reused per calling thread: a fresh multi-megabyte buffer would be
   // mapped and page-faulted on every call, which costs more than the work.
@@ -946,7 +903,8 @@ void MlaAttend(const LayerView& view, const int32_t* sel, int nsel,
   const int full_groups = heads / 8;
   const int chunks = lora / 32;
   const int items = full_groups * chunks;
-  ParallelFor(pool, items + 1, 1, [&](int64_t b, int64_t e) {
+  const bool rest = chunks * 32 < lora || full_groups * 8 < heads;
+  ParallelFor(pool, items + (rest ? 1 : 0), 1, [&](int64_t b, int64_t e) {
     for (int64_t it = b; it < e; ++it) {
       if (it < items) {
         const int g = int(it) / chunks, d0 = int(it) % chunks * 32;
@@ -1028,7 +986,10 @@ absl::Status RunIndexer(const AttnShapes& shapes, int layer, int pos_start,
       outs[i] = &scores[size_t(i) * ctx_max];
       flops += 2.0 * limit[i] * hi * di;
     }
-    ParallelFor(pool, ctx_max, kKeyBlock, [&](int64_t b, int64_t e) {
+    double work = 0;
+    for (int i = 0; i < nq; ++i) work += double(limit[i]) * hi * di;
+    ParallelFor(PoolFor(pool, work), ctx_max, kKeyBlock,
+                [&](int64_t b, int64_t e) {
       ScoreKeyRange(view, di, int(b), int(e), queries.data(), nq, limit.data(),
                     outs.data());
     });

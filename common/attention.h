@@ -114,7 +114,7 @@ void SelectTopK(const float* scores, int n, int k, std::vector<int32_t>* out);
 // lane for lane): NaN stays NaN; x < -104 gives 0; else, with x' = min(x,
 // 88), n = nearbyint(x' * log2(e)), r = x' - n ln2 (two fmas, ln2 split
 // hi/lo), p = Horner of the 6 Cephes expf coefficients in r (fma), y =
-// fma(p, r * r, r) + 1, result ldexp(y, n). Within 2 ulp of exp.
+// fma(p, r * r, r) + 1, result ldexp(y, n). Within a few ulp of exp.
 float KernelExp(float x);
 // Absorbed MLA over the positions `sel` (increasing): per head
 // dot = fma(q[d], e[d], dot) over increasing d, s = dot * scale;

@@ -4,7 +4,8 @@
 
 namespace karat {
 
-CorePool::CorePool(int cores) : cores_(std::max(1, cores)) {
+CorePool::CorePool(int cores, double min_parallel_work)
+    : cores_(std::max(1, cores)), min_parallel_work_(min_parallel_work) {
   for (int w = 1; w < cores_; ++w) {
     threads_.emplace_back([this, w] { WorkerLoop(w); });
   }

@@ -18,13 +18,16 @@ class CorePool {
  public:
   // Starts `cores - 1` worker threads: the thread that calls ParallelFor
   // works too, so `cores` threads run a loop. cores <= 1 starts none and runs
-  // everything on the caller.
-  explicit CorePool(int cores);
+  // everything on the caller. Kernels with less work than
+  // `min_parallel_work` multiply-adds run on the caller alone (waking the
+  // workers costs microseconds); tests pass 0 to split everything.
+  explicit CorePool(int cores, double min_parallel_work = 2e6);
   ~CorePool();  // joins the workers
   CorePool(const CorePool&) = delete;
   CorePool& operator=(const CorePool&) = delete;
 
   int cores() const { return cores_; }
+  double min_parallel_work() const { return min_parallel_work_; }
 
   // Splits [0, n_items) into at most cores() contiguous ranges, each a
   // multiple of `grain` items except the last, and calls fn(begin, end) once
@@ -41,6 +44,7 @@ class CorePool {
   void WorkerLoop(int worker);
 
   const int cores_;
+  const double min_parallel_work_;
   std::mutex call_mu_;  // one ParallelFor at a time
   std::mutex mu_;
   std::condition_variable wake_;

@@ -260,8 +260,8 @@ class FabricTransport final : public Transport {
                         std::shared_ptr<const std::string> owned);
   // Messages up to the provider's inject size: the provider copies them at
   // once and reports no completion, so nothing waits.
-  absl::Status InjectSend(fi_addr_t fi_addr, const std::string& name,
-                          const char* data, size_t len, absl::Time deadline);
+  absl::Status InjectSend(PeerId peer, fi_addr_t fi_addr, const char* data,
+                          size_t len);
   // A sender off the progress thread: polls the CQ for its own completion
   // while it spins; false if the spin ended first.
   bool SpinForSend(SendOp* op, size_t len, absl::Time deadline);
@@ -317,6 +317,8 @@ class FabricTransport final : public Transport {
   };
   absl::Mutex recv_mu_;
   std::deque<Received> received_ ABSL_GUARDED_BY(recv_mu_);
+  // received_.size(), readable without the lock.
+  std::atomic<size_t> received_count_{0};
   std::atomic<bool> progress_sleeping_{false};
   std::atomic<int> polling_senders_{0};
   // NowNs() of the last completion or posted send.
@@ -589,25 +591,34 @@ absl::Status FabricTransport::SendShared(
   return SendImpl(peer, data, len, std::move(message));
 }
 
-absl::Status FabricTransport::InjectSend(fi_addr_t fi_addr,
-                                         const std::string& name,
-                                         const char* data, size_t len,
-                                         absl::Time deadline) {
+absl::Status FabricTransport::InjectSend(PeerId peer, fi_addr_t fi_addr,
+                                         const char* data, size_t len) {
   absl::Duration backoff = kMinPollBackoff;
+  // Set at the first full transmit queue (the common case never reads the
+  // clock).
+  absl::Time deadline = absl::InfiniteFuture();
   for (;;) {
     ssize_t rc;
+    bool closed;
     {
       FidLock lock(this);
-      if (closed_) {
-        return absl::UnavailableError(
-            absl::StrCat("send to peer '", name, "': transport is shut down"));
-      }
-      rc = fi_inject(ep_.get(), data, len, fi_addr);
+      closed = closed_;
+      rc = closed ? 0 : fi_inject(ep_.get(), data, len, fi_addr);
+    }
+    // Not under fid_lock_: AddPeer() takes peers_mu_ before it.
+    if (closed) {
+      return absl::UnavailableError(absl::StrCat(
+          "send to peer '", PeerName(peer), "': transport is shut down"));
     }
     if (rc == 0) break;
     if (rc != -FI_EAGAIN) {
-      return absl::UnavailableError(absl::StrCat(
-          "send to peer '", name, "': fi_inject failed: ", FiError(rc)));
+      return absl::UnavailableError(absl::StrCat("send to peer '",
+                                                 PeerName(peer),
+                                                 "': fi_inject failed: ",
+                                                 FiError(rc)));
+    }
+    if (deadline == absl::InfiniteFuture()) {
+      deadline = absl::Now() + absl::Milliseconds(options_.send_timeout_ms);
     }
     // The transmit queue is full: reap completions to free it.
     if (DrainCompletions(/*try_only=*/!OnProgressThread()) > 0) {
@@ -617,7 +628,7 @@ absl::Status FabricTransport::InjectSend(fi_addr_t fi_addr,
     if (!OnProgressThread()) Wake();
     if (absl::Now() >= deadline) {
       return absl::UnavailableError(absl::StrCat(
-          "send to peer '", name, "': transmit queue stayed full for ",
+          "send to peer '", PeerName(peer), "': transmit queue stayed full for ",
           options_.send_timeout_ms, " ms"));
     }
     absl::SleepFor(backoff);
@@ -642,18 +653,19 @@ absl::Status FabricTransport::SendImpl(
                      options_.max_message_size));
   }
   fi_addr_t fi_addr;
-  std::string name;
   {
     absl::MutexLock lock(&peers_mu_);
     if (peer < 0 || static_cast<size_t>(peer) >= peers_.size()) {
       return absl::InvalidArgumentError(absl::StrCat("unknown peer id ", peer));
     }
     fi_addr = peers_[peer].fi_addr;
-    name = peers_[peer].name;
   }
+  if (len > 0 && len <= inject_size_) {
+    return InjectSend(peer, fi_addr, data, len);
+  }
+  const std::string name = PeerName(peer);
   const absl::Time deadline =
       absl::Now() + absl::Milliseconds(options_.send_timeout_ms);
-  if (len > 0 && len <= inject_size_) return InjectSend(fi_addr, name, data, len, deadline);
 
   SendOp* op = AcquireSendOp(owned != nullptr ? 0 : len);
   op->peer = peer;
@@ -928,6 +940,7 @@ void FabricTransport::QueueReceived(RecvSlot* slot, size_t len, bool deliver) {
   {
     absl::MutexLock lock(&recv_mu_);
     received_.push_back(Received{slot, len, deliver});
+    received_count_.fetch_add(1, std::memory_order_release);
   }
   if (!OnProgressThread() &&
       progress_sleeping_.load(std::memory_order_seq_cst)) {
@@ -936,12 +949,14 @@ void FabricTransport::QueueReceived(RecvSlot* slot, size_t len, bool deliver) {
 }
 
 bool FabricTransport::DeliverOne() {
+  if (received_count_.load(std::memory_order_acquire) == 0) return false;
   Received r;
   {
     absl::MutexLock lock(&recv_mu_);
     if (received_.empty()) return false;
     r = received_.front();
     received_.pop_front();
+    received_count_.fetch_sub(1, std::memory_order_release);
   }
   if (r.deliver) {
     DeliverReceived(r.slot, r.len);

@@ -3,6 +3,7 @@ add_library(karat_coordinator STATIC
   coordinator/cluster_config.cc
   coordinator/coordinator.cc
   coordinator/placement.cc
+  coordinator/scheduling.cc
   # The only compiled part of common/ the coordinator needs (tokenizer.h and
   # status_macros.h are header-only); compiled in so that the coordinator
   # does not pull the model kernels and libfabric.

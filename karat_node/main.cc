@@ -6,6 +6,7 @@
 #include <string>
 
 #include "absl/strings/numbers.h"
+#include "absl/synchronization/mutex.h"
 #include "common/log.h"
 #include "karat_node/karat_node.h"
 
@@ -120,6 +121,10 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
+  // Debian's abseil is built without NDEBUG: without this, every Mutex
+  // lock also updates a process-wide lock-order graph (a global lock on the
+  // data plane's hot path).
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   auto daemon = karat::KaratNodeDaemon::Start(options);
   if (!daemon.ok()) {
     KLOG(Error, "karat_node") << "cannot start: " << daemon.status();

@@ -385,7 +385,7 @@ TEST_CASE("indexer: odd shapes and page sizes keep the defined arithmetic",
                  sh.heads, sh.dim, got.data());
     CheckIndexScores(got.data(), sh.n, qc.data(), qs.data(), w.data(),
                      sh.heads, sh.dim, key_codes, keys, scales);
-    CorePool pool(3);
+    CorePool pool(3, /*min_parallel_work=*/0);
     std::vector<float> split(sh.n);
     IndexerScore(st.cache->View(0), sh.n, qc.data(), qs.data(), w.data(),
                  sh.heads, sh.dim, split.data(), &pool);
@@ -535,7 +535,7 @@ TEST_CASE("indexer and attention: same bits for any core count and any "
   REQUIRE(ref.selections.size() == 213);
   CHECK(ref.selections.back().size() == 24);
   for (const int cores : {1, 2, 3}) {
-    CorePool pool(cores);
+    CorePool pool(cores, /*min_parallel_work=*/0);
     for (const auto& segs : {std::vector<int>{213}, std::vector<int>{70, 143},
                              std::vector<int>{5, 100, 1, 1, 106}}) {
       const SessionRun got = RunSession(segs, &pool);

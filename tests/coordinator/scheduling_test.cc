@@ -1,0 +1,610 @@
+#include "coordinator/scheduling.h"
+
+#include <algorithm>
+#include <catch2/catch.hpp>
+#include <cstdint>
+#include <map>
+#include <random>
+#include <set>
+#include <vector>
+
+namespace karat::coordinator {
+namespace {
+
+constexpr MicroBatch k0 = MicroBatch::k0;
+constexpr MicroBatch k1 = MicroBatch::k1;
+
+const HomeDevice kDevA{1, 0};
+const HomeDevice kDevB{1, 1};
+const HomeDevice kDevC{2, 0};
+
+RankRequest Req(uint64_t id, HomeDevice home, int64_t ctx) {
+  return RankRequest{id, home, ctx};
+}
+
+// The request ids a plan puts into `mb`, increasing.
+std::vector<uint64_t> Members(const MicroBatchPlan& plan, MicroBatch mb) {
+  std::vector<uint64_t> out;
+  for (const MicroBatchAssignment& a : plan.assignments) {
+    if (a.micro_batch == mb) out.push_back(a.request_id);
+  }
+  return out;
+}
+
+MicroBatchPlan Cmr(const std::vector<RankRequest>& requests) {
+  absl::StatusOr<MicroBatchPlan> plan = AssignByContextLength(requests);
+  REQUIRE(plan.ok());
+  return *plan;
+}
+
+MicroBatchPlan ByCount(const std::vector<RankRequest>& requests,
+                       const MicroBatchPlan& previous) {
+  absl::StatusOr<MicroBatchPlan> plan =
+      AssignByRequestCount(requests, previous);
+  REQUIRE(plan.ok());
+  return *plan;
+}
+
+MicroBatchImbalance Measure(const std::vector<RankRequest>& requests,
+                            const MicroBatchPlan& plan) {
+  absl::StatusOr<MicroBatchImbalance> m = Imbalance(requests, plan);
+  REQUIRE(m.ok());
+  return *m;
+}
+
+// ---------------------------------------------------------------------------
+// CMR
+// ---------------------------------------------------------------------------
+
+TEST_CASE("cmr: hand-worked example on one device") {
+  // Longest first: 10 -> µB0 (both empty, equal counts); 7 -> µB1 (0 < 10);
+  // 5 -> µB1 (7 < 10, now 12); 4 -> µB0 (10 < 12, now 14);
+  // 1 -> µB1 (12 < 14, now 13). Final 14 vs 13.
+  std::vector<RankRequest> r = {Req(1, kDevA, 10), Req(2, kDevA, 7),
+                                Req(3, kDevA, 5), Req(4, kDevA, 4),
+                                Req(5, kDevA, 1)};
+  MicroBatchPlan plan = Cmr(r);
+  CHECK(Members(plan, k0) == std::vector<uint64_t>{1, 4});
+  CHECK(Members(plan, k1) == std::vector<uint64_t>{2, 3, 5});
+  MicroBatchImbalance m = Measure(r, plan);
+  REQUIRE(m.devices.size() == 1);
+  CHECK(m.devices[0].context_tokens[0] == 14);
+  CHECK(m.devices[0].context_tokens[1] == 13);
+  CHECK(m.devices[0].requests[0] == 2);
+  CHECK(m.devices[0].requests[1] == 3);
+  CHECK(m.sum_device_imbalance == 1);
+  CHECK(m.max_device_imbalance == 1);
+  CHECK(m.token_imbalance == 1);
+  CHECK(plan.Find(3) == k1);
+  CHECK_FALSE(plan.Find(9).has_value());
+}
+
+TEST_CASE("cmr: equal contexts go by request id and alternate") {
+  // Listed in reverse; ids decide: 1 -> µB0, 2 -> µB1 (5 > 0 on µB0),
+  // 3 -> µB0 (5 = 5, 1 = 1 requests), 4 -> µB1.
+  std::vector<RankRequest> r = {Req(4, kDevA, 5), Req(3, kDevA, 5),
+                                Req(2, kDevA, 5), Req(1, kDevA, 5)};
+  MicroBatchPlan plan = Cmr(r);
+  CHECK(Members(plan, k0) == std::vector<uint64_t>{1, 3});
+  CHECK(Members(plan, k1) == std::vector<uint64_t>{2, 4});
+}
+
+TEST_CASE("cmr: equal context sums go to the micro-batch with fewer requests") {
+  // 4 -> µB0, 4 -> µB1, then the zero-length requests always see 4 = 4:
+  // id 3 -> µB0 (1 = 1 requests, then µB0), id 4 -> µB1 (it has 1 < 2),
+  // id 5 -> µB0 (2 = 2).
+  std::vector<RankRequest> r = {Req(1, kDevA, 4), Req(2, kDevA, 4),
+                                Req(3, kDevA, 0), Req(4, kDevA, 0),
+                                Req(5, kDevA, 0)};
+  MicroBatchPlan plan = Cmr(r);
+  CHECK(Members(plan, k0) == std::vector<uint64_t>{1, 3, 5});
+  CHECK(Members(plan, k1) == std::vector<uint64_t>{2, 4});
+}
+
+TEST_CASE("cmr: devices are balanced independently") {
+  std::vector<RankRequest> a = {Req(1, kDevA, 10), Req(2, kDevA, 7),
+                                Req(3, kDevA, 5), Req(4, kDevA, 4),
+                                Req(5, kDevA, 1)};
+  std::vector<RankRequest> b = {Req(6, kDevB, 8), Req(7, kDevB, 8),
+                                Req(8, kDevB, 3)};
+  std::vector<RankRequest> c = {Req(9, kDevC, 100)};
+  std::vector<RankRequest> all;
+  // Interleave the devices to show the input order does not matter either.
+  for (size_t i = 0; i < 5; ++i) {
+    all.push_back(a[i]);
+    if (i < b.size()) all.push_back(b[i]);
+    if (i < c.size()) all.push_back(c[i]);
+  }
+  MicroBatchPlan together = Cmr(all);
+  for (const auto* part : {&a, &b, &c}) {
+    for (const MicroBatchAssignment& x : Cmr(*part).assignments) {
+      CHECK(together.Find(x.request_id) == x.micro_batch);
+    }
+  }
+  // A: 14 vs 13; B: 8 -> µB0, 8 -> µB1, 3 -> µB0 (tie, 1 = 1): 11 vs 8;
+  // C: 100 vs 0. Rank: 125 vs 21.
+  MicroBatchImbalance m = Measure(all, together);
+  REQUIRE(m.devices.size() == 3);
+  CHECK(m.devices[0].device == kDevA);
+  CHECK(m.devices[1].device == kDevB);
+  CHECK(m.devices[2].device == kDevC);
+  CHECK(m.devices[1].imbalance == 3);
+  CHECK(m.devices[2].imbalance == 100);
+  CHECK(m.sum_device_imbalance == 1 + 3 + 100);
+  CHECK(m.max_device_imbalance == 100);
+  CHECK(m.rank_context_tokens[0] == 14 + 11 + 100);
+  CHECK(m.rank_context_tokens[1] == 13 + 8);
+  CHECK(m.rank_requests[0] == 2 + 2 + 1);
+  CHECK(m.rank_requests[1] == 3 + 1);
+  CHECK(m.token_imbalance == 125 - 21);
+}
+
+TEST_CASE("cmr: empty rank and bad input") {
+  CHECK(Cmr({}).assignments.empty());
+  CHECK(AssignByContextLength({Req(1, kDevA, 3), Req(1, kDevB, 4)})
+            .status()
+            .code() == absl::StatusCode::kInvalidArgument);
+  CHECK(AssignByContextLength({Req(1, kDevA, -1)}).status().code() ==
+        absl::StatusCode::kInvalidArgument);
+  MicroBatchPlan partial;
+  partial.assignments = {{1, k0}};
+  CHECK(Imbalance({Req(1, kDevA, 3), Req(2, kDevA, 4)}, partial)
+            .status()
+            .code() == absl::StatusCode::kInvalidArgument);
+}
+
+// ---------------------------------------------------------------------------
+// Count mode
+// ---------------------------------------------------------------------------
+
+TEST_CASE("count mode: append-only by request count, ties to µB0") {
+  MicroBatchPlan plan;
+  std::vector<RankRequest> r = {Req(1, kDevA, 100)};
+  plan = ByCount(r, plan);
+  CHECK(plan.Find(1) == k0);
+  r.push_back(Req(2, kDevA, 1));
+  r.push_back(Req(3, kDevA, 1));
+  plan = ByCount(r, plan);
+  // 2 -> µB1 (1 vs 0), 3 -> µB0 (1 = 1): contexts do not matter.
+  CHECK(Members(plan, k0) == std::vector<uint64_t>{1, 3});
+  CHECK(Members(plan, k1) == std::vector<uint64_t>{2});
+  // Request 1 and 3 finish; 2 stays in µB1; new 4 and 5 go 4 -> µB0 (0 < 1),
+  // 5 -> µB0 (1 = 1 ties to µB0).
+  r = {Req(2, kDevA, 1), Req(5, kDevA, 9), Req(4, kDevA, 9)};
+  plan = ByCount(r, plan);
+  CHECK(Members(plan, k0) == std::vector<uint64_t>{4, 5});
+  CHECK(Members(plan, k1) == std::vector<uint64_t>{2});
+  CHECK(plan.assignments.size() == 3);
+
+  MicroBatchPlan twice;
+  twice.assignments = {{2, k0}, {2, k1}};
+  CHECK(AssignByRequestCount(r, twice).status().code() ==
+        absl::StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("mode switch dispatches to either policy") {
+  std::vector<RankRequest> r = {Req(1, kDevA, 10), Req(2, kDevA, 7),
+                                Req(3, kDevA, 5)};
+  MicroBatchPlan prev;
+  prev.assignments = {{1, k1}};
+  auto cmr = AssignMicroBatches(MicroBatchMode::kContextLength, r, prev);
+  auto cnt = AssignMicroBatches(MicroBatchMode::kRequestCount, r, prev);
+  REQUIRE(cmr.ok());
+  REQUIRE(cnt.ok());
+  CHECK(*cmr == Cmr(r));  // CMR ignores the previous plan
+  CHECK(*cnt == ByCount(r, prev));
+  CHECK(cnt->Find(1) == k1);
+}
+
+// A reachable state in which count mode beats CMR, so "CMR is never worse"
+// does not hold in general: greedy longest-first is not an optimal partition
+// (two-way partition is NP-hard), and count mode can land on the optimum by
+// chance.
+TEST_CASE("count mode can beat CMR on a lucky history") {
+  // Arrivals (id: context): 1:3, 2:2, 3:3, 4:2, 5:9, 6:2, then 5 finishes.
+  std::vector<RankRequest> all = {Req(1, kDevA, 3), Req(2, kDevA, 2),
+                                  Req(3, kDevA, 3), Req(4, kDevA, 2),
+                                  Req(5, kDevA, 9), Req(6, kDevA, 2)};
+  MicroBatchPlan plan;
+  std::vector<RankRequest> live;
+  for (const RankRequest& r : all) {
+    live.push_back(r);
+    plan = ByCount(live, plan);
+  }
+  live.erase(live.begin() + 4);  // request 5 finishes
+  plan = ByCount(live, plan);
+  // µB0 {1, 3} = 6, µB1 {2, 4, 6} = 6: perfectly balanced.
+  CHECK(Members(plan, k0) == std::vector<uint64_t>{1, 3});
+  CHECK(Members(plan, k1) == std::vector<uint64_t>{2, 4, 6});
+  CHECK(Measure(live, plan).sum_device_imbalance == 0);
+  // CMR: 3 -> µB0, 3 -> µB1, 2 -> µB0 (tie), 2 -> µB1, 2 -> µB0: 7 vs 5.
+  MicroBatchPlan cmr = Cmr(live);
+  CHECK(Measure(live, cmr).sum_device_imbalance == 2);
+}
+
+// Random rank histories with a fixed seed. Raw engine output (not
+// std::uniform_int_distribution, whose output differs between standard
+// libraries) keeps the cases the same everywhere.
+struct RandomHistory {
+  std::vector<RankRequest> live;
+  MicroBatchPlan count_plan;
+};
+
+RandomHistory MakeHistory(std::mt19937_64& rng) {
+  auto pick = [&rng](uint64_t n) { return rng() % n; };
+  const int devices = 1 + int(pick(4));
+  const int events = 4 + int(pick(60));
+  RandomHistory h;
+  uint64_t next_id = 1;
+  for (int e = 0; e < events; ++e) {
+    if (!h.live.empty() && pick(4) == 0) {
+      h.live.erase(h.live.begin() + long(pick(h.live.size())));
+    } else {
+      const HomeDevice d{uint32_t(1 + pick(2)),
+                         int32_t(pick(uint64_t(devices)))};
+      // Context lengths spread over three orders of magnitude, as in
+      // multi-turn chat.
+      const int64_t ctx = int64_t(1 + pick(uint64_t(1) << (4 + pick(9))));
+      h.live.push_back(Req(next_id++, d, ctx));
+    }
+    // Count mode only ever sees arrivals and departures.
+    h.count_plan = ByCount(h.live, h.count_plan);
+  }
+  return h;
+}
+
+TEST_CASE("cmr vs count mode on random histories") {
+  std::mt19937_64 rng(20240611);
+  constexpr int kCases = 2000;
+  int64_t cmr_total = 0;
+  int64_t count_total = 0;
+  int cmr_worse = 0;
+  int bound_violations = 0;
+  for (int c = 0; c < kCases; ++c) {
+    RandomHistory h = MakeHistory(rng);
+    MicroBatchImbalance cmr = Measure(h.live, Cmr(h.live));
+    MicroBatchImbalance cnt = Measure(h.live, h.count_plan);
+    cmr_total += cmr.sum_device_imbalance;
+    count_total += cnt.sum_device_imbalance;
+    if (cmr.sum_device_imbalance > cnt.sum_device_imbalance) ++cmr_worse;
+    // The property that always holds (greedy bound): on every device the
+    // gap is at most the longest context there. Putting x on the lighter
+    // side turns a gap g into |g − x| <= max(g, x).
+    std::map<std::pair<uint32_t, int32_t>, int64_t> longest;
+    for (const RankRequest& r : h.live) {
+      int64_t& l = longest[{r.home.node_id, r.home.device}];
+      l = std::max(l, r.context_tokens);
+    }
+    for (const DeviceMicroBatchLoad& d : cmr.devices) {
+      if (d.imbalance > longest[{d.device.node_id, d.device.device}]) {
+        ++bound_violations;
+      }
+    }
+  }
+  // CMR is not pointwise never-worse (see the lucky-history case above), so
+  // the pointwise claim is not asserted. What is asserted: CMR wins clearly
+  // in aggregate and loses at most on rare histories. With this seed it
+  // loses on none and its total is 0.54 of count mode's; much of what is
+  // left is irreducible (a device whose longest context exceeds the rest).
+  INFO("cmr total " << cmr_total << ", count total " << count_total
+                    << ", cmr worse in " << cmr_worse << " of " << kCases);
+  CHECK(bound_violations == 0);
+  CHECK(cmr_total * 3 < count_total * 2);
+  CHECK(cmr_worse * 100 <= kCases);
+}
+
+TEST_CASE("plans do not depend on input order") {
+  std::mt19937_64 rng(7);
+  for (int c = 0; c < 200; ++c) {
+    RandomHistory h = MakeHistory(rng);
+    const MicroBatchPlan cmr = Cmr(h.live);
+    const MicroBatchPlan cnt = ByCount(h.live, h.count_plan);
+    // Sorted by id, each id once.
+    for (size_t i = 1; i < cmr.assignments.size(); ++i) {
+      CHECK(cmr.assignments[i - 1].request_id < cmr.assignments[i].request_id);
+    }
+    std::vector<RankRequest> shuffled = h.live;
+    for (int s = 0; s < 3; ++s) {
+      for (size_t i = shuffled.size(); i > 1; --i) {
+        std::swap(shuffled[i - 1], shuffled[rng() % i]);
+      }
+      CHECK(Cmr(shuffled) == cmr);
+      CHECK(ByCount(shuffled, h.count_plan) == cnt);
+      CHECK(Measure(shuffled, cmr).sum_device_imbalance ==
+            Measure(h.live, cmr).sum_device_imbalance);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Admission
+// ---------------------------------------------------------------------------
+
+TEST_CASE("max batch for a TBT target") {
+  StepCostModel m{5.0, 0.5, 0.0001};
+  // Per request 0.5 + 0.0001 * 4000 = 0.9 ms; (50 − 5) / 0.9 = 50 exactly,
+  // which floating point computes as 49.99…; the batch of 50 meets it.
+  CHECK(*MaxBatchForSlo(50.0, m, 4000) == 50);
+  CHECK(*MaxBatchForSlo(49.9, m, 4000) == 49);
+  CHECK(*MaxBatchForSlo(4.0, m, 4000) == 0);  // even an empty step is late
+  CHECK(*MaxBatchForSlo(10.0, StepCostModel{1.0, 0, 0}, 1000) ==
+        kUnboundedBatch);
+  CHECK(*MaxBatchForSlo(10.0, StepCostModel{0, 1e-30, 0}, 0) ==
+        kUnboundedBatch);
+  CHECK(MaxBatchForSlo(0, m, 1).status().code() ==
+        absl::StatusCode::kInvalidArgument);
+  CHECK(MaxBatchForSlo(10, StepCostModel{-1, 0, 0}, 1).status().code() ==
+        absl::StatusCode::kInvalidArgument);
+  CHECK(MaxBatchForSlo(10, m, -1).status().code() ==
+        absl::StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("pages for new tokens count only whole new pages") {
+  PageGeometry g{4, 100};
+  CHECK(PagesForNewTokens(g, 0, 0) == 0);
+  CHECK(PagesForNewTokens(g, 0, 1) == 1);
+  CHECK(PagesForNewTokens(g, 0, 16) == 4);
+  CHECK(PagesForNewTokens(g, 5, 3) == 0);  // fills page 2 of 2
+  CHECK(PagesForNewTokens(g, 5, 4) == 1);
+  CHECK(PagesForNewTokens(g, 8, 1) == 1);
+}
+
+AdmissionConfig Config(bool skip) {
+  AdmissionConfig c;
+  c.geometry = PageGeometry{4, 100};
+  c.skip_blocked_head = skip;
+  return c;
+}
+
+QueuedTurn Turn(uint64_t id, std::optional<HomeDevice> home, int64_t new_tokens,
+                std::optional<int32_t> rank = std::nullopt,
+                int64_t resident = 0) {
+  QueuedTurn t;
+  t.turn_id = id;
+  t.home = home;
+  t.rank = rank;
+  t.resident_tokens = resident;
+  t.new_tokens = new_tokens;
+  return t;
+}
+
+std::vector<uint64_t> AdmittedIds(const AdmissionDecision& d) {
+  std::vector<uint64_t> out;
+  for (const GrantedTurn& t : d.admitted) out.push_back(t.turn_id);
+  return out;
+}
+
+TEST_CASE("admission: FIFO, a head that does not fit holds the queue") {
+  // Device A holds 10 pages of 100 bytes, device B 10 pages.
+  std::vector<DeviceOccupancy> devices = {{kDevA, 1000, 0}, {kDevB, 1000, 0}};
+  std::vector<RankLoad> ranks = {{0, 0, 8}};
+  std::vector<QueuedTurn> q = {
+      Turn(1, kDevA, 16),  // 4 pages
+      Turn(2, kDevA, 20),  // 5 pages: 9 used
+      Turn(3, kDevA, 8),   // 2 pages: 1 left, waits
+      Turn(4, kDevB, 4),   // fits on B, but may not overtake 3
+      Turn(5, kDevA, 1),   // 1 page, would fit in A's last page
+  };
+  auto strict = Admit(q, devices, ranks, Config(false));
+  REQUIRE(strict.ok());
+  CHECK(AdmittedIds(*strict) == std::vector<uint64_t>{1, 2});
+  CHECK(strict->admitted[0] == GrantedTurn{1, 0, kDevA, 4});
+  CHECK(strict->admitted[1] == GrantedTurn{2, 0, kDevA, 5});
+  CHECK(strict->waiting == std::vector<WaitingTurn>{{3, 0}, {4, 1}, {5, 2}});
+
+  // With skipping, 4 goes ahead on B, but 5 may not take the page of A that
+  // 3 waits for.
+  auto skip = Admit(q, devices, ranks, Config(true));
+  REQUIRE(skip.ok());
+  CHECK(AdmittedIds(*skip) == std::vector<uint64_t>{1, 2, 4});
+  CHECK(skip->waiting == std::vector<WaitingTurn>{{3, 0}, {5, 1}});
+}
+
+TEST_CASE("admission: a growing session pays only for new pages") {
+  std::vector<DeviceOccupancy> devices = {{kDevA, 1000, 1000}};  // full
+  std::vector<RankLoad> ranks = {{0, 1, 8}};
+  // 6 resident tokens on 2 pages; 2 more fit in the second page.
+  auto d = Admit({Turn(1, kDevA, 2, 0, 6), Turn(2, kDevA, 3, 0, 6)}, devices,
+                 ranks, Config(false));
+  REQUIRE(d.ok());
+  CHECK(d->admitted == std::vector<GrantedTurn>{{1, 0, kDevA, 0}});
+  CHECK(d->waiting == std::vector<WaitingTurn>{{2, 0}});
+}
+
+TEST_CASE("admission: rank batch limits under the TBT target") {
+  std::vector<DeviceOccupancy> devices = {{kDevA, 100000, 0}};
+  // Rank 0 has room for one more, rank 1 is at its limit, rank 2 is idle
+  // with a target no batch meets.
+  std::vector<RankLoad> ranks = {{0, 1, 2}, {1, 4, 4}, {2, 0, 0}};
+  std::vector<QueuedTurn> q = {
+      Turn(1, kDevA, 4),     // any rank: 0 and 2 have room 1; lower id wins
+      Turn(2, kDevA, 4),     // any rank: only 2 (idle) has room
+      Turn(3, kDevA, 4, 1),  // pinned to the full rank 1: waits
+      Turn(4, kDevA, 4),     // no rank has room
+  };
+  auto d = Admit(q, devices, ranks, Config(false));
+  REQUIRE(d.ok());
+  CHECK(d->admitted ==
+        std::vector<GrantedTurn>{{1, 0, kDevA, 1}, {2, 2, kDevA, 1}});
+  CHECK(d->waiting == std::vector<WaitingTurn>{{3, 0}, {4, 1}});
+
+  // Skipping: 3 waits for rank 1; 4 may still take a rank with room.
+  ranks[0].max_batch = 3;  // room 2: turns 1 and 2 both go to rank 0
+  auto s = Admit(q, devices, ranks, Config(true));
+  REQUIRE(s.ok());
+  CHECK(s->admitted == std::vector<GrantedTurn>{{1, 0, kDevA, 1},
+                                                {2, 0, kDevA, 1},
+                                                {4, 2, kDevA, 1}});
+  CHECK(s->waiting == std::vector<WaitingTurn>{{3, 0}});
+}
+
+TEST_CASE("admission: a blocked homeless turn holds later homeless turns") {
+  std::vector<DeviceOccupancy> devices = {{kDevA, 1000, 600}};  // 4 pages free
+  std::vector<RankLoad> ranks = {{0, 0, 16}};
+  std::vector<QueuedTurn> q = {
+      Turn(1, std::nullopt, 20),  // 5 pages: blocked
+      Turn(2, std::nullopt, 4),   // would fit, but 1 waits for the space
+      Turn(3, kDevA, 4, 0, 8),    // a resident session may still grow
+  };
+  auto d = Admit(q, devices, ranks, Config(true));
+  REQUIRE(d.ok());
+  CHECK(AdmittedIds(*d) == std::vector<uint64_t>{3});
+  CHECK(d->waiting == std::vector<WaitingTurn>{{1, 0}, {2, 1}});
+}
+
+TEST_CASE("admission: a homeless turn gets the least occupied device") {
+  std::vector<DeviceOccupancy> devices = {
+      {kDevA, 1000, 300}, {kDevB, 1000, 200}, {kDevC, 400, 100}};
+  std::vector<RankLoad> ranks = {{0, 0, 16}};
+  std::vector<QueuedTurn> q = {
+      Turn(1, std::nullopt, 16),  // 4 pages: C is least used but has 3 pages
+      Turn(2, std::nullopt, 4),   // 1 page: C (100 used) beats A and B (600)
+      Turn(3, std::nullopt, 4, std::nullopt, 8),  // rebuild 8 + 4: 3 pages
+  };
+  auto d = Admit(q, devices, ranks, Config(false));
+  REQUIRE(d.ok());
+  REQUIRE(d->admitted.size() == 3);
+  CHECK(d->admitted[0].home == kDevB);  // B: 200 used < A: 300
+  CHECK(d->admitted[1].home == kDevC);
+  CHECK(d->admitted[2].home == kDevA);  // A 300, B 600, C has 2 pages left
+  CHECK(d->admitted[2].pages == 3);
+}
+
+TEST_CASE("admission: bad input is an error") {
+  std::vector<DeviceOccupancy> devices = {{kDevA, 1000, 0}};
+  std::vector<RankLoad> ranks = {{0, 0, 4}};
+  CHECK(Admit({Turn(1, kDevB, 1)}, devices, ranks, Config(false))
+            .status()
+            .code() == absl::StatusCode::kNotFound);
+  CHECK(Admit({Turn(1, kDevA, 1, 7)}, devices, ranks, Config(false))
+            .status()
+            .code() == absl::StatusCode::kNotFound);
+  CHECK(Admit({Turn(1, kDevA, 1), Turn(1, kDevA, 1)}, devices, ranks,
+              Config(false))
+            .status()
+            .code() == absl::StatusCode::kInvalidArgument);
+  CHECK(Admit({}, {{kDevA, 10, 11}}, ranks, Config(false)).status().code() ==
+        absl::StatusCode::kInvalidArgument);
+  CHECK(Admit({}, devices, {{0, 0, 1}, {0, 0, 1}}, Config(false))
+            .status()
+            .code() == absl::StatusCode::kInvalidArgument);
+  AdmissionConfig bad = Config(false);
+  bad.geometry.tokens_per_page = 0;
+  CHECK(Admit({}, devices, ranks, bad).status().code() ==
+        absl::StatusCode::kInvalidArgument);
+  auto empty = Admit({}, devices, ranks, Config(false));
+  REQUIRE(empty.ok());
+  CHECK(empty->admitted.empty());
+  CHECK(empty->waiting.empty());
+}
+
+// ---------------------------------------------------------------------------
+// Placement with spill
+// ---------------------------------------------------------------------------
+
+PagePlacement Place(const std::vector<DeviceOccupancy>& devices,
+                    std::optional<HomeDevice> home, int64_t pages) {
+  absl::StatusOr<PagePlacement> p =
+      PlacePages(devices, PagePlacementRequest{home, pages, 100});
+  REQUIRE(p.ok());
+  return *p;
+}
+
+TEST_CASE("placement: a new session goes to the least occupied device") {
+  std::vector<DeviceOccupancy> devices = {
+      {kDevA, 1000, 500}, {kDevB, 1000, 100}, {kDevC, 1000, 300}};
+  PagePlacement p = Place(devices, std::nullopt, 3);
+  CHECK(p.home == kDevB);
+  CHECK(p.runs == std::vector<PageRun>{{kDevB, 0, 3}});
+  CHECK(p.spilled_bytes == 0);
+}
+
+TEST_CASE("placement: later pages follow the home, then spill on its node") {
+  // Node 1: A (home, 2 pages free), B (3 free), D (5 free); node 2 roomy.
+  const HomeDevice kDevD{1, 2};
+  std::vector<DeviceOccupancy> devices = {{kDevA, 1000, 800},
+                                          {kDevB, 1000, 700},
+                                          {kDevD, 1000, 500},
+                                          {kDevC, 100000, 0}};
+  PagePlacement p = Place(devices, kDevA, 9);
+  CHECK(p.home == kDevA);
+  CHECK(p.runs ==
+        std::vector<PageRun>{{kDevA, 0, 2}, {kDevD, 2, 5}, {kDevB, 7, 2}});
+  CHECK(p.spilled_bytes == 700);
+
+  // A full home spills everything; it never crosses nodes.
+  devices[0].used_bytes = 1000;
+  PagePlacement q = Place(devices, kDevA, 4);
+  CHECK(q.runs == std::vector<PageRun>{{kDevD, 0, 4}});
+  CHECK(q.spilled_bytes == 400);
+  auto full = PlacePages(devices, PagePlacementRequest{kDevA, 9, 100});
+  CHECK(full.status().code() == absl::StatusCode::kResourceExhausted);
+
+  // Nothing new: no runs, no spill.
+  PagePlacement none = Place(devices, kDevA, 0);
+  CHECK(none.runs.empty());
+  CHECK(none.spilled_bytes == 0);
+}
+
+TEST_CASE("placement: a new session skips homes whose node cannot hold it") {
+  // Node 1's device is least occupied but small; node 2 can hold all pages.
+  std::vector<DeviceOccupancy> devices = {{kDevA, 300, 0}, {kDevC, 1000, 100}};
+  PagePlacement p = Place(devices, std::nullopt, 5);
+  CHECK(p.home == kDevC);
+  CHECK(p.runs == std::vector<PageRun>{{kDevC, 0, 5}});
+  // A device without room for one page is never a home, even if least used
+  // (capacity below one page).
+  std::vector<DeviceOccupancy> tiny = {{kDevA, 50, 0}, {kDevB, 1000, 200}};
+  PagePlacement t = Place(tiny, std::nullopt, 1);
+  CHECK(t.home == kDevB);
+  CHECK(PlacePages(tiny, PagePlacementRequest{std::nullopt, 100, 100})
+            .status()
+            .code() == absl::StatusCode::kResourceExhausted);
+  CHECK(PlacePages({}, PagePlacementRequest{std::nullopt, 1, 100})
+            .status()
+            .code() == absl::StatusCode::kResourceExhausted);
+}
+
+TEST_CASE("placement: new homes agree with ChooseHomeDevices") {
+  std::mt19937_64 rng(3);
+  for (int c = 0; c < 200; ++c) {
+    ClusterState cluster;
+    std::vector<DeviceOccupancy> devices;
+    for (uint32_t n = 1; n <= 3; ++n) {
+      NodeState node;
+      node.id = n;
+      node.role = NodeRole::kKarat;
+      node.alive = true;
+      for (int32_t d = 0; d < 3; ++d) {
+        const int64_t cap = 1000 + 100 * int64_t(rng() % 5);
+        const int64_t used = 100 * int64_t(rng() % 9);
+        node.devices.push_back({d, cap, used});
+        devices.push_back({{n, d}, cap, used});
+      }
+      cluster.nodes.push_back(node);
+    }
+    // Every device has room for one 100-byte page.
+    CHECK(Place(devices, std::nullopt, 1).home ==
+          ChooseHomeDevices(cluster).front());
+  }
+}
+
+TEST_CASE("placement: bad input is an error") {
+  std::vector<DeviceOccupancy> devices = {{kDevA, 1000, 0}};
+  CHECK(PlacePages(devices, PagePlacementRequest{kDevB, 1, 100})
+            .status()
+            .code() == absl::StatusCode::kNotFound);
+  CHECK(PlacePages(devices, PagePlacementRequest{kDevA, -1, 100})
+            .status()
+            .code() == absl::StatusCode::kInvalidArgument);
+  CHECK(
+      PlacePages(devices, PagePlacementRequest{kDevA, 1, 0}).status().code() ==
+      absl::StatusCode::kInvalidArgument);
+  CHECK(PlacePages({{kDevA, 10, 0}, {kDevA, 10, 0}},
+                   PagePlacementRequest{std::nullopt, 1, 1})
+            .status()
+            .code() == absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace karat::coordinator
