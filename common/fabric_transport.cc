@@ -272,7 +272,7 @@ class FabricTransport final : public Transport {
   }
   // A Send() on the progress thread: waits for its completion by reading the
   // CQ itself, since nobody else will.
-  void AwaitSendOnProgressThread(SendOp* op, absl::Time deadline);
+  void AwaitSendOnProgressThread(SendOp* op, size_t len, absl::Time deadline);
   void HandleError();
   void CompleteSend(SendOp* op, absl::Status status);
   void RetryPendingReceives();
@@ -723,7 +723,7 @@ absl::Status FabricTransport::SendImpl(
   }
   last_activity_ns_.store(NowNs(), std::memory_order_relaxed);
   if (OnProgressThread()) {
-    AwaitSendOnProgressThread(op, deadline);
+    AwaitSendOnProgressThread(op, len, deadline);
   } else if (!SpinForSend(op, len, deadline)) {
     // Manual-progress providers move data only when the CQ is read: the
     // progress thread takes over.
@@ -770,10 +770,10 @@ bool FabricTransport::SpinForSend(SendOp* op, size_t len,
   return done;
 }
 
-void FabricTransport::AwaitSendOnProgressThread(SendOp* op,
+void FabricTransport::AwaitSendOnProgressThread(SendOp* op, size_t len,
                                                 absl::Time deadline) {
   absl::Duration backoff = kMinPollBackoff;
-  const int64_t spin_ns = SpinNs(0);
+  const int64_t spin_ns = SpinNs(len);
   int64_t spin_until = NowNs() + spin_ns;
   for (;;) {
     if (op->done_flag.load(std::memory_order_acquire)) return;

@@ -1,7 +1,8 @@
 // Per-link data-plane counters: for every peer a node sends to, the messages
 // and bytes sent, sends dropped or failed, and a histogram of send latency
-// (from the Send() call until the transport reports the message sent,
-// including any delay a LinkEmulator adds). Received traffic is counted per
+// (from the Send() call until the wrapped transport's Send() returned, i.e.
+// the message was handed over or completed, including any delay a
+// LinkEmulator adds). Received traffic is counted per
 // node (the transport does not know a message's sender).
 //
 // Exported two ways: as flat `link.<peer>.<counter>` entries for the stats
