@@ -40,8 +40,9 @@ class Mailbox : public std::enable_shared_from_this<Mailbox> {
 
   const std::string& name() const { return name_; }
 
-  // False once the mailbox is closed.
-  bool Deliver(std::string message) {
+  // False once the mailbox is closed. The bytes are read when the handler
+  // runs, as a provider reads a zero-copy send's buffer in place.
+  bool Deliver(std::shared_ptr<const std::string> message) {
     absl::MutexLock lock(&mu_);
     if (closed_) return false;
     queue_.push_back(std::move(message));
@@ -75,7 +76,7 @@ class Mailbox : public std::enable_shared_from_this<Mailbox> {
 
   void DeliveryLoop() {
     for (;;) {
-      std::string message;
+      std::shared_ptr<const std::string> message;
       {
         absl::MutexLock lock(&mu_);
         mu_.Await(absl::Condition(this, &Mailbox::HasWork));
@@ -87,9 +88,9 @@ class Mailbox : public std::enable_shared_from_this<Mailbox> {
       }
       absl::MutexLock lock(&handler_mu_);
       if (handler_) {
-        handler_(message);
+        handler_(*message);
       } else {
-        KLOG(Warning, kLogModule) << name_ << ": dropped a " << message.size()
+        KLOG(Warning, kLogModule) << name_ << ": dropped a " << message->size()
                                   << "-byte message: no receive handler";
       }
     }
@@ -97,7 +98,7 @@ class Mailbox : public std::enable_shared_from_this<Mailbox> {
 
   const std::string name_;
   absl::Mutex mu_;
-  std::deque<std::string> queue_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::shared_ptr<const std::string>> queue_ ABSL_GUARDED_BY(mu_);
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
   // Held while the handler runs; SetHandler() from inside a handler would
   // deadlock, which the Transport contract does not allow anyway.
@@ -149,31 +150,20 @@ class FakeTransport final : public Transport {
   }
 
   absl::Status Send(PeerId peer, const void* data, size_t len) override {
-    if (len > kFakeMaxMessageSize) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("message of ", len, " bytes exceeds the maximum of ",
-                       kFakeMaxMessageSize));
+    if (len > kFakeMaxMessageSize) return TooLarge(len);
+    return Post(peer, std::make_shared<const std::string>(
+                          static_cast<const char*>(data), len));
+  }
+
+  // Queues the caller's string itself; the reference is dropped once the
+  // receive handler has run (or the message is discarded).
+  absl::Status SendShared(PeerId peer,
+                          std::shared_ptr<const std::string> message) override {
+    if (message == nullptr) {
+      return absl::InvalidArgumentError("SendShared: null message");
     }
-    Peer target;
-    {
-      absl::MutexLock lock(&mu_);
-      if (shut_down_) {
-        return absl::UnavailableError(absl::StrCat(
-            address_, " is shut down; cannot send to peer ", peer));
-      }
-      if (peer < 0 || static_cast<size_t>(peer) >= peers_.size()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("unknown peer id ", peer));
-      }
-      target = peers_[peer];
-    }
-    std::shared_ptr<Mailbox> mailbox = fabric_->Find(target.address);
-    std::string message(static_cast<const char*>(data), len);
-    if (mailbox == nullptr || !mailbox->Deliver(std::move(message))) {
-      return absl::UnavailableError(absl::StrCat(
-          "peer '", target.name, "' (", target.address, ") is not reachable"));
-    }
-    return absl::OkStatus();
+    if (message->size() > kFakeMaxMessageSize) return TooLarge(message->size());
+    return Post(peer, std::move(message));
   }
 
   void SetReceiveHandler(ReceiveHandler handler) override {
@@ -200,6 +190,34 @@ class FakeTransport final : public Transport {
     std::string name;
     std::string address;
   };
+
+  static absl::Status TooLarge(size_t len) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("message of ", len, " bytes exceeds the maximum of ",
+                     kFakeMaxMessageSize));
+  }
+
+  absl::Status Post(PeerId peer, std::shared_ptr<const std::string> message) {
+    Peer target;
+    {
+      absl::MutexLock lock(&mu_);
+      if (shut_down_) {
+        return absl::UnavailableError(absl::StrCat(
+            address_, " is shut down; cannot send to peer ", peer));
+      }
+      if (peer < 0 || static_cast<size_t>(peer) >= peers_.size()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("unknown peer id ", peer));
+      }
+      target = peers_[peer];
+    }
+    std::shared_ptr<Mailbox> mailbox = fabric_->Find(target.address);
+    if (mailbox == nullptr || !mailbox->Deliver(std::move(message))) {
+      return absl::UnavailableError(absl::StrCat(
+          "peer '", target.name, "' (", target.address, ") is not reachable"));
+    }
+    return absl::OkStatus();
+  }
 
   const std::shared_ptr<FakeRegistry> fabric_;
   const std::string address_;

@@ -43,7 +43,7 @@ uint64_t StableHash(const std::string& s) {
 
 // One queued message of a delayed link.
 struct Pending {
-  std::string data;
+  std::shared_ptr<const std::string> data;
   absl::Time deliver_at;
   absl::Time sent_at;  // when Send() was called
 };
@@ -223,18 +223,20 @@ void LinkEmulator::Impl::DeliveryLoop(Link* link) {
     }
     Pending p = std::move(link->queue.front());
     link->queue.pop_front();
-    link->queued_bytes -= p.data.size();
+    const size_t size = p.data->size();
+    link->queued_bytes -= size;
     const std::string name = link->name;
     link->mu.Unlock();
     const absl::Status status =
-        inner->Send(link->id, p.data.data(), p.data.size());
+        size >= kSharedSendMinBytes
+            ? inner->SendShared(link->id, std::move(p.data))
+            : inner->Send(link->id, p.data->data(), size);
     if (status.ok()) {
-      stats.RecordSent(name, p.data.size(), absl::Now() - p.sent_at);
+      stats.RecordSent(name, size, absl::Now() - p.sent_at);
     } else {
       stats.RecordFailed(name);
-      KLOG(Warning, kLogModule) << "delayed send of " << p.data.size()
-                                << " bytes to '" << name
-                                << "' failed: " << status;
+      KLOG(Warning, kLogModule) << "delayed send of " << size << " bytes to '"
+                                << name << "' failed: " << status;
     }
     link->mu.Lock();
   }
@@ -358,6 +360,22 @@ absl::StatusOr<PeerId> LinkEmulator::AddPeer(const std::string& name,
 }
 
 absl::Status LinkEmulator::Send(PeerId peer, const void* data, size_t len) {
+  return SendMessage(peer, static_cast<const char*>(data), len, nullptr);
+}
+
+absl::Status LinkEmulator::SendShared(
+    PeerId peer, std::shared_ptr<const std::string> message) {
+  if (message == nullptr) {
+    return absl::InvalidArgumentError("SendShared: null message");
+  }
+  const char* data = message->data();
+  const size_t len = message->size();
+  return SendMessage(peer, data, len, std::move(message));
+}
+
+absl::Status LinkEmulator::SendMessage(
+    PeerId peer, const char* data, size_t len,
+    std::shared_ptr<const std::string> shared) {
   Impl::Link* link = impl_->Find(peer);
   LinkStats& stats = *impl_->options.stats;
   if (link == nullptr) {
@@ -415,8 +433,10 @@ absl::Status LinkEmulator::Send(PeerId peer, const void* data, size_t len) {
       const absl::Time deliver_at =
           std::max(ready + absl::Microseconds(delay_us), link->last_delivery);
       link->last_delivery = deliver_at;
-      link->queue.push_back(Pending{
-          std::string(static_cast<const char*>(data), len), deliver_at, start});
+      if (shared == nullptr) {
+        shared = std::make_shared<const std::string>(data, len);
+      }
+      link->queue.push_back(Pending{std::move(shared), deliver_at, start});
       link->queued_bytes += len;
       if (!link->thread_started) {
         link->thread_started = true;
@@ -427,7 +447,9 @@ absl::Status LinkEmulator::Send(PeerId peer, const void* data, size_t len) {
       return absl::OkStatus();
     }
   }
-  const absl::Status status = impl_->inner->Send(peer, data, len);
+  const absl::Status status =
+      shared != nullptr ? impl_->inner->SendShared(peer, std::move(shared))
+                        : impl_->inner->Send(peer, data, len);
   if (status.ok()) {
     stats.RecordSent(name, len, absl::Now() - start);
   } else {

@@ -118,6 +118,10 @@ class LinkEmulator final : public Transport {
   absl::StatusOr<PeerId> AddPeer(const std::string& name,
                                  const std::string& address) override;
   absl::Status Send(PeerId peer, const void* data, size_t len) override;
+  // Passes `message` on to the wrapped transport's SendShared(); a delayed
+  // link queues the reference instead of a copy.
+  absl::Status SendShared(PeerId peer,
+                          std::shared_ptr<const std::string> message) override;
   void SetReceiveHandler(ReceiveHandler handler) override;
   size_t MaxMessageSize() const override;
   // Stops every link thread (queued messages are discarded), then shuts the
@@ -125,6 +129,11 @@ class LinkEmulator final : public Transport {
   void Shutdown() override;
 
  private:
+  // Send() and SendShared(): `shared`, when set, holds the `len` bytes at
+  // `data`.
+  absl::Status SendMessage(PeerId peer, const char* data, size_t len,
+                           std::shared_ptr<const std::string> shared);
+
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

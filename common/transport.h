@@ -55,6 +55,12 @@ class Transport {
   virtual void Shutdown() = 0;
 };
 
+// Data-plane frames of at least this many bytes go out with SendShared();
+// smaller ones with Send(), which copies them (cheaper than a provider's
+// rendezvous, and needs no shared allocation). The default of
+// FabricOptions::zero_copy_threshold.
+constexpr size_t kSharedSendMinBytes = 16 << 10;
+
 struct FabricOptions {
   // libfabric provider: "shm" (one host), "tcp" (uses ofi_rxm), "verbs".
   std::string provider = "shm";
@@ -68,7 +74,7 @@ struct FabricOptions {
   // SendShared() hands messages of at least this many bytes to the provider
   // without copying them (smaller ones are copied, which is cheaper than the
   // provider's rendezvous). 0 disables it.
-  size_t zero_copy_threshold = 16 << 10;
+  size_t zero_copy_threshold = kSharedSendMinBytes;
   // Messages up to the provider's inject size are handed over with
   // fi_inject(): the provider copies them at once and Send() does not wait
   // for a completion (a later delivery failure is then only logged).

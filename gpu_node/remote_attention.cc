@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -68,7 +69,8 @@ struct RemoteAttentionBackend::Impl {
   uint64_t handshake_generation =
       0;  // id_generation the peers were greeted with
   uint64_t hello_nonce = 0;
-  std::string buffer;
+  // Frame encoding buffer; see Send().
+  std::shared_ptr<std::string> buffer = std::make_shared<std::string>();
 
   // Shared with the receive handler.
   using Key = std::tuple<uint64_t, uint32_t, uint64_t>;  // step, layer, session
@@ -143,14 +145,28 @@ void RemoteAttentionBackend::Impl::OnMessage(std::string_view message) {
 absl::Status RemoteAttentionBackend::Impl::Send(
     PeerId peer, const std::string& node, const FrameHeader& header,
     const std::vector<std::string_view>& sections) {
-  EncodeFrame(header, sections, &buffer);
-  absl::Status s = transport->Send(peer, buffer.data(), buffer.size());
+  // The frame is encoded into one reused buffer. The transport may still
+  // hold it after a send (Transport::SendShared: until the provider is done,
+  // even past a timed-out call); it is rewritten only once this is again
+  // its only owner, and replaced by a fresh one otherwise.
+  if (buffer.use_count() == 1) {
+    // Pairs with the transport's release of its reference, so that the
+    // provider's reads of the old bytes happen before the rewrite.
+    std::atomic_thread_fence(std::memory_order_acquire);
+  } else {
+    buffer = std::make_shared<std::string>();
+  }
+  EncodeFrame(header, sections, buffer.get());
+  const size_t size = buffer->size();
+  absl::Status s = size >= kSharedSendMinBytes
+                       ? transport->SendShared(peer, buffer)
+                       : transport->Send(peer, buffer->data(), size);
   if (!s.ok()) {
     return absl::UnavailableError(
         absl::StrCat("cannot send ", FrameTypeName(header.type),
                      " to KARAT node ", node, ": ", s.message()));
   }
-  bytes_sent.fetch_add(buffer.size());
+  bytes_sent.fetch_add(size);
   return absl::OkStatus();
 }
 

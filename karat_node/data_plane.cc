@@ -1,5 +1,7 @@
 #include "karat_node/data_plane.h"
 
+#include <memory>
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -248,9 +250,14 @@ void DataPlaneHandler::Reply(const FrameHeader& request, FrameType type,
   header.pos_start = request.pos_start;
   header.n_tokens = request.n_tokens;
   header.status = status_code;
-  std::string buffer;
-  EncodeFrame(header, sections, &buffer);
-  absl::Status sent = transport_->Send(peer, buffer.data(), buffer.size());
+  // A fresh buffer per frame, never touched after the send: the transport
+  // may read a large one in place for as long as it keeps its reference.
+  auto buffer = std::make_shared<std::string>();
+  EncodeFrame(header, sections, buffer.get());
+  absl::Status sent =
+      buffer->size() >= kSharedSendMinBytes
+          ? transport_->SendShared(peer, std::move(buffer))
+          : transport_->Send(peer, buffer->data(), buffer->size());
   if (!sent.ok()) {
     errors_.fetch_add(1);
     KLOG(Warning, "karat_node") << "session=" << request.session << " sending "

@@ -189,6 +189,9 @@ absl::StatusOr<std::unique_ptr<KaratNodeDaemon>> KaratNodeDaemon::Start(
   if (options.devices <= 0) {
     return absl::InvalidArgumentError("--devices must be > 0");
   }
+  if (options.send_timeout_ms <= 0) {
+    return absl::InvalidArgumentError("--send-timeout-ms must be > 0");
+  }
   std::unique_ptr<KaratNodeDaemon> daemon(new KaratNodeDaemon());
   daemon->impl_ = std::make_unique<Impl>();
   Impl* impl = daemon->impl_.get();
@@ -198,6 +201,7 @@ absl::StatusOr<std::unique_ptr<KaratNodeDaemon>> KaratNodeDaemon::Start(
   FabricOptions fabric;
   fabric.provider = options.provider;
   fabric.node = options.fabric_node;
+  fabric.send_timeout_ms = options.send_timeout_ms;
   absl::StatusOr<std::unique_ptr<Transport>> transport =
       OpenFabricTransport(fabric);
   if (!transport.ok()) {

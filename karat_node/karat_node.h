@@ -28,6 +28,8 @@ struct KaratNodeOptions {
   // Data plane: libfabric provider and, for tcp, the address to bind.
   std::string provider = "shm";
   std::string fabric_node;
+  // A data-plane send fails with UNAVAILABLE after this long.
+  int send_timeout_ms = 10000;
   int devices = 1;
   size_t device_capacity_bytes = size_t(1) << 30;
   int cores = 1;

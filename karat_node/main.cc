@@ -18,7 +18,7 @@ constexpr char kUsage[] =
     "  [--fabric-node ADDR] [--devices N] [--device-capacity BYTES]\n"
     "  [--cores N] [--tokens-per-page N] [--port-file PATH]\n"
     "  [--device-bandwidth-gbps GBPS] [--device-tflops TFLOPS]\n"
-    "  [--log-level debug|info|warning|error]\n";
+    "  [--send-timeout-ms N] [--log-level debug|info|warning|error]\n";
 
 [[noreturn]] void BadFlag(const std::string& flag, const std::string& why) {
   std::fprintf(stderr, "karat-node: %s: %s\n", flag.c_str(), why.c_str());
@@ -91,6 +91,8 @@ karat::KaratNodeOptions ParseFlags(int argc, char** argv) {
       o.device_bandwidth_gbps = NonNegativeDouble(flag, value);
     } else if (flag == "--device-tflops") {
       o.device_tflops = NonNegativeDouble(flag, value);
+    } else if (flag == "--send-timeout-ms") {
+      o.send_timeout_ms = PositiveInt(flag, value);
     } else if (flag == "--tokens-per-page") {
       o.tokens_per_page = PositiveInt(flag, value);
     } else if (flag == "--port-file") {

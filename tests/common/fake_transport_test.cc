@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/transport.h"
 
@@ -74,6 +75,30 @@ TEST_CASE("fake endpoints exchange messages in order", "[fake_transport]") {
   REQUIRE(got.size() == kMessages);
   for (int i = 0; i < kMessages; ++i) REQUIRE(got[i] == std::to_string(i));
   CHECK(inbox_a.Messages()[0].empty());
+}
+
+TEST_CASE("fake SendShared delivers the caller's string and then drops it",
+          "[fake_transport]") {
+  Inbox inbox;
+  FakeFabric fabric;
+  auto a = fabric.NewEndpoint("a");
+  auto b = fabric.NewEndpoint("b");
+  b->SetReceiveHandler(inbox.Handler());
+  auto b_at_a = a->AddPeer("b", b->LocalAddress());
+  REQUIRE(b_at_a.ok());
+  auto message = std::make_shared<const std::string>(kSharedSendMinBytes, 'x');
+  REQUIRE(a->SendShared(*b_at_a, message).ok());
+  REQUIRE(inbox.WaitFor(1));
+  CHECK(inbox.Messages()[0] == *message);
+  // The delivery thread drops its reference right after the handler.
+  for (int i = 0; i < 6000 && message.use_count() > 1; ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  CHECK(message.use_count() == 1);
+  CHECK(absl::IsInvalidArgument(a->SendShared(*b_at_a, nullptr)));
+  CHECK(absl::IsInvalidArgument(a->SendShared(
+      *b_at_a,
+      std::make_shared<const std::string>(a->MaxMessageSize() + 1, 'y'))));
 }
 
 TEST_CASE("fake transport keeps per-sender order with concurrent senders",

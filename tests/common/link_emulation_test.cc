@@ -143,6 +143,24 @@ TEST_CASE("added latency delays delivery and keeps the order", "[link]") {
   CHECK(LinkLatencyQuantileUs(links.at("b"), 0.5) >= 20000);
 }
 
+TEST_CASE("SendShared passes through plain and delayed links", "[link]") {
+  LinkSettings s;
+  s.latency_us = 1000;
+  for (bool delayed : {false, true}) {
+    Pair p(delayed ? std::vector<LinkRule>{Rule("a", "b", s)}
+                   : std::vector<LinkRule>{});
+    auto large = std::make_shared<const std::string>(kSharedSendMinBytes, 'L');
+    auto small = std::make_shared<const std::string>("s");
+    REQUIRE(p.a->SendShared(p.peer, large).ok());
+    REQUIRE(p.a->SendShared(p.peer, small).ok());
+    REQUIRE(p.Send("m").ok());
+    REQUIRE(p.inbox.WaitFor(3));
+    CHECK(p.inbox.Messages() == std::vector<std::string>{*large, "s", "m"});
+    CHECK(p.a->stats()->Snapshot().at("b").messages == 3);
+    CHECK(absl::IsInvalidArgument(p.a->SendShared(p.peer, nullptr)));
+  }
+}
+
 TEST_CASE("a rule set at run time applies to later messages", "[link]") {
   Pair p({});
   REQUIRE(p.Send("before").ok());

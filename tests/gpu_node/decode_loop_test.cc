@@ -225,7 +225,8 @@ TEST_CASE("cancel and failure end a turn", "[gpu_node]") {
 // The whole data path in one process: DecodeLoop -> RemoteAttentionBackend
 // -> FakeFabric -> DataPlaneHandler (KARAT devices) and back.
 struct RemoteFixture {
-  RemoteFixture(absl::Duration timeout = absl::Seconds(10)) {
+  explicit RemoteFixture(absl::Duration timeout = absl::Seconds(10),
+                         int max_step_tokens = 16) {
     karat_ep = fabric.NewEndpoint("karat");
     gpu_ep = fabric.NewEndpoint("gpu");
     DataPlaneOptions options;
@@ -243,7 +244,7 @@ struct RemoteFixture {
                                                        gpu_ep.get(), remote);
     backend->set_node_id(3);
     DecodeLoopOptions loop_options;
-    loop_options.max_step_tokens = 16;
+    loop_options.max_step_tokens = max_step_tokens;
     loop = std::make_unique<DecodeLoop>(&Runner(), backend.get(), loop_options);
     loop->Start();
   }
@@ -290,6 +291,26 @@ TEST_CASE("remote attention over the data plane equals hand-run steps",
   const auto c = fx.handler->Counters();
   CHECK(c.at("errors") == 0);
   CHECK(c.at("kv_bytes_ingested") > 0);
+}
+
+// A prefill in one step: its kAttnQKV and kAttnOut frames are past
+// kSharedSendMinBytes, so both sides send them with SendShared().
+TEST_CASE("remote attention with large frames equals hand-run steps",
+          "[gpu_node]") {
+  const std::vector<int32_t> feed = Prompt(120, 5);
+  const AttnShapes& s = Runner().shapes();
+  REQUIRE(feed.size() * size_t(s.heads) * size_t(s.q_dim) * sizeof(float) >=
+          kSharedSendMinBytes);
+  REQUIRE(feed.size() * size_t(s.heads) * size_t(s.out_dim) * sizeof(float) >=
+          kSharedSendMinBytes);
+  const std::vector<Token> expected = HandRun(41, feed, 4, 0, 0);
+  RemoteFixture fx(absl::Seconds(10), /*max_step_tokens=*/128);
+  REQUIRE(fx.handler->Reserve(41, 0, 128).ok());
+  auto stream = fx.loop->Submit(fx.Turn(41, feed, 4, 0));
+  absl::Status status;
+  CHECK(Collect(stream->get(), &status) == expected);
+  CHECK(status.ok());
+  CHECK(fx.handler->Counters().at("errors") == 0);
 }
 
 TEST_CASE("remote attention errors reach the turn", "[gpu_node]") {
