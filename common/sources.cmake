@@ -12,4 +12,5 @@ include(common/transport.cmake OPTIONAL)  # libfabric transport, frames
 include(common/link.cmake OPTIONAL)       # link emulation, per-link counters
 include(common/model.cmake OPTIONAL)      # kv store, attention, runner, engine
 include(common/membership.cmake OPTIONAL)
+include(common/node_daemon.cmake)     # shared node daemon set-up
 include(common/attention_methods.cmake)  # GQA attention methods

@@ -1,8 +1,6 @@
 #include "karat_node/karat_node.h"
 
-#include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
-#include <grpcpp/health_check_service_interface.h>
 
 #include <cctype>
 #include <limits>
@@ -18,6 +16,7 @@
 #include "common/log.h"
 #include "common/membership.h"
 #include "common/model_config.h"
+#include "common/node_daemon.h"
 #include "common/status_macros.h"
 #include "common/transport.h"
 #include "karat_node/data_plane.h"
@@ -198,22 +197,9 @@ absl::StatusOr<std::unique_ptr<KaratNodeDaemon>> KaratNodeDaemon::Start(
   impl->options = options;
   ASSIGN_OR_RETURN(impl->config, LoadModelConfig(options.model_dir));
 
-  FabricOptions fabric;
-  fabric.provider = options.provider;
-  fabric.node = options.fabric_node;
-  fabric.send_timeout_ms = options.send_timeout_ms;
-  absl::StatusOr<std::unique_ptr<Transport>> transport =
-      OpenFabricTransport(fabric);
-  if (!transport.ok()) {
-    return absl::Status(transport.status().code(),
-                        absl::StrCat("data plane (provider ", options.provider,
-                                     "): ", transport.status().message()));
-  }
-  // Link emulation and per-link counters; rules arrive from the coordinator.
-  LinkEmulatorOptions link_options;
-  link_options.local_name = options.name;
-  auto links = std::make_unique<LinkEmulator>(std::move(transport).value(),
-                                              link_options);
+  ASSIGN_OR_RETURN(std::unique_ptr<LinkEmulator> links,
+                   OpenDataPlane(options.provider, options.fabric_node,
+                                 options.send_timeout_ms, options.name));
   impl->links = links.get();
   impl->transport = std::move(links);
 
@@ -230,39 +216,18 @@ absl::StatusOr<std::unique_ptr<KaratNodeDaemon>> KaratNodeDaemon::Start(
       impl->handler,
       DataPlaneHandler::Create(impl->config, plane, impl->transport.get()));
 
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   impl->service = std::make_unique<KaratNodeService>(impl->handler.get());
   impl->service->set_links(impl->links);
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(),
-                           &port);
-  builder.RegisterService(impl->service.get());
-  impl->server = builder.BuildAndStart();
-  if (impl->server == nullptr || port == 0) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot listen on ", options.listen));
-  }
-  const size_t colon = options.listen.rfind(':');
-  impl->address =
-      absl::StrCat(colon == std::string::npos ? options.listen
-                                              : options.listen.substr(0, colon),
-                   ":", port);
+  ASSIGN_OR_RETURN(NodeGrpcServer grpc_server,
+                   StartNodeGrpcServer(impl->service.get(), options.listen));
+  impl->server = std::move(grpc_server.server);
+  impl->address = std::move(grpc_server.address);
   KLOG(Info, "karat_node") << options.name << " listening on " << impl->address
                            << ", " << options.devices << " devices of "
                            << impl->handler->device(0)->capacity_bytes()
                            << " bytes, " << options.cores << " cores each, "
                            << options.tokens_per_page << " tokens per page";
-  if (!options.port_file.empty()) {
-    RETURN_IF_ERROR(WritePortFile(options.port_file, impl->address));
-  }
 
-  if (options.coordinator.empty()) {
-    KLOG(Info, "karat_node") << "ready (no coordinator): " << options.name
-                             << " at " << impl->address;
-    return daemon;
-  }
   RegistrarOptions reg;
   reg.coordinator = options.coordinator;
   reg.interval = options.heartbeat_interval;
@@ -276,7 +241,9 @@ absl::StatusOr<std::unique_ptr<KaratNodeDaemon>> KaratNodeDaemon::Start(
     KLOG(Info, "karat_node") << "ready: " << impl->options.name
                              << " node_id=" << id << " grpc=" << impl->address;
   };
-  ASSIGN_OR_RETURN(impl->registrar, NodeRegistrar::Start(std::move(reg)));
+  ASSIGN_OR_RETURN(impl->registrar,
+                   AnnounceNode(options.name, impl->address, options.port_file,
+                                std::move(reg)));
   return daemon;
 }
 

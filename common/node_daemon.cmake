@@ -1,0 +1,3 @@
+# Pieces both node daemons share: command-line flags, signal handling, data
+# plane and gRPC server set-up.
+target_sources(karat_common PRIVATE common/node_daemon.cc)
