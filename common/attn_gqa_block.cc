@@ -3,11 +3,38 @@
 #include <algorithm>
 #include <cmath>
 
+#include <immintrin.h>
+
 #include "common/numeric.h"
 #include "common/sparse_attention.h"
 
 namespace karat {
 namespace {
+
+// Sums each of 16 vectors by halving (lane i + lane i+8, then +4, +2, +1,
+// as _mm512_reduce_add_ps does) and returns the 16 sums in one vector: the
+// sum of v[4 * (L % 4) + L / 4] lands in lane L.
+inline __m512 ReduceAdd16(const __m512* v) {
+  __m512 s[8], t[4], u[2];
+  for (int k = 0; k < 8; ++k) {
+    s[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
+  }
+  for (int m = 0; m < 4; ++m) {
+    t[m] = _mm512_add_ps(
+        _mm512_shuffle_f32x4(s[2 * m], s[2 * m + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+        _mm512_shuffle_f32x4(s[2 * m], s[2 * m + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  for (int m = 0; m < 2; ++m) {
+    u[m] = _mm512_add_ps(
+        _mm512_shuffle_ps(t[2 * m], t[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+        _mm512_shuffle_ps(t[2 * m], t[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  return _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+// The slot of ReduceAdd16's input whose sum lands in lane L.
+constexpr int ReduceSlot(int L) { return 4 * (L % 4) + L / 4; }
 
 // Per block and KV head the fp32 sum of the block's cached (bf16) index keys
 // in position order, and the block's token count.
@@ -74,24 +101,91 @@ class GqaBlockAttention final : public SparseAttention {
     const int group = H / hkv;
     const size_t per_block = size_t(hkv) * di;
     heads->resize(H);
-    std::vector<float> score(cur), mean(di);
+    // score[g,b] = sum_{h in g} q_i[h] . (sum_b / count_b), evaluated as
+    // (qg . sum_b) * (1 / count_b) with qg = sum_{h in g} q_i[h] (heads in
+    // increasing order): the dot runs over 16-channel chunks, one fma chain
+    // per lane, zero-padded to a multiple of 16, then a fixed halving
+    // reduction (BlockScore). One pass over the block sums serves every
+    // query head of every group.
+    const int chunks = (di + 15) / 16;
+    const __mmask16 tail =
+        (di % 16) == 0 ? __mmask16(0xFFFF) : __mmask16((1u << (di % 16)) - 1);
+    thread_local std::vector<float> qg_buf, score_buf;
+    qg_buf.assign(size_t(hkv) * chunks * 16, 0.0f);
+    score_buf.resize(size_t(hkv) * cur);
+    for (int g = 0; g < hkv; ++g) {
+      float* qg = &qg_buf[size_t(g) * chunks * 16];
+      for (int h = g * group; h < (g + 1) * group; ++h) {
+        const float* qi = q + size_t(h) * shapes_.q_dim + d;
+        for (int c = 0; c < di; ++c) qg[c] += qi[c];
+      }
+    }
+    float* score = score_buf.data();
+    if (chunks == 2 && tail == __mmask16(0xFFFF) && hkv <= 8) {
+      __m512 qv[16];
+      for (int g = 0; g < hkv; ++g) {
+        qv[2 * g] = _mm512_loadu_ps(&qg_buf[size_t(g) * 32]);
+        qv[2 * g + 1] = _mm512_loadu_ps(&qg_buf[size_t(g) * 32 + 16]);
+      }
+      int b = 0;
+      if (hkv == 2) {
+        // Eight blocks at a time: 16 (group, block) dots reduced together;
+        // group g's blocks b..b+7 form lanes 8g..8g+7.
+        for (; b + 8 <= cur; b += 8) {
+          __m512 acc[16];
+          for (int bb = 0; bb < 8; ++bb) {
+            const float* sb = &st->sums[size_t(b + bb) * per_block];
+            for (int g = 0; g < 2; ++g) {
+              __m512 a =
+                  _mm512_mul_ps(qv[2 * g], _mm512_loadu_ps(sb + 32 * g));
+              acc[ReduceSlot(8 * g + bb)] = _mm512_fmadd_ps(
+                  qv[2 * g + 1], _mm512_loadu_ps(sb + 32 * g + 16), a);
+            }
+          }
+          __m512 inv;
+          {
+            alignas(64) float iv[16];
+            for (int bb = 0; bb < 8; ++bb) {
+              iv[bb] = iv[8 + bb] = 1.0f / float(st->counts[b + bb]);
+            }
+            inv = _mm512_load_ps(iv);
+          }
+          const __m512 r = _mm512_mul_ps(ReduceAdd16(acc), inv);
+          _mm256_storeu_ps(score + b, _mm512_castps512_ps256(r));
+          _mm256_storeu_ps(score + size_t(cur) + b,
+                           _mm512_extractf32x8_ps(r, 1));
+        }
+      }
+      for (; b < cur; ++b) {
+        const float* sb = &st->sums[size_t(b) * per_block];
+        const float inv = 1.0f / float(st->counts[b]);
+        for (int g = 0; g < hkv; ++g) {
+          __m512 acc = _mm512_mul_ps(qv[2 * g], _mm512_loadu_ps(sb + 32 * g));
+          acc = _mm512_fmadd_ps(qv[2 * g + 1],
+                                _mm512_loadu_ps(sb + 32 * g + 16), acc);
+          score[size_t(g) * cur + b] = _mm512_reduce_add_ps(acc) * inv;
+        }
+      }
+    } else {
+      for (int b = 0; b < cur; ++b) {
+        const float* sb = &st->sums[size_t(b) * per_block];
+        const float inv = 1.0f / float(st->counts[b]);
+        for (int g = 0; g < hkv; ++g) {
+          const float* qg = &qg_buf[size_t(g) * chunks * 16];
+          const float* sg = sb + size_t(g) * di;
+          __m512 acc = _mm512_setzero_ps();
+          for (int j = 0; j < chunks; ++j) {
+            const __mmask16 m = j + 1 == chunks ? tail : __mmask16(0xFFFF);
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * j),
+                                  _mm512_maskz_loadu_ps(m, sg + 16 * j), acc);
+          }
+          score[size_t(g) * cur + b] = _mm512_reduce_add_ps(acc) * inv;
+        }
+      }
+    }
     std::vector<int32_t> top;
     for (int g = 0; g < hkv; ++g) {
-      // score[g,b] = sum_{h in g} q_i[h] . mean_b, heads in increasing order.
-      for (int b = 0; b < cur; ++b) {
-        const float* sum = &st->sums[size_t(b) * per_block + size_t(g) * di];
-        const float cnt = float(st->counts[b]);
-        for (int c = 0; c < di; ++c) mean[c] = sum[c] / cnt;
-        float acc = 0.0f;
-        for (int h = g * group; h < (g + 1) * group; ++h) {
-          const float* qi = q + size_t(h) * shapes_.q_dim + d;
-          float dot = 0.0f;
-          for (int c = 0; c < di; ++c) dot = std::fma(qi[c], mean[c], dot);
-          acc += dot;
-        }
-        score[b] = acc;
-      }
-      SelectTopK(score.data(), cur, topk_, &top);
+      SelectTopK(score + size_t(g) * cur, cur, topk_, &top);
       top.push_back(cur);  // the current block, always taken
       HeadSelection& first = (*heads)[g * group];
       first.positions.clear();

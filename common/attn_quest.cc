@@ -7,18 +7,55 @@
 #include <cmath>
 #include <limits>
 
+#include <immintrin.h>
+
 #include "common/numeric.h"
 #include "common/sparse_attention.h"
 
 namespace karat {
 
+// Channel i adds max(q_i M_i, q_i m_i) to lane i % 16 (channels padded with
+// zeros to a multiple of 16); the 16 lanes are then summed by halving
+// (lane i + lane i+8, then +4, +2, +1). Select's vector kernel evaluates
+// exactly this.
 float QuestBound(const float* q, const float* min, const float* max, int d) {
-  float u = 0.0f;
-  for (int i = 0; i < d; ++i) u += std::max(q[i] * max[i], q[i] * min[i]);
-  return u;
+  float lane[16] = {};
+  const int padded = (d + 15) / 16 * 16;
+  for (int i = 0; i < padded; ++i) {
+    lane[i % 16] += i < d ? std::max(q[i] * max[i], q[i] * min[i]) : 0.0f;
+  }
+  for (int w = 8; w >= 1; w /= 2) {
+    for (int i = 0; i < w; ++i) lane[i] += lane[i + w];
+  }
+  return lane[0];
 }
 
 namespace {
+
+// Sums each of 16 vectors by halving (lane i + lane i+8, then +4, +2, +1,
+// as _mm512_reduce_add_ps does) and returns the 16 sums in one vector: the
+// sum of v[4 * (L % 4) + L / 4] lands in lane L.
+inline __m512 ReduceAdd16(const __m512* v) {
+  __m512 s[8], t[4], u[2];
+  for (int k = 0; k < 8; ++k) {
+    s[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
+  }
+  for (int m = 0; m < 4; ++m) {
+    t[m] = _mm512_add_ps(
+        _mm512_shuffle_f32x4(s[2 * m], s[2 * m + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+        _mm512_shuffle_f32x4(s[2 * m], s[2 * m + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  for (int m = 0; m < 2; ++m) {
+    u[m] = _mm512_add_ps(
+        _mm512_shuffle_ps(t[2 * m], t[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+        _mm512_shuffle_ps(t[2 * m], t[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  return _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+// The slot of ReduceAdd16's input whose sum lands in lane L.
+constexpr int ReduceSlot(int L) { return 4 * (L % 4) + L / 4; }
 
 class QuestState final : public MethodLayerState {
  public:
@@ -79,16 +116,104 @@ class QuestAttention final : public SparseAttention {
     const int group = H / hkv;
     const size_t per_page = size_t(hkv) * d;
     heads->resize(H);
-    std::vector<float> bound(cur);
+    // One pass over the pages' min/max serves every query head: per page
+    // and KV head the group's bounds (QuestBound's arithmetic, 16 channels
+    // a vector) land in bound[h * cur + p].
+    const int chunks = (d + 15) / 16;
+    const __mmask16 tail =
+        (d % 16) == 0 ? __mmask16(0xFFFF) : __mmask16((1u << (d % 16)) - 1);
+    thread_local std::vector<float> bound_buf, q_buf;
+    bound_buf.resize(size_t(H) * cur);
+    q_buf.assign(size_t(H) * chunks * 16, 0.0f);
+    for (int h = 0; h < H; ++h) {
+      std::copy(q + size_t(h) * shapes_.q_dim, q + size_t(h) * shapes_.q_dim + d,
+                &q_buf[size_t(h) * chunks * 16]);
+    }
+    float* bound = bound_buf.data();
+    const float* qp = q_buf.data();
+    if (chunks == 4 && tail == __mmask16(0xFFFF) && group == 4) {
+      // Four pages at a time, every KV head of a page before the next (the
+      // metadata is read in address order): 16 (head, page) sums reduced
+      // together; head k's bounds of pages p..p+3 form lane group k.
+      const int p4 = cur / 4 * 4;
+      for (int p = 0; p < p4; p += 4) {
+        for (int g = 0; g < hkv; ++g) {
+          const float* qg = qp + size_t(g * group) * 64;
+          __m512 acc[16];
+          for (int pp = 0; pp < 4; ++pp) {
+            const size_t o = size_t(p + pp) * per_page + size_t(g) * d;
+            const float* mn = &st->min[o];
+            const float* mx = &st->max[o];
+            __m512 vmn[4], vmx[4];
+            for (int j = 0; j < 4; ++j) {
+              vmn[j] = _mm512_loadu_ps(mn + 16 * j);
+              vmx[j] = _mm512_loadu_ps(mx + 16 * j);
+            }
+            for (int k = 0; k < 4; ++k) {
+              __m512 a = _mm512_setzero_ps();
+              for (int j = 0; j < 4; ++j) {
+                const __m512 qv = _mm512_loadu_ps(qg + k * 64 + 16 * j);
+                // std::max(a, b) keeps a unless a < b: max_ps(b, a).
+                a = _mm512_add_ps(a,
+                                  _mm512_max_ps(_mm512_mul_ps(qv, vmn[j]),
+                                                _mm512_mul_ps(qv, vmx[j])));
+              }
+              acc[ReduceSlot(4 * k + pp)] = a;
+            }
+          }
+          const __m512 r = ReduceAdd16(acc);
+          float* b0 = bound + size_t(g * group) * cur + p;
+          _mm_storeu_ps(b0, _mm512_castps512_ps128(r));
+          _mm_storeu_ps(b0 + cur, _mm512_extractf32x4_ps(r, 1));
+          _mm_storeu_ps(b0 + 2 * size_t(cur), _mm512_extractf32x4_ps(r, 2));
+          _mm_storeu_ps(b0 + 3 * size_t(cur), _mm512_extractf32x4_ps(r, 3));
+        }
+      }
+      for (int p = p4; p < cur; ++p) {
+        for (int g = 0; g < hkv; ++g) {
+          const float* qg = qp + size_t(g * group) * 64;
+          const size_t o = size_t(p) * per_page + size_t(g) * d;
+          const float* mn = &st->min[o];
+          const float* mx = &st->max[o];
+          for (int k = 0; k < group; ++k) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int j = 0; j < 4; ++j) {
+              const __m512 qv = _mm512_loadu_ps(qg + k * 64 + 16 * j);
+              acc = _mm512_add_ps(
+                  acc,
+                  _mm512_max_ps(_mm512_mul_ps(qv, _mm512_loadu_ps(mn + 16 * j)),
+                                _mm512_mul_ps(qv, _mm512_loadu_ps(mx + 16 * j))));
+            }
+            bound[size_t(g * group + k) * cur + p] = _mm512_reduce_add_ps(acc);
+          }
+        }
+      }
+    } else {
+      for (int p = 0; p < cur; ++p) {
+        for (int g = 0; g < hkv; ++g) {
+          const size_t o = size_t(p) * per_page + size_t(g) * d;
+          const float* mn = &st->min[o];
+          const float* mx = &st->max[o];
+          for (int h = g * group; h < (g + 1) * group; ++h) {
+            const float* qh = qp + size_t(h) * chunks * 16;
+            __m512 acc = _mm512_setzero_ps();
+            for (int j = 0; j < chunks; ++j) {
+              const __mmask16 m = j + 1 == chunks ? tail : __mmask16(0xFFFF);
+              const __m512 qv = _mm512_loadu_ps(qh + 16 * j);
+              acc = _mm512_add_ps(
+                  acc,
+                  _mm512_max_ps(
+                      _mm512_mul_ps(qv, _mm512_maskz_loadu_ps(m, mn + 16 * j)),
+                      _mm512_mul_ps(qv, _mm512_maskz_loadu_ps(m, mx + 16 * j))));
+            }
+            bound[size_t(h) * cur + p] = _mm512_reduce_add_ps(acc);
+          }
+        }
+      }
+    }
     std::vector<int32_t> top;
     for (int h = 0; h < H; ++h) {
-      const int g = h / group;
-      const float* qh = q + size_t(h) * shapes_.q_dim;
-      for (int p = 0; p < cur; ++p) {
-        const size_t o = size_t(p) * per_page + size_t(g) * d;
-        bound[p] = QuestBound(qh, &st->min[o], &st->max[o], d);
-      }
-      SelectTopK(bound.data(), cur, budget_ - 1, &top);
+      SelectTopK(bound + size_t(h) * cur, cur, budget_ - 1, &top);
       top.push_back(cur);  // the page holding the token, always taken
       HeadSelection& sel = (*heads)[h];
       sel.positions.clear();
