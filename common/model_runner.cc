@@ -387,10 +387,10 @@ absl::StatusOr<std::vector<std::vector<float>>> ModelRunner::Step(
       L.q_b.Apply(qr.data(), N, q.data());
       // Latent KV: [c | k_pe].
       kva.resize(size_t(N) * (lora + rope));
+      std::vector<float> cn(lora);
       L.kv_a.Apply(xn.data(), N, kva.data());
       for (int r = 0; r < N; ++r) {
         float* row = &kva[size_t(r) * (lora + rope)];
-        std::vector<float> cn(lora);
         RmsNorm(row, lora, L.kv_a_norm.data(), eps, cn.data());
         std::memcpy(row, cn.data(), sizeof(float) * lora);
         const float* cs = &rc[size_t(r) * (rope / 2)];
