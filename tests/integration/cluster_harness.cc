@@ -20,7 +20,6 @@
 extern char** environ;
 
 namespace karat::testing {
-namespace {
 
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path);
@@ -28,8 +27,6 @@ std::string ReadFile(const std::string& path) {
   ss << in.rdbuf();
   return ss.str();
 }
-
-}  // namespace
 
 std::string BinPath(const std::string& name) {
   return std::string(KARAT_BIN_DIR) + "/" + name;

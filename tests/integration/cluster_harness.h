@@ -55,6 +55,8 @@ class Cluster {
 int RunCommand(const std::vector<std::string>& argv, std::string* output);
 // Path of a built executable (build/bin/NAME).
 std::string BinPath(const std::string& name);
+// The whole content of a file ("" when it cannot be read).
+std::string ReadFile(const std::string& path);
 // CPU seconds (user + system) a process has used so far.
 double ProcessCpuSeconds(pid_t pid);
 

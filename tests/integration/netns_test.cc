@@ -45,12 +45,6 @@ extern char** environ;
 namespace karat::testing {
 namespace {
 
-std::string ReadFileText(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 std::string Trim(std::string s) {
   while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
@@ -188,7 +182,7 @@ class NetnsGuard {
 
   std::string WaitForPortFile(const std::string& path, const std::string& name) {
     for (int i = 0; i < 300; ++i) {
-      std::string addr = Trim(ReadFileText(path));
+      std::string addr = Trim(ReadFile(path));
       if (!addr.empty()) return addr;
       int status;
       if (waitpid(pids_[name], &status, WNOHANG) == pids_[name]) {
@@ -202,7 +196,7 @@ class NetnsGuard {
   }
 
   std::string Log(const std::string& name) const {
-    return ReadFileText(dir_ + "/" + name + ".log");
+    return ReadFile(dir_ + "/" + name + ".log");
   }
 
   static constexpr const char* kAddrA = "192.168.231.1";
