@@ -20,7 +20,8 @@ constexpr size_t kHeaderSize =
 static_assert(kHeaderSize % 8 == 0);
 
 constexpr uint16_t kMinFrameType = static_cast<uint16_t>(FrameType::kHello);
-constexpr uint16_t kMaxFrameType = static_cast<uint16_t>(FrameType::kError);
+constexpr uint16_t kMaxFrameType =
+    static_cast<uint16_t>(FrameType::kMoeCombine);
 // absl::StatusCode values run from kOk (0) to kUnauthenticated (16).
 constexpr uint32_t kMaxStatusCode = 16;
 
@@ -217,6 +218,10 @@ const char* FrameTypeName(uint16_t type) {
       return "AttnQKV";
     case FrameType::kAttnOut:
       return "AttnOut";
+    case FrameType::kMoeDispatch:
+      return "MoeDispatch";
+    case FrameType::kMoeCombine:
+      return "MoeCombine";
     case FrameType::kError:
       return "Error";
   }

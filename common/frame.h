@@ -26,6 +26,9 @@ enum class FrameType : uint16_t {
   kAttnQKV = 4,      // attention Q and new KV entries of a segment
   kAttnOut = 5,      // attention output of a segment
   kError = 6,        // sections[0] = message text; `status` = absl code
+  // GPU rank -> GPU rank (expert-parallel MoE, gpu_node/expert_parallel.h):
+  kMoeDispatch = 7,  // rows of one layer for experts the receiver owns
+  kMoeCombine = 8,   // the experts' outputs for a kMoeDispatch
 };
 
 struct FrameHeader {

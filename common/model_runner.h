@@ -60,6 +60,27 @@ class AttentionBackend {
                                 LayerTraffic* traffic) = 0;
 };
 
+// The routed experts of one MoE layer for a step (DESIGN.md §2 step 5).
+// `rows_of[e]` lists, in increasing order, the rows of `xn` (N x hidden,
+// post-attention-normed) routed to expert e; the backend fills `out[e]`
+// with FFN_e of those rows (rows_of[e].size() x hidden), unweighted. The
+// runner combines them in increasing expert id. The default (nullptr in
+// Step) computes every expert locally; gpu_node/expert_parallel.h sends the
+// rows of other ranks' experts over the data plane.
+struct ExpertWork {
+  int layer = 0;
+  int rows = 0;
+  const float* xn = nullptr;
+  std::vector<std::vector<int>> rows_of;
+};
+
+class ExpertBackend {
+ public:
+  virtual ~ExpertBackend() = default;
+  virtual absl::Status RunExperts(const ExpertWork& work,
+                                  std::vector<std::vector<float>>* out) = 0;
+};
+
 // Holds the packed weights. Immutable after Create; Step() is thread-safe
 // as long as each caller uses its own backend.
 class ModelRunner {

@@ -173,7 +173,7 @@ TEST_CASE("bad magic, version, type and section counts are rejected",
   PutLe(&f, 4, kFrameVersion + 1, 2);
   expect_invalid(f, "version");
 
-  for (uint64_t type : {0ull, 7ull, 0xffffull}) {
+  for (uint64_t type : {0ull, 9ull, 0xffffull}) {
     f = good;
     PutLe(&f, 6, type, 2);
     expect_invalid(f, "type");
