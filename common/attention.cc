@@ -291,7 +291,7 @@ void LoadKeyBlock(const LayerView& view, int s0, int b, int end, int dim,
     const int s = s0 + i;
     const int run = std::min(b - i, tpp - s % tpp);
     const float* src = reinterpret_cast<const float*>(
-                           view.arena->Page((*view.pages)[s / tpp]) +
+                           view.PageData(s / tpp) +
                            view.layout->iscale_offset) +
                        s % tpp;
     std::memcpy(&kb->scale[i], src, size_t(run) * 4);

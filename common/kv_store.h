@@ -69,6 +69,12 @@ struct LayerView {
   const PageArena* arena = nullptr;
   int length = 0;  // tokens stored
 
+  // The bytes of the layer's `index`-th page (positions from index x
+  // tokens_per_page). Kernels reach pages only through this and the
+  // accessors below, so pages may come from more than one arena.
+  const uint8_t* PageData(int index) const {
+    return arena->Page((*pages)[index]);
+  }
   const uint16_t* Kv(int pos) const {
     const uint8_t* p = arena->Page((*pages)[pos / layout->tokens_per_page]);
     return reinterpret_cast<const uint16_t*>(p + layout->kv_offset) +

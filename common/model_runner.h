@@ -60,6 +60,16 @@ class AttentionBackend {
                                 LayerTraffic* traffic) = 0;
 };
 
+// Called by a data-plane backend around each blocking wait for a transfer,
+// on the thread that waits: a GPU rank running two micro-batches switches to
+// the other micro-batch there (DESIGN.md §4, OFMS). Either may block.
+class WaitHooks {
+ public:
+  virtual ~WaitHooks() = default;
+  virtual void BeforeWait() = 0;
+  virtual void AfterWait() = 0;
+};
+
 // The routed experts of one MoE layer for a step (DESIGN.md §2 step 5).
 // `rows_of[e]` lists, in increasing order, the rows of `xn` (N x hidden,
 // post-attention-normed) routed to expert e; the backend fills `out[e]`
