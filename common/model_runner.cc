@@ -110,7 +110,7 @@ struct Layer {
   bool moe = false;
   Ffn dense;
   LinearWeight router;
-  std::vector<Ffn> experts;
+  std::vector<Ffn> experts;  // the rank's own block, from Impl::first_expert
   bool has_shared = false;
   Ffn shared;
 };
@@ -225,17 +225,72 @@ struct ModelRunner::Impl {
   std::vector<Layer> layers;
   std::vector<float> final_norm;
   LinearWeight lm_head;
+  int rank = 0;
+  int ranks = 1;
+  int experts_per_rank = 0;  // n_routed_experts / ranks
+  int first_expert = 0;      // rank * experts_per_rank
 };
 
 ModelRunner::ModelRunner() : impl_(new Impl) {}
 ModelRunner::~ModelRunner() = default;
 const ModelConfig& ModelRunner::config() const { return impl_->cfg; }
 const AttnShapes& ModelRunner::shapes() const { return impl_->shapes; }
+int ModelRunner::rank() const { return impl_->rank; }
+int ModelRunner::ranks() const { return impl_->ranks; }
+
+int ModelRunner::ExpertOwner(int expert) const {
+  if (expert < 0 || expert >= impl_->cfg.n_routed_experts) return -1;
+  return expert / impl_->experts_per_rank;
+}
+
+bool ModelRunner::OwnsExpert(int expert) const {
+  return expert >= impl_->first_expert &&
+         expert < impl_->first_expert + impl_->experts_per_rank;
+}
+
+absl::Status ModelRunner::ApplyExpert(int layer, int expert, const float* in,
+                                      int rows, float* out) const {
+  const Impl& m = *impl_;
+  if (layer < 0 || layer >= m.cfg.num_hidden_layers || !m.layers[layer].moe) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", layer, " is not an MoE layer"));
+  }
+  if (expert < 0 || expert >= m.cfg.n_routed_experts) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "expert ", expert, " outside [0, ", m.cfg.n_routed_experts, ")"));
+  }
+  if (!OwnsExpert(expert)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "expert ", expert, " belongs to rank ", ExpertOwner(expert),
+        ", not to rank ", m.rank, " of ", m.ranks));
+  }
+  if (rows < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("negative row count ", rows));
+  }
+  if (rows == 0) return absl::OkStatus();
+  std::vector<float> g, u;
+  m.layers[layer].experts[expert - m.first_expert].Apply(in, rows, out, &g, &u);
+  return absl::OkStatus();
+}
 
 absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
-    const ModelFiles& f) {
+    const ModelFiles& f, const RunnerOptions& options) {
   const ModelConfig& c = f.config;
   const bool gqa = c.attention.type != AttentionType::kMlaDsa;
+  if (options.ranks < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank count ", options.ranks, " must be at least 1"));
+  }
+  if (options.rank < 0 || options.rank >= options.ranks) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rank ", options.rank, " outside [0, ", options.ranks, ")"));
+  }
+  if (c.n_routed_experts % options.ranks != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "n_routed_experts (", c.n_routed_experts,
+        ") is not a multiple of the GPU rank count (", options.ranks,
+        "): experts are sharded across ranks in equal blocks"));
+  }
   for (const TensorSpec& spec : ExpectedTensors(c)) {
     if (f.tensors.find(spec.name) == f.tensors.end()) {
       return absl::InvalidArgumentError(
@@ -246,6 +301,10 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   Impl& m = *r->impl_;
   m.cfg = c;
   m.shapes = MakeAttnShapes(c);
+  m.rank = options.rank;
+  m.ranks = options.ranks;
+  m.experts_per_rank = c.n_routed_experts / options.ranks;
+  m.first_expert = options.rank * m.experts_per_rank;
   m.embed = Vec(f, "model.embed_tokens.weight");
   m.final_norm = Vec(f, "model.norm.weight");
   m.lm_head = Lin(f, "lm_head.weight");
@@ -296,7 +355,8 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
     const std::string mlp = p + "mlp.";
     if (L.moe) {
       L.router = Lin(f, mlp + "gate.weight");
-      for (int e = 0; e < c.n_routed_experts; ++e) {
+      for (int e = m.first_expert; e < m.first_expert + m.experts_per_rank;
+           ++e) {
         L.experts.push_back(MakeFfn(f, absl::StrCat(mlp, "experts.", e, ".")));
       }
       L.has_shared = c.n_shared_experts > 0;
@@ -310,7 +370,8 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
 }
 
 absl::StatusOr<std::vector<std::vector<float>>> ModelRunner::Step(
-    const std::vector<Segment>& segs, AttentionBackend* backend) const {
+    const std::vector<Segment>& segs, AttentionBackend* backend,
+    ExpertBackend* experts) const {
   const Impl& m = *impl_;
   const ModelConfig& c = m.cfg;
   const AttnShapes& s = m.shapes;
@@ -496,18 +557,50 @@ absl::StatusOr<std::vector<std::vector<float>>> ModelRunner::Step(
           rows_of[e].push_back(r);
         }
       }
-      // Expert outputs, batched per expert over its rows.
+      // Expert outputs, batched per expert over its rows: here, or by the
+      // expert backend (on the experts' owners).
       std::vector<std::vector<float>> eout(E);
-      std::vector<float> ein;
-      for (int e = 0; e < E; ++e) {
-        const auto& rows = rows_of[e];
-        if (rows.empty()) continue;
-        ein.resize(rows.size() * D);
-        for (size_t i = 0; i < rows.size(); ++i) {
-          std::memcpy(&ein[i * D], &xn[size_t(rows[i]) * D], sizeof(float) * D);
+      if (experts != nullptr) {
+        ExpertWork work;
+        work.layer = l;
+        work.rows = N;
+        work.xn = xn.data();
+        work.rows_of = std::move(rows_of);
+        RETURN_IF_ERROR(experts->RunExperts(work, &eout));
+        rows_of = std::move(work.rows_of);
+        if (eout.size() != size_t(E)) {
+          return absl::InternalError(
+              absl::StrCat("expert backend returned ", eout.size(),
+                           " expert outputs for layer ", l, "; expected ", E));
         }
-        eout[e].resize(rows.size() * D);
-        L.experts[e].Apply(ein.data(), int(rows.size()), eout[e].data(), &g, &u);
+        for (int e = 0; e < E; ++e) {
+          if (eout[e].size() != rows_of[e].size() * D) {
+            return absl::InternalError(absl::StrCat(
+                "expert backend returned ", eout[e].size(),
+                " floats for expert ", e, " of layer ", l, "; expected ",
+                rows_of[e].size() * D));
+          }
+        }
+      } else {
+        std::vector<float> ein;
+        for (int e = 0; e < E; ++e) {
+          const auto& rows = rows_of[e];
+          if (rows.empty()) continue;
+          if (!OwnsExpert(e)) {
+            return absl::FailedPreconditionError(absl::StrCat(
+                "layer ", l, " routes to expert ", e, " of rank ",
+                ExpertOwner(e), " but rank ", m.rank, " of ", m.ranks,
+                " has no expert backend"));
+          }
+          ein.resize(rows.size() * D);
+          for (size_t i = 0; i < rows.size(); ++i) {
+            std::memcpy(&ein[i * D], &xn[size_t(rows[i]) * D],
+                        sizeof(float) * D);
+          }
+          eout[e].resize(rows.size() * D);
+          L.experts[e - m.first_expert].Apply(ein.data(), int(rows.size()),
+                                              eout[e].data(), &g, &u);
+        }
       }
       // Combine: sum in increasing expert id, then the shared expert.
       std::vector<size_t> cursor(E, 0);

@@ -91,20 +91,53 @@ class ExpertBackend {
                                   std::vector<std::vector<float>>* out) = 0;
 };
 
+// Where a runner sits among the GPU ranks (DESIGN.md §4): data-parallel
+// attention, expert-parallel MoE. Rank r owns the routed experts
+// [r * E / ranks, (r + 1) * E / ranks) (E = n_routed_experts, which must be
+// a multiple of `ranks`); dense weights, the router and the shared expert
+// are on every rank.
+struct RunnerOptions {
+  int rank = 0;
+  int ranks = 1;
+};
+
 // Holds the packed weights. Immutable after Create; Step() is thread-safe
-// as long as each caller uses its own backend.
+// as long as each caller uses its own backends (attention and experts).
 class ModelRunner {
  public:
+  // Packs the weights; of the routed experts only the rank's own block.
+  // INVALID_ARGUMENT for a missing tensor, ranks < 1, a rank outside
+  // [0, ranks), or n_routed_experts not a multiple of ranks.
   static absl::StatusOr<std::unique_ptr<ModelRunner>> Create(
-      const ModelFiles& files);
+      const ModelFiles& files, const RunnerOptions& options = {});
   ~ModelRunner();
   const ModelConfig& config() const;
   const AttnShapes& shapes() const;
+  int rank() const;
+  int ranks() const;
+
+  // The rank that owns routed expert `expert` (in [0, n_routed_experts)),
+  // and whether it is this one. -1 / false for an id out of range.
+  int ExpertOwner(int expert) const;
+  bool OwnsExpert(int expert) const;
+
+  // FFN_expert of `rows` rows of `in` (rows x hidden, normed) into `out`
+  // (rows x hidden), exactly as Step computes it locally: the bits of a row
+  // do not depend on the other rows. Thread-safe. INVALID_ARGUMENT for a
+  // layer that is not an MoE layer, an expert id out of range or rows < 0;
+  // FAILED_PRECONDITION when this rank does not own the expert.
+  absl::Status ApplyExpert(int layer, int expert, const float* in, int rows,
+                           float* out) const;
 
   // Runs one step over `segs` and returns the logits (vocab floats) of the
-  // last token of each segment, in segment order.
+  // last token of each segment, in segment order. MoE layers hand their
+  // routed experts to `experts` (ExpertBackend::RunExperts) and combine the
+  // outputs in increasing expert id, then the shared expert; with nullptr
+  // every routed expert is computed here, which needs this rank to own each
+  // expert the step routes to (else FAILED_PRECONDITION).
   absl::StatusOr<std::vector<std::vector<float>>> Step(
-      const std::vector<Segment>& segs, AttentionBackend* backend) const;
+      const std::vector<Segment>& segs, AttentionBackend* backend,
+      ExpertBackend* experts = nullptr) const;
 
  private:
   ModelRunner();

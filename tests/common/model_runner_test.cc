@@ -121,5 +121,124 @@ TEST_CASE("sampling: greedy ties to the lower id; seeded draws repeat",
   CHECK(differs);
 }
 
+// Computes each routed expert on the runner of the rank that owns it, as
+// expert parallelism does across processes.
+class ShardedExperts : public ExpertBackend {
+ public:
+  explicit ShardedExperts(std::vector<const ModelRunner*> ranks)
+      : ranks_(std::move(ranks)) {}
+  absl::Status RunExperts(const ExpertWork& work,
+                          std::vector<std::vector<float>>* out) override {
+    const int D = ranks_[0]->config().hidden_size;
+    out->assign(work.rows_of.size(), {});
+    for (size_t e = 0; e < work.rows_of.size(); ++e) {
+      const auto& rows = work.rows_of[e];
+      if (rows.empty()) continue;
+      std::vector<float> in(rows.size() * D);
+      for (size_t i = 0; i < rows.size(); ++i) {
+        std::memcpy(&in[i * D], work.xn + size_t(rows[i]) * D,
+                    sizeof(float) * D);
+      }
+      (*out)[e].resize(rows.size() * D);
+      const ModelRunner* owner = ranks_[ranks_[0]->ExpertOwner(int(e))];
+      absl::Status s = owner->ApplyExpert(work.layer, int(e), in.data(),
+                                          int(rows.size()), (*out)[e].data());
+      if (!s.ok()) return s;
+    }
+    ++calls;
+    return absl::OkStatus();
+  }
+  int calls = 0;
+
+ private:
+  std::vector<const ModelRunner*> ranks_;
+};
+
+TEST_CASE("experts sharded over ranks give the same logits", "[model]") {
+  ModelFiles f = SmallModel();
+  auto whole = ModelRunner::Create(f);
+  REQUIRE(whole.ok());
+  const int E = f.config.n_routed_experts;  // 8
+  std::vector<std::unique_ptr<ModelRunner>> shards;
+  std::vector<const ModelRunner*> ranks;
+  for (int r = 0; r < 4; ++r) {
+    auto s = ModelRunner::Create(f, RunnerOptions{r, 4});
+    REQUIRE(s.ok());
+    ranks.push_back(s->get());
+    shards.push_back(std::move(*s));
+  }
+  for (int e = 0; e < E; ++e) {
+    CHECK(ranks[0]->ExpertOwner(e) == e / 2);
+    CHECK(ranks[e / 2]->OwnsExpert(e));
+    CHECK_FALSE(ranks[(e / 2 + 1) % 4]->OwnsExpert(e));
+    CHECK((*whole)->OwnsExpert(e));
+  }
+  CHECK(ranks[0]->ExpertOwner(E) == -1);
+  CHECK(ranks[0]->ExpertOwner(-1) == -1);
+
+  ShardedExperts experts(ranks);
+  std::vector<Segment> pre, dec;
+  for (int i = 0; i < 4; ++i) {
+    pre.push_back({uint64_t(i + 1), 0, Prompt(i, 9 + 4 * i)});
+    dec.push_back({uint64_t(i + 1), int(pre.back().tokens.size()), {42}});
+  }
+  std::vector<std::vector<float>> want, got;
+  for (int pass = 0; pass < 2; ++pass) {
+    LocalAttentionBackend be(f.config, 16, size_t(64) << 20);
+    REQUIRE(be.Init().ok());
+    for (int i = 0; i < 4; ++i) REQUIRE(be.Reserve(i + 1, 64).ok());
+    // Rank 1's runner with experts from every rank, or the whole model.
+    const ModelRunner& runner = pass == 0 ? **whole : *ranks[1];
+    ExpertBackend* backend = pass == 0 ? nullptr : &experts;
+    auto a = runner.Step(pre, &be, backend);
+    REQUIRE(a.ok());
+    auto b = runner.Step(dec, &be, backend);
+    REQUIRE(b.ok());
+    auto& dst = pass == 0 ? want : got;
+    dst.insert(dst.end(), a->begin(), a->end());
+    dst.insert(dst.end(), b->begin(), b->end());
+  }
+  CHECK(experts.calls == 2 * (f.config.num_hidden_layers -
+                              f.config.first_k_dense_replace));
+  REQUIRE(got.size() == want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    CHECK(std::memcmp(got[i].data(), want[i].data(),
+                      want[i].size() * sizeof(float)) == 0);
+  }
+
+  // Without an expert backend a shard cannot run a step that routes to
+  // another rank's experts; ApplyExpert refuses experts it does not own.
+  LocalAttentionBackend be(f.config, 16, size_t(64) << 20);
+  REQUIRE(be.Init().ok());
+  REQUIRE(be.Reserve(1, 64).ok());
+  auto refused = ranks[1]->Step({pre[0]}, &be);
+  CHECK(refused.status().code() == absl::StatusCode::kFailedPrecondition);
+  std::vector<float> row(f.config.hidden_size, 0.5f), y(f.config.hidden_size);
+  const int moe_layer = f.config.first_k_dense_replace;
+  CHECK(ranks[1]->ApplyExpert(moe_layer, 0, row.data(), 1, y.data()).code() ==
+        absl::StatusCode::kFailedPrecondition);
+  CHECK(ranks[1]->ApplyExpert(moe_layer, 2, row.data(), 1, y.data()).ok());
+  CHECK(ranks[1]->ApplyExpert(0, 2, row.data(), 1, y.data()).code() ==
+        absl::StatusCode::kInvalidArgument);
+  CHECK(ranks[1]->ApplyExpert(moe_layer, E, row.data(), 1, y.data()).code() ==
+        absl::StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("expert sharding must divide the experts evenly", "[model]") {
+  ModelFiles f = SmallModel();
+  auto three = ModelRunner::Create(f, RunnerOptions{0, 3});
+  CHECK(three.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(three.status().message().find("n_routed_experts (8)") !=
+        std::string::npos);
+  CHECK(ModelRunner::Create(f, RunnerOptions{1, 1}).status().code() ==
+        absl::StatusCode::kInvalidArgument);
+  CHECK(ModelRunner::Create(f, RunnerOptions{0, 0}).status().code() ==
+        absl::StatusCode::kInvalidArgument);
+  // A dense model has nothing to shard: any rank count works.
+  ModelFiles dense = SmallModel("llama-small");
+  REQUIRE(dense.config.n_routed_experts == 0);
+  CHECK(ModelRunner::Create(dense, RunnerOptions{2, 3}).ok());
+}
+
 }  // namespace
 }  // namespace karat

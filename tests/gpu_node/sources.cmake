@@ -8,3 +8,9 @@ add_unit_test(node_daemons_test
   SOURCES tests/gpu_node/node_daemons_test.cc
   LIBS karat_gpu_node karat_karat_node
   LABELS unit loopback)
+
+# Expert-parallel MoE across GPU ranks over an in-process FakeFabric.
+add_unit_test(expert_parallel_test
+  SOURCES tests/gpu_node/expert_parallel_test.cc
+  LIBS karat_gpu_node
+  LABELS unit)

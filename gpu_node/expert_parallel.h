@@ -1,0 +1,132 @@
+// Expert-parallel MoE across GPU ranks (DESIGN.md §2 step 5, §4): each rank
+// owns a contiguous block of the routed experts (RunnerOptions); an MoE
+// layer sends the rows routed to another rank's experts to that rank over
+// the data plane (kMoeDispatch), computes its own experts meanwhile, and
+// takes the other ranks' outputs back (kMoeCombine). The runner then sums
+// them in increasing expert id, as it does for local experts, so a token's
+// bits do not depend on the rank count (the linear kernel is batch-invariant,
+// common/linear.h: an expert gives a row the same bits in any batch).
+//
+// Wire format (common/frame.h); every frame carries the sender's node id in
+// src_node, and `session` holds a 64-bit request id chosen by the sender of
+// the dispatch and echoed by the answer:
+//   kMoeDispatch  layer, micro_batch, step (the sender's call counter),
+//                 n_tokens = U distinct rows;
+//                 sections[0] int32 expert ids, m >= 1, strictly increasing,
+//                             all owned by the receiver
+//                 sections[1] int32 row count of each expert (m, each >= 1)
+//                 sections[2] int32 indices into sections[3], expert-major
+//                             (sum of the counts)
+//                 sections[3] fp32 rows, U x hidden (post-attention-normed);
+//                             a row routed to several of the receiver's
+//                             experts travels once
+//   kMoeCombine   same layer, micro_batch, step, session;
+//                 status 0:  n_tokens = sum of the counts;
+//                            sections[0] fp32 expert outputs, expert-major
+//                            in the dispatch's order, unweighted
+//                 status != 0 (an absl code): the dispatch failed;
+//                            sections[0] = message
+// A failed dispatch is answered with a kMoeCombine carrying the error rather
+// than a kError frame, so a node's receive demultiplexer can route by frame
+// type alone (kError belongs to the attention path); a kError frame that
+// answers a dispatch is accepted all the same.
+// A step's rows for one rank are split over several dispatches (by expert)
+// when one frame, dispatch or combine, would exceed the frame limit
+// (ExpertParallelOptions::max_frame_bytes, the transport's MaxMessageSize()).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "cluster.pb.h"
+#include "common/frame.h"
+#include "common/model_runner.h"
+#include "common/transport.h"
+#include "google/protobuf/map.h"
+
+namespace karat {
+
+struct ExpertParallelOptions {
+  // Bound on waiting for another rank's combine; past it the layer fails
+  // with UNAVAILABLE naming the rank.
+  absl::Duration timeout = absl::Seconds(30);
+  // Largest frame to send; 0 means the transport's MaxMessageSize() (a
+  // smaller value still applies the transport's bound too).
+  size_t max_frame_bytes = 0;
+};
+
+// Thread safety: every method may be called from any thread. RunExperts of
+// the backends from ForMicroBatch() may run concurrently (one thread per
+// micro-batch); OnFrame/OnMessage run on the transport's receive thread and
+// never block on computation or sends. Dispatches from other ranks are
+// computed, in arrival order, on one service thread owned by this object.
+class ExpertParallel {
+ public:
+  static constexpr int kMicroBatches = 2;
+
+  // The rank and rank count are the runner's (RunnerOptions). `runner` and
+  // `transport` must outlive this object. It installs no receive handler:
+  // the node's receive demultiplexer hands kMoeDispatch, kMoeCombine (and
+  // the kError answers to dispatches) to OnFrame(). Stop the transport's
+  // deliveries before destroying this object.
+  ExpertParallel(const ModelRunner* runner, Transport* transport,
+                 const ExpertParallelOptions& options = {});
+  ~ExpertParallel();  // Abort()s and joins the service thread
+
+  int rank() const;
+  int ranks() const;
+
+  // This node's id (from registration), sent as src_node. The other ranks
+  // accept frames only from the node ids of their rank table.
+  void set_node_id(uint32_t id);
+
+  // Replaces the rank table (GpuNode.SetPeers). Entries for this rank are
+  // ignored; ranks without an entry cannot be reached (a step that routes
+  // to their experts fails with UNAVAILABLE). INVALID_ARGUMENT, leaving the
+  // table as it was, for a rank outside [0, ranks), a rank or node id
+  // listed twice, or an empty fabric address; the transport's error when it
+  // refuses an address.
+  absl::Status SetPeers(const std::vector<cluster::GpuPeer>& peers);
+
+  // The expert backend of micro-batch `mb` (0 or 1) for ModelRunner::Step;
+  // `hooks` (may be null) are called around each wait for other ranks.
+  // Owned by this object; calling again for the same `mb` replaces its
+  // hooks and must not overlap that micro-batch's RunExperts. nullptr for
+  // an `mb` outside [0, kMicroBatches).
+  ExpertBackend* ForMicroBatch(int mb, WaitHooks* hooks);
+
+  // A data-plane frame for this object (kMoeDispatch, kMoeCombine, or a
+  // kError answering a dispatch); the views need only live for the call.
+  // Frames that fail validation or come from a node id outside the rank
+  // table are dropped, counted and logged with the sender's node id; a
+  // malformed dispatch from a known rank is also answered with an error
+  // combine so that its sender fails at once.
+  void OnFrame(const FrameView& frame);
+  // Decodes `message` and calls OnFrame (undecodable: dropped and counted).
+  void OnMessage(std::string_view message);
+
+  // Makes waits in progress and later RunExperts fail with UNAVAILABLE and
+  // drops queued dispatches, so a decode loop stops promptly. Idempotent.
+  void Abort();
+
+  // Counters, keys prefixed "moe_": frames_sent, bytes_sent,
+  // frames_received, bytes_received, dispatches_sent, dispatches_served,
+  // rows_sent, rows_served, frames_invalid, frames_unknown_sender,
+  // frames_stale, send_errors, calls, calls_failed, waits, wait_seconds.
+  std::map<std::string, double> Stats() const;
+  void ExportTo(google::protobuf::Map<std::string, double>* stats) const;
+
+ private:
+  struct Impl;
+  class MicroBatchExperts;
+  std::unique_ptr<Impl> impl_;
+  std::vector<std::unique_ptr<MicroBatchExperts>> backends_;
+};
+
+}  // namespace karat

@@ -1,0 +1,693 @@
+// Expert-parallel MoE over an in-process FakeFabric: G ranks, each with its
+// own ModelRunner (rank r of G) and ExpertParallel, must produce logits
+// bit-identical to a single-rank runner, for prefill and decode, with two
+// micro-batches of one rank running at once; plus the failure paths (a dead
+// peer, an unknown sender, malformed frames, shutdown).
+#include "gpu_node/expert_parallel.h"
+
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/frame.h"
+#include "common/model_runner.h"
+#include "common/transport.h"
+#include "common/weights.h"
+
+namespace karat {
+namespace {
+
+const ModelFiles& Files(const std::string& preset) {
+  static auto* cache = new std::map<std::string, ModelFiles>();
+  auto it = cache->find(preset);
+  if (it == cache->end()) {
+    ModelFiles f;
+    auto cfg = PresetConfig(preset);
+    REQUIRE(cfg.ok());
+    f.config = *cfg;
+    f.tensors = GenerateWeights(f.config, 1);
+    it = cache->emplace(preset, std::move(f)).first;
+  }
+  return it->second;
+}
+
+std::unique_ptr<ModelRunner> MakeRunner(const ModelFiles& f, int rank,
+                                        int ranks) {
+  auto r = ModelRunner::Create(f, RunnerOptions{rank, ranks});
+  REQUIRE(r.ok());
+  return std::move(*r);
+}
+
+constexpr uint32_t kNodeIdBase = 100;
+
+// G ranks on one FakeFabric; rank r has node id kNodeIdBase + r.
+struct Cluster {
+  struct Rank {
+    std::unique_ptr<ModelRunner> runner;
+    std::unique_ptr<Transport> transport;
+    std::unique_ptr<ExpertParallel> ep;
+  };
+
+  Cluster(const ModelFiles& f, int ranks,
+          const ExpertParallelOptions& options = {}) {
+    std::vector<cluster::GpuPeer> peers;
+    for (int r = 0; r < ranks; ++r) {
+      Rank rank;
+      rank.runner = MakeRunner(f, r, ranks);
+      rank.transport = fabric.NewEndpoint("gpu" + std::to_string(r));
+      rank.ep = std::make_unique<ExpertParallel>(
+          rank.runner.get(), rank.transport.get(), options);
+      rank.ep->set_node_id(kNodeIdBase + r);
+      ExpertParallel* ep = rank.ep.get();
+      rank.transport->SetReceiveHandler(
+          [ep](std::string_view message) { ep->OnMessage(message); });
+      cluster::GpuPeer p;
+      p.set_rank(r);
+      p.set_name("gpu" + std::to_string(r));
+      p.set_node_id(kNodeIdBase + r);
+      p.set_fabric_address(rank.transport->LocalAddress());
+      peers.push_back(p);
+      this->ranks.push_back(std::move(rank));
+    }
+    for (Rank& rank : this->ranks) REQUIRE(rank.ep->SetPeers(peers).ok());
+  }
+  ~Cluster() {
+    // Deliveries stop before the ExpertParallel objects go.
+    for (Rank& rank : ranks) rank.transport->Shutdown();
+  }
+
+  FakeFabric fabric;
+  std::vector<Rank> ranks;
+};
+
+std::vector<int32_t> Prompt(uint64_t session, int len) {
+  std::vector<int32_t> p{256};
+  for (int j = 0; j < len; ++j) p.push_back(int((session * 37 + j * 11) % 256));
+  return p;
+}
+
+// One micro-batch's work: a prefill of its sessions in one step, then
+// `decodes` greedy decode steps. Returns every step's logits, in order.
+struct Stream {
+  std::vector<uint64_t> sessions;
+  int decodes = 3;
+};
+
+absl::Status RunStream(const ModelRunner& runner, ExpertBackend* experts,
+                       const Stream& stream,
+                       std::vector<std::vector<float>>* logits) {
+  LocalAttentionBackend attention(runner.config(), 16, size_t(64) << 20);
+  absl::Status s = attention.Init();
+  if (!s.ok()) return s;
+  std::vector<Segment> segs;
+  for (uint64_t session : stream.sessions) {
+    s = attention.Reserve(session, 128);
+    if (!s.ok()) return s;
+    segs.push_back({session, 0, Prompt(session, 6 + int(session % 7) * 3)});
+  }
+  for (int step = 0; step <= stream.decodes; ++step) {
+    auto out = runner.Step(segs, &attention, experts);
+    if (!out.ok()) return out.status();
+    for (size_t i = 0; i < segs.size(); ++i) {
+      logits->push_back((*out)[i]);
+      const int next = segs[i].pos_start + int(segs[i].tokens.size());
+      segs[i].tokens = {SampleToken((*out)[i], 0.0f, 0, next)};
+      segs[i].pos_start = next;
+    }
+  }
+  return absl::OkStatus();
+}
+
+bool SameBits(const std::vector<std::vector<float>>& a,
+              const std::vector<std::vector<float>>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i].size() != b[i].size() ||
+        std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)) !=
+            0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+class CountingHooks : public WaitHooks {
+ public:
+  void BeforeWait() override {
+    absl::MutexLock lock(&mu_);
+    ++before_;
+    if (in_wait_) unbalanced_ = true;
+    in_wait_ = true;
+  }
+  void AfterWait() override {
+    absl::MutexLock lock(&mu_);
+    ++after_;
+    if (!in_wait_) unbalanced_ = true;
+    in_wait_ = false;
+  }
+  int before() {
+    absl::MutexLock lock(&mu_);
+    return before_;
+  }
+  int after() {
+    absl::MutexLock lock(&mu_);
+    return after_;
+  }
+  bool unbalanced() {
+    absl::MutexLock lock(&mu_);
+    return unbalanced_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  int before_ = 0, after_ = 0;
+  bool in_wait_ = false, unbalanced_ = false;
+};
+
+// Runs, on every rank at once, one stream per micro-batch (two on rank 0,
+// one on the others) and checks every logit against a single-rank runner.
+void CheckAgainstOneRank(const std::string& preset, int ranks) {
+  const ModelFiles& f = Files(preset);
+  auto reference = MakeRunner(f, 0, 1);
+  Cluster cluster(f, ranks);
+
+  struct Job {
+    int rank, mb;
+    Stream stream;
+    std::vector<std::vector<float>> logits;
+    absl::Status status;
+  };
+  std::vector<Job> jobs;
+  uint64_t session = 1;
+  for (int r = 0; r < ranks; ++r) {
+    for (int mb = 0; mb < (r == 0 ? 2 : 1); ++mb) {
+      Job job{r, mb, {}, {}, {}};
+      job.stream.sessions = {session, session + 1};
+      session += 2;
+      jobs.push_back(std::move(job));
+    }
+  }
+  std::vector<CountingHooks> hooks(jobs.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    Job& job = jobs[i];
+    ExpertBackend* experts =
+        cluster.ranks[job.rank].ep->ForMicroBatch(job.mb, &hooks[i]);
+    REQUIRE(experts != nullptr);
+    const ModelRunner* runner = cluster.ranks[job.rank].runner.get();
+    threads.emplace_back([&job, runner, experts] {
+      job.status = RunStream(*runner, experts, job.stream, &job.logits);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    const Job& job = jobs[i];
+    INFO("rank " << job.rank << " micro-batch " << job.mb);
+    REQUIRE(job.status.ok());
+    std::vector<std::vector<float>> expected;
+    REQUIRE(RunStream(*reference, nullptr, job.stream, &expected).ok());
+    CHECK(SameBits(job.logits, expected));
+    CHECK(hooks[i].before() == hooks[i].after());
+    CHECK_FALSE(hooks[i].unbalanced());
+  }
+  // The MoE layers did cross ranks.
+  double sent = 0, served = 0, invalid = 0;
+  for (auto& rank : cluster.ranks) {
+    auto stats = rank.ep->Stats();
+    sent += stats["moe_dispatches_sent"];
+    served += stats["moe_frames_received"];
+    invalid += stats["moe_frames_invalid"] + stats["moe_frames_stale"];
+  }
+  CHECK(sent > 0);
+  CHECK(served >= sent);  // dispatches and combines
+  CHECK(invalid == 0);
+  CHECK(hooks[0].before() > 0);
+}
+
+TEST_CASE("2 ranks: logits bit-identical to one rank, prefill and decode",
+          "[expert_parallel]") {
+  CheckAgainstOneRank("dsa-small", 2);
+}
+
+TEST_CASE("4 ranks: logits bit-identical to one rank", "[expert_parallel]") {
+  CheckAgainstOneRank("dsa-small", 4);
+}
+
+TEST_CASE("2 ranks with block-sparse GQA attention", "[expert_parallel]") {
+  CheckAgainstOneRank("minimax-small", 2);
+}
+
+TEST_CASE("only ranks that own routed rows get a dispatch; rows travel once",
+          "[expert_parallel]") {
+  const ModelFiles& f = Files("dsa-small");
+  const int D = f.config.hidden_size, E = f.config.n_routed_experts;
+  REQUIRE(E == 8);
+  auto full = MakeRunner(f, 0, 1);
+  Cluster cluster(f, 4);  // rank r owns experts 2r, 2r+1
+  const int layer = f.config.first_k_dense_replace;
+
+  std::vector<float> xn(size_t(3) * D);
+  for (size_t i = 0; i < xn.size(); ++i) xn[i] = float((i * 7919) % 113) / 97.0f - 0.5f;
+  ExpertWork work;
+  work.layer = layer;
+  work.rows = 3;
+  work.xn = xn.data();
+  work.rows_of.resize(E);
+  work.rows_of[0] = {0, 2};  // rank 0 (local)
+  work.rows_of[4] = {1};     // rank 2
+  work.rows_of[5] = {1, 2};  // rank 2: row 1 travels once
+  CountingHooks hooks;
+  ExpertBackend* experts = cluster.ranks[0].ep->ForMicroBatch(0, &hooks);
+  std::vector<std::vector<float>> out;
+  REQUIRE(experts->RunExperts(work, &out).ok());
+  REQUIRE(out.size() == size_t(E));
+  for (int e = 0; e < E; ++e) {
+    INFO("expert " << e);
+    const auto& rows = work.rows_of[e];
+    REQUIRE(out[e].size() == rows.size() * D);
+    if (rows.empty()) continue;
+    std::vector<float> in(rows.size() * D), want(rows.size() * D);
+    for (size_t i = 0; i < rows.size(); ++i) {
+      std::memcpy(&in[i * D], &xn[size_t(rows[i]) * D], sizeof(float) * D);
+    }
+    REQUIRE(full->ApplyExpert(layer, e, in.data(), int(rows.size()),
+                              want.data())
+                .ok());
+    CHECK(std::memcmp(out[e].data(), want.data(), want.size() * 4) == 0);
+  }
+  auto s0 = cluster.ranks[0].ep->Stats();
+  CHECK(s0["moe_dispatches_sent"] == 1);
+  CHECK(s0["moe_rows_sent"] == 2);
+  CHECK(cluster.ranks[1].ep->Stats()["moe_frames_received"] == 0);
+  CHECK(cluster.ranks[2].ep->Stats()["moe_frames_received"] == 1);
+  CHECK(cluster.ranks[3].ep->Stats()["moe_frames_received"] == 0);
+  CHECK(hooks.before() == 1);
+  CHECK(hooks.after() == 1);
+
+  // Only local experts: no frame, no wait.
+  ExpertWork local;
+  local.layer = layer;
+  local.rows = 3;
+  local.xn = xn.data();
+  local.rows_of.resize(E);
+  local.rows_of[1] = {0, 1, 2};
+  REQUIRE(experts->RunExperts(local, &out).ok());
+  CHECK(cluster.ranks[0].ep->Stats()["moe_dispatches_sent"] == 1);
+  CHECK(hooks.before() == 1);
+
+  // No rows at all.
+  ExpertWork empty;
+  empty.layer = layer;
+  empty.rows_of.resize(E);
+  REQUIRE(experts->RunExperts(empty, &out).ok());
+  CHECK(out.size() == size_t(E));
+
+  // Malformed work.
+  ExpertWork bad = work;
+  bad.rows_of[3] = {2, 1};
+  CHECK(experts->RunExperts(bad, &out).code() ==
+        absl::StatusCode::kInvalidArgument);
+  bad = work;
+  bad.rows_of.resize(E - 1);
+  CHECK(experts->RunExperts(bad, &out).code() ==
+        absl::StatusCode::kInvalidArgument);
+  CHECK(cluster.ranks[0].ep->ForMicroBatch(2, nullptr) == nullptr);
+}
+
+TEST_CASE("a rank's rows are split over several frames to fit the limit",
+          "[expert_parallel]") {
+  const ModelFiles& f = Files("dsa-small");
+  const int D = f.config.hidden_size, E = f.config.n_routed_experts;
+  const int layer = f.config.first_k_dense_replace;
+  auto full = MakeRunner(f, 0, 1);
+  ExpertParallelOptions options;
+  // A combine of at most 8 rows per frame.
+  options.max_frame_bytes = EncodedFrameSize({size_t(8) * D * 4});
+  Cluster cluster(f, 2, options);  // rank 1 owns experts 4..7
+
+  std::vector<float> xn(size_t(8) * D);
+  for (size_t i = 0; i < xn.size(); ++i) xn[i] = float((i * 31) % 29) / 16.0f - 0.9f;
+  ExpertWork work;
+  work.layer = layer;
+  work.rows = 8;
+  work.xn = xn.data();
+  work.rows_of.resize(E);
+  work.rows_of[1] = {1, 3};
+  work.rows_of[4] = {0, 1, 2, 3};
+  work.rows_of[5] = {2, 3, 4, 5};
+  work.rows_of[6] = {4, 5, 6, 7};
+  work.rows_of[7] = {0, 7};
+  ExpertBackend* experts = cluster.ranks[0].ep->ForMicroBatch(1, nullptr);
+  std::vector<std::vector<float>> out;
+  REQUIRE(experts->RunExperts(work, &out).ok());
+  for (int e = 0; e < E; ++e) {
+    INFO("expert " << e);
+    const auto& rows = work.rows_of[e];
+    REQUIRE(out[e].size() == rows.size() * D);
+    if (rows.empty()) continue;
+    std::vector<float> in(rows.size() * D), want(rows.size() * D);
+    for (size_t i = 0; i < rows.size(); ++i) {
+      std::memcpy(&in[i * D], &xn[size_t(rows[i]) * D], sizeof(float) * D);
+    }
+    REQUIRE(full->ApplyExpert(layer, e, in.data(), int(rows.size()),
+                              want.data())
+                .ok());
+    CHECK(std::memcmp(out[e].data(), want.data(), want.size() * 4) == 0);
+  }
+  auto stats = cluster.ranks[0].ep->Stats();
+  CHECK(stats["moe_dispatches_sent"] == 2);  // {4, 5} and {6, 7}
+  CHECK(stats["moe_rows_sent"] == 6 + 5);    // distinct rows per frame
+
+  // One expert alone over the limit cannot be sent.
+  work.rows_of[6] = {0, 1, 2, 3, 4, 5, 6, 7};
+  ExpertParallelOptions tiny = options;
+  tiny.max_frame_bytes = EncodedFrameSize({size_t(7) * D * 4});
+  Cluster small(f, 2, tiny);
+  CHECK(small.ranks[0].ep->ForMicroBatch(0, nullptr)->RunExperts(work, &out)
+            .code() == absl::StatusCode::kResourceExhausted);
+}
+
+// A prefill long enough that some row of some MoE layer routes to rank 1.
+absl::Status PrefillOnRank0(const ModelRunner& runner, ExpertBackend* experts) {
+  std::vector<std::vector<float>> logits;
+  Stream stream;
+  stream.sessions = {7, 8, 9};
+  stream.decodes = 0;
+  return RunStream(runner, experts, stream, &logits);
+}
+
+TEST_CASE("a dead or missing peer fails the step with UNAVAILABLE",
+          "[expert_parallel]") {
+  const ModelFiles& f = Files("dsa-small");
+  FakeFabric fabric;
+  auto runner = MakeRunner(f, 0, 2);
+  auto t0 = fabric.NewEndpoint("gpu0");
+  auto t1 = fabric.NewEndpoint("gpu1");  // no handler: frames vanish
+  ExpertParallelOptions options;
+  options.timeout = absl::Milliseconds(200);
+  ExpertParallel ep(runner.get(), t0.get(), options);
+  ep.set_node_id(kNodeIdBase);
+  t0->SetReceiveHandler([&ep](std::string_view m) { ep.OnMessage(m); });
+
+  SECTION("no rank table") {
+    absl::Status s = PrefillOnRank0(*runner, ep.ForMicroBatch(0, nullptr));
+    CHECK(s.code() == absl::StatusCode::kUnavailable);
+    CHECK(s.message().find("rank 1") != std::string::npos);
+  }
+
+  cluster::GpuPeer p1;
+  p1.set_rank(1);
+  p1.set_name("gpu1");
+  p1.set_node_id(kNodeIdBase + 1);
+  p1.set_fabric_address(t1->LocalAddress());
+  REQUIRE(ep.SetPeers({p1}).ok());
+
+  SECTION("a peer that never answers: bounded wait") {
+    CountingHooks hooks;
+    absl::Status s = PrefillOnRank0(*runner, ep.ForMicroBatch(0, &hooks));
+    CHECK(s.code() == absl::StatusCode::kUnavailable);
+    CHECK(s.message().find("rank 1") != std::string::npos);
+    CHECK(hooks.before() == 1);
+    CHECK(hooks.after() == 1);
+    CHECK(ep.Stats()["moe_calls_failed"] == 1);
+  }
+  SECTION("a peer whose endpoint is gone") {
+    t1->Shutdown();
+    absl::Status s = PrefillOnRank0(*runner, ep.ForMicroBatch(1, nullptr));
+    CHECK(s.code() == absl::StatusCode::kUnavailable);
+    CHECK(s.message().find("rank 1") != std::string::npos);
+    CHECK(ep.Stats()["moe_send_errors"] >= 1);
+  }
+  SECTION("Abort ends a wait at once and refuses later calls") {
+    ExpertParallelOptions patient;
+    patient.timeout = absl::Seconds(600);
+    ExpertParallel slow(runner.get(), t0.get(), patient);
+    REQUIRE(slow.SetPeers({p1}).ok());
+    struct AbortOnWait : WaitHooks {
+      ExpertParallel* ep;
+      void BeforeWait() override { ep->Abort(); }
+      void AfterWait() override {}
+    } hooks;
+    hooks.ep = &slow;
+    absl::Status s = PrefillOnRank0(*runner, slow.ForMicroBatch(0, &hooks));
+    CHECK(s.code() == absl::StatusCode::kUnavailable);
+    CHECK(s.message().find("shutting down") != std::string::npos);
+    s = PrefillOnRank0(*runner, slow.ForMicroBatch(1, nullptr));
+    CHECK(s.code() == absl::StatusCode::kUnavailable);
+  }
+  t0->Shutdown();
+}
+
+// Frames a rank receives: collected by a raw endpoint's handler.
+struct Inbox {
+  absl::Mutex mu;
+  std::vector<std::string> frames;
+  bool WaitFor(size_t n) {
+    absl::MutexLock lock(&mu);
+    auto ready = [this, n]() ABSL_SHARED_LOCKS_REQUIRED(mu) {
+      return frames.size() >= n;
+    };
+    // A bound so that a broken build fails instead of hanging.
+    return mu.AwaitWithTimeout(absl::Condition(&ready), absl::Seconds(60));
+  }
+};
+
+std::string Dispatch(uint32_t src_node, uint64_t request, int layer,
+                     const std::vector<int32_t>& experts,
+                     const std::vector<int32_t>& counts,
+                     const std::vector<int32_t>& indices,
+                     const std::vector<float>& rows, int hidden) {
+  FrameHeader h;
+  h.type = static_cast<uint16_t>(FrameType::kMoeDispatch);
+  h.src_node = src_node;
+  h.layer = uint32_t(layer);
+  h.session = request;
+  h.n_tokens = uint32_t(rows.size() / size_t(hidden));
+  std::string out;
+  EncodeFrame(h,
+              {std::string_view(reinterpret_cast<const char*>(experts.data()),
+                                experts.size() * 4),
+               std::string_view(reinterpret_cast<const char*>(counts.data()),
+                                counts.size() * 4),
+               std::string_view(reinterpret_cast<const char*>(indices.data()),
+                                indices.size() * 4),
+               std::string_view(reinterpret_cast<const char*>(rows.data()),
+                                rows.size() * 4)},
+              &out);
+  return out;
+}
+
+TEST_CASE("invalid, unknown-sender and stale frames are dropped and counted",
+          "[expert_parallel]") {
+  const ModelFiles& f = Files("dsa-small");
+  const int D = f.config.hidden_size;
+  const int layer = f.config.first_k_dense_replace;
+  FakeFabric fabric;
+  auto runner = MakeRunner(f, 0, 2);  // owns experts 0..3
+  auto full = MakeRunner(f, 0, 1);
+  auto t0 = fabric.NewEndpoint("gpu0");
+  auto raw = fabric.NewEndpoint("gpu1");
+  ExpertParallel ep(runner.get(), t0.get());
+  ep.set_node_id(kNodeIdBase);
+  t0->SetReceiveHandler([&ep](std::string_view m) { ep.OnMessage(m); });
+  Inbox inbox;
+  raw->SetReceiveHandler([&inbox](std::string_view m) {
+    absl::MutexLock lock(&inbox.mu);
+    inbox.frames.emplace_back(m);
+  });
+  cluster::GpuPeer p1;
+  p1.set_rank(1);
+  p1.set_name("gpu1");
+  p1.set_node_id(kNodeIdBase + 1);
+  p1.set_fabric_address(raw->LocalAddress());
+  REQUIRE(ep.SetPeers({p1}).ok());
+  auto to_rank0 = raw->AddPeer("gpu0", t0->LocalAddress());
+  REQUIRE(to_rank0.ok());
+  auto send = [&](const std::string& bytes) {
+    REQUIRE(raw->Send(*to_rank0, bytes.data(), bytes.size()).ok());
+  };
+
+  std::vector<float> rows(size_t(2) * D);
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = float(i % 17) / 8.0f - 1.0f;
+  // Unknown node id, garbage, a stale combine: dropped without an answer.
+  send(Dispatch(999, 1, layer, {1}, {2}, {0, 1}, rows, D));
+  send("not a frame at all");
+  {
+    FrameHeader h;
+    h.type = static_cast<uint16_t>(FrameType::kMoeCombine);
+    h.src_node = kNodeIdBase + 1;
+    h.session = 12345;
+    std::string bytes;
+    EncodeFrame(h, {std::string_view("xxxxxxxx")}, &bytes);
+    send(bytes);
+  }
+  // From the known rank: an expert rank 0 does not own, a bad index, a
+  // dense layer; each answered with an error combine.
+  send(Dispatch(kNodeIdBase + 1, 2, layer, {5}, {2}, {0, 1}, rows, D));
+  send(Dispatch(kNodeIdBase + 1, 3, layer, {1}, {2}, {0, 7}, rows, D));
+  send(Dispatch(kNodeIdBase + 1, 4, 0, {1}, {2}, {0, 1}, rows, D));
+  // A valid one: expert 1 on both rows, expert 3 on row 1.
+  send(Dispatch(kNodeIdBase + 1, 5, layer, {1, 3}, {2, 1}, {0, 1, 1}, rows,
+                D));
+  REQUIRE(inbox.WaitFor(4));
+
+  std::vector<FrameView> answers;
+  {
+    absl::MutexLock lock(&inbox.mu);
+    for (const std::string& bytes : inbox.frames) {
+      auto v = DecodeFrame(bytes);
+      REQUIRE(v.ok());
+      answers.push_back(*v);
+    }
+  }
+  REQUIRE(answers.size() == 4);
+  const uint16_t kCombine = static_cast<uint16_t>(FrameType::kMoeCombine);
+  for (int i = 0; i < 3; ++i) {
+    INFO("answer " << i);
+    CHECK(answers[i].header.type == kCombine);
+    CHECK(answers[i].header.session == uint64_t(2 + i));
+    CHECK(answers[i].header.status != 0);
+    CHECK(answers[i].sections[0].size() > 0);  // the message
+  }
+  CHECK(answers[0].header.status ==
+        uint32_t(absl::StatusCode::kFailedPrecondition));
+  CHECK(answers[1].header.status ==
+        uint32_t(absl::StatusCode::kInvalidArgument));
+  const FrameView& combine = answers[3];
+  CHECK(combine.header.type == kCombine);
+  CHECK(combine.header.status == 0);
+  CHECK(combine.header.session == 5);
+  CHECK(combine.header.src_node == kNodeIdBase);
+  REQUIRE(combine.sections[0].size() == size_t(3) * D * 4);
+  std::vector<float> want(size_t(3) * D);
+  REQUIRE(full->ApplyExpert(layer, 1, rows.data(), 2, want.data()).ok());
+  REQUIRE(full->ApplyExpert(layer, 3, rows.data() + D, 1,
+                            want.data() + 2 * D)
+              .ok());
+  CHECK(std::memcmp(combine.sections[0].data(), want.data(),
+                    want.size() * 4) == 0);
+
+  auto stats = ep.Stats();
+  CHECK(stats["moe_frames_received"] == 7);
+  CHECK(stats["moe_frames_unknown_sender"] == 1);
+  CHECK(stats["moe_frames_stale"] == 1);
+  CHECK(stats["moe_frames_invalid"] == 5);  // unknown, garbage, 3 malformed
+  t0->Shutdown();
+  raw->Shutdown();
+}
+
+TEST_CASE("an error or malformed answer fails the call at once",
+          "[expert_parallel]") {
+  const ModelFiles& f = Files("dsa-small");
+  const int D = f.config.hidden_size, E = f.config.n_routed_experts;
+  const int layer = f.config.first_k_dense_replace;
+  FakeFabric fabric;
+  auto runner = MakeRunner(f, 0, 2);
+  auto t0 = fabric.NewEndpoint("gpu0");
+  auto raw = fabric.NewEndpoint("gpu1");
+  ExpertParallelOptions options;
+  options.timeout = absl::Seconds(600);  // the answers must end the wait
+  ExpertParallel ep(runner.get(), t0.get(), options);
+  ep.set_node_id(kNodeIdBase);
+  t0->SetReceiveHandler([&ep](std::string_view m) { ep.OnMessage(m); });
+  cluster::GpuPeer p1;
+  p1.set_rank(1);
+  p1.set_name("gpu1");
+  p1.set_node_id(kNodeIdBase + 1);
+  p1.set_fabric_address(raw->LocalAddress());
+  REQUIRE(ep.SetPeers({p1}).ok());
+  auto to_rank0 = raw->AddPeer("gpu0", t0->LocalAddress());
+  REQUIRE(to_rank0.ok());
+
+  // Rank 1 answers every dispatch in the way `mode` says.
+  std::atomic<int> mode{0};
+  Transport* reply = raw.get();
+  const PeerId back = *to_rank0;
+  raw->SetReceiveHandler([&mode, reply, back](std::string_view m) {
+    auto v = DecodeFrame(m);
+    if (!v.ok()) return;
+    FrameHeader h;
+    h.src_node = kNodeIdBase + 1;
+    h.layer = v->header.layer;
+    h.session = v->header.session;
+    std::string bytes;
+    if (mode.load() == 0) {  // an error combine
+      h.type = static_cast<uint16_t>(FrameType::kMoeCombine);
+      h.status = uint32_t(absl::StatusCode::kResourceExhausted);
+      EncodeFrame(h, {std::string_view("out of memory")}, &bytes);
+    } else if (mode.load() == 1) {  // a kError frame
+      h.type = static_cast<uint16_t>(FrameType::kError);
+      h.status = uint32_t(absl::StatusCode::kInternal);
+      EncodeFrame(h, {std::string_view("broken")}, &bytes);
+    } else {  // a combine of the wrong size
+      h.type = static_cast<uint16_t>(FrameType::kMoeCombine);
+      EncodeFrame(h, {std::string_view("12345678")}, &bytes);
+    }
+    (void)reply->Send(back, bytes.data(), bytes.size());
+  });
+
+  std::vector<float> xn(size_t(2) * D, 0.25f);
+  ExpertWork work;
+  work.layer = layer;
+  work.rows = 2;
+  work.xn = xn.data();
+  work.rows_of.resize(E);
+  work.rows_of[0] = {0};
+  work.rows_of[6] = {0, 1};  // rank 1
+  ExpertBackend* experts = ep.ForMicroBatch(0, nullptr);
+  std::vector<std::vector<float>> out;
+  absl::Status s = experts->RunExperts(work, &out);
+  CHECK(s.code() == absl::StatusCode::kResourceExhausted);
+  CHECK(s.message().find("GPU rank 1") != std::string::npos);
+  CHECK(s.message().find("out of memory") != std::string::npos);
+  mode.store(1);
+  s = experts->RunExperts(work, &out);
+  CHECK(s.code() == absl::StatusCode::kInternal);
+  mode.store(2);
+  s = experts->RunExperts(work, &out);
+  CHECK(s.code() == absl::StatusCode::kDataLoss);
+  CHECK(ep.Stats()["moe_calls_failed"] == 3);
+  t0->Shutdown();
+  raw->Shutdown();
+}
+
+TEST_CASE("rank tables and shardings that do not fit are refused",
+          "[expert_parallel]") {
+  const ModelFiles& f = Files("dsa-small");  // 8 routed experts
+  auto three = ModelRunner::Create(f, RunnerOptions{0, 3});
+  REQUIRE(three.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(three.status().message().find("n_routed_experts") !=
+        std::string::npos);
+  CHECK(ModelRunner::Create(f, RunnerOptions{2, 2}).status().code() ==
+        absl::StatusCode::kInvalidArgument);
+
+  FakeFabric fabric;
+  auto runner = MakeRunner(f, 0, 2);
+  auto t0 = fabric.NewEndpoint("gpu0");
+  ExpertParallel ep(runner.get(), t0.get());
+  cluster::GpuPeer p;
+  p.set_rank(2);
+  p.set_node_id(1);
+  p.set_fabric_address("fake:9");
+  CHECK(ep.SetPeers({p}).code() == absl::StatusCode::kInvalidArgument);
+  p.set_rank(1);
+  p.set_fabric_address("");
+  CHECK(ep.SetPeers({p}).code() == absl::StatusCode::kInvalidArgument);
+  p.set_fabric_address("fake:9");
+  CHECK(ep.SetPeers({p, p}).code() == absl::StatusCode::kInvalidArgument);
+  CHECK(ep.SetPeers({p}).ok());
+  t0->Shutdown();
+}
+
+}  // namespace
+}  // namespace karat
