@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 
@@ -111,14 +112,98 @@ size_t PageArena::used_bytes() const {
   return size_t(total_pages_ - int(free_list_.size())) * page_bytes_;
 }
 
+absl::StatusOr<std::vector<int>> PlanPageSpill(
+    const std::vector<int>& free_pages, int need) {
+  std::vector<int> take(free_pages.size(), 0);
+  if (need < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("need ", need, " pages"));
+  }
+  if (need == 0) return take;
+  int64_t total = 0;
+  for (int f : free_pages) total += std::max(f, 0);
+  if (free_pages.empty() || total < need) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("need ", need, " pages, ", total, " free on ",
+                     free_pages.size(), " arena(s)"));
+  }
+  int left = need;
+  take[0] = std::min(std::max(free_pages[0], 0), left);
+  left -= take[0];
+  std::vector<int> order;
+  for (size_t i = 1; i < free_pages.size(); ++i) order.push_back(int(i));
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int a, int b) { return free_pages[a] > free_pages[b]; });
+  for (int i : order) {
+    if (left == 0) break;
+    take[i] = std::min(std::max(free_pages[i], 0), left);
+    left -= take[i];
+  }
+  return take;
+}
+
 SessionCache::SessionCache(const KvLayout* layout, PageArena* arena)
+    : SessionCache(layout, std::vector<PageArena*>{arena}) {}
+
+SessionCache::SessionCache(const KvLayout* layout,
+                           std::vector<PageArena*> arenas)
     : layout_(layout),
-      arena_(arena),
+      arenas_(std::move(arenas)),
       pages_(layout->num_layers),
-      lengths_(layout->num_layers, 0) {}
+      page_data_(layout->num_layers),
+      lengths_(layout->num_layers, 0),
+      pages_per_arena_(arenas_.size(), 0) {}
 
 SessionCache::~SessionCache() {
-  for (auto& p : pages_) arena_->Free(p);
+  for (const auto& p : pages_) ReturnPages(p.data(), p.size());
+  ReturnPages(metadata_pages_.data(), metadata_pages_.size());
+}
+
+absl::Status SessionCache::TakePages(int n, std::vector<PageRef>* out) {
+  if (n <= 0) return absl::OkStatus();
+  // The free counts are a snapshot: another owner may take pages of a
+  // shared arena between the plan and the allocation, so a failed
+  // allocation returns what was taken and plans again.
+  absl::Status last;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    std::vector<int> free_pages;
+    free_pages.reserve(arenas_.size());
+    for (PageArena* a : arenas_) free_pages.push_back(a->free_pages());
+    absl::StatusOr<std::vector<int>> plan = PlanPageSpill(free_pages, n);
+    if (!plan.ok()) return plan.status();
+    // Home pages first, then each spill arena in the plan's order.
+    std::vector<int> order;
+    order.push_back(0);
+    for (size_t i = 1; i < arenas_.size(); ++i) order.push_back(int(i));
+    std::stable_sort(order.begin() + 1, order.end(), [&](int a, int b) {
+      return free_pages[a] > free_pages[b];
+    });
+    const size_t first = out->size();
+    last = absl::OkStatus();
+    for (int i : order) {
+      if ((*plan)[i] == 0) continue;
+      std::vector<int32_t> ids;
+      last = arenas_[i]->Allocate((*plan)[i], &ids);
+      if (!last.ok()) break;
+      for (int32_t id : ids) out->push_back(PageRef{i, id});
+      pages_per_arena_[i] += int(ids.size());
+    }
+    if (last.ok()) return last;
+    ReturnPages(out->data() + first, out->size() - first);
+    out->resize(first);
+  }
+  return last;
+}
+
+void SessionCache::ReturnPages(const PageRef* pages, size_t n) {
+  std::vector<int32_t> ids;
+  for (size_t a = 0; a < arenas_.size(); ++a) {
+    ids.clear();
+    for (size_t i = 0; i < n; ++i) {
+      if (pages[i].arena == int32_t(a)) ids.push_back(pages[i].id);
+    }
+    if (!ids.empty()) arenas_[a]->Free(ids);
+    pages_per_arena_[a] -= int(ids.size());
+  }
 }
 
 absl::Status SessionCache::Reserve(int tokens) {
@@ -127,17 +212,45 @@ absl::Status SessionCache::Reserve(int tokens) {
   const int have = static_cast<int>(pages_.empty() ? 0 : pages_[0].size());
   const int need = (tokens + tpp - 1) / tpp;
   const int more = need - have;
-  std::vector<int32_t> fresh;
-  absl::Status st = arena_->Allocate(more * layout_->num_layers, &fresh);
+  std::vector<PageRef> fresh;
+  absl::Status st = TakePages(more * layout_->num_layers, &fresh);
   if (!st.ok()) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "cannot reserve ", tokens, " tokens: ", st.message()));
   }
+  // Layer by layer, so that the home's pages go to the first layers.
   size_t k = 0;
-  for (auto& layer_pages : pages_) {
-    for (int i = 0; i < more; ++i) layer_pages.push_back(fresh[k++]);
+  for (size_t l = 0; l < pages_.size(); ++l) {
+    for (int i = 0; i < more; ++i) {
+      pages_[l].push_back(fresh[k]);
+      page_data_[l].push_back(PageAddress(fresh[k]));
+      ++k;
+    }
   }
   reserved_tokens_ = need * tpp;
+  return absl::OkStatus();
+}
+
+absl::Status SessionCache::ChargeMetadata(size_t bytes) {
+  const size_t pb = layout_->page_bytes;
+  const size_t want = (bytes + pb - 1) / pb;
+  const size_t have = metadata_pages_.size();
+  if (want > have) {
+    if (want - have > size_t(INT32_MAX)) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat(bytes, " bytes of metadata"));
+    }
+    absl::Status st = TakePages(int(want - have), &metadata_pages_);
+    if (!st.ok()) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cannot hold ", bytes, " bytes of metadata (",
+                       want - have, " more pages): ", st.message()));
+    }
+  } else if (want < have) {
+    // The last taken (spilled ones, if any) go back first.
+    ReturnPages(metadata_pages_.data() + want, have - want);
+    metadata_pages_.resize(want);
+  }
   return absl::OkStatus();
 }
 
@@ -155,7 +268,7 @@ absl::Status SessionCache::Append(int layer, const uint16_t* kv,
                      " reserved tokens"));
   }
   const int tpp = layout_->tokens_per_page;
-  uint8_t* page = arena_->Page(pages_[layer][pos / tpp]);
+  uint8_t* page = page_data_[layer][pos / tpp];
   const int slot = pos % tpp;
   std::memcpy(page + layout_->kv_offset + size_t(slot) * layout_->kv_dim * 2,
               kv, size_t(layout_->kv_dim) * 2);
@@ -181,7 +294,7 @@ absl::Status SessionCache::WriteKv(int layer, int pos, const uint16_t* kv) {
         " reserved tokens"));
   }
   const int tpp = layout_->tokens_per_page;
-  uint8_t* page = arena_->Page(pages_[layer][pos / tpp]);
+  uint8_t* page = page_data_[layer][pos / tpp];
   std::memcpy(page + layout_->kv_offset +
                   size_t(pos % tpp) * layout_->kv_dim * 2,
               kv, size_t(layout_->kv_dim) * 2);
@@ -199,7 +312,7 @@ absl::Status SessionCache::WriteIndexKey(int layer, int pos,
     return absl::FailedPreconditionError("this layout has no index keys");
   }
   const int tpp = layout_->tokens_per_page;
-  uint8_t* page = arena_->Page(pages_[layer][pos / tpp]);
+  uint8_t* page = page_data_[layer][pos / tpp];
   std::memcpy(page + layout_->ikey_offset +
                   size_t(pos % tpp) * layout_->index_dim,
               codes, layout_->index_dim);
@@ -214,16 +327,31 @@ void SessionCache::SetLength(int layer, int length) {
 LayerView SessionCache::View(int layer) const {
   LayerView v;
   v.layout = layout_;
-  v.pages = &pages_[layer];
-  v.arena = arena_;
+  v.pages = page_data_[layer].data();
   v.length = lengths_[layer];
   return v;
 }
 
 size_t SessionCache::bytes() const {
-  size_t n = 0;
+  size_t n = metadata_pages_.size();
   for (const auto& p : pages_) n += p.size();
   return n * layout_->page_bytes;
+}
+
+int SessionCache::SpilledPositions(int layer) const {
+  bool spilled = false;
+  for (size_t a = 1; a < pages_per_arena_.size(); ++a) {
+    spilled = spilled || pages_per_arena_[a] > 0;
+  }
+  if (!spilled) return 0;
+  const int tpp = layout_->tokens_per_page;
+  const int len = lengths_[layer];
+  const auto& lp = pages_[layer];
+  int n = 0;
+  for (size_t i = 0; i < lp.size() && int(i) * tpp < len; ++i) {
+    if (lp[i].arena != 0) n += std::min(tpp, len - int(i) * tpp);
+  }
+  return n;
 }
 
 void SessionCache::Shrink(int tokens) {
@@ -232,9 +360,9 @@ void SessionCache::Shrink(int tokens) {
   for (size_t l = 0; l < pages_.size(); ++l) {
     auto& lp = pages_[l];
     if (int(lp.size()) > keep) {
-      std::vector<int32_t> drop(lp.begin() + keep, lp.end());
-      arena_->Free(drop);
+      ReturnPages(lp.data() + keep, lp.size() - keep);
       lp.resize(keep);
+      page_data_[l].resize(keep);
     }
     lengths_[l] = std::min(lengths_[l], keep * tpp);
   }

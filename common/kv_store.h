@@ -1,7 +1,9 @@
 // Paged storage of a session's per-layer cache entries (DESIGN.md §3): a
 // capacity-bounded arena cut into fixed-size pages, and per-session page
 // tables. Used by the KARAT-node devices and, with a large arena, by the
-// reference engine, so both read entries through the same code.
+// reference engine, so both read entries through the same code. A session's
+// pages may come from several arenas (the devices of one node, when its home
+// device is full); kernels see them through LayerView either way.
 //
 // Page layout (one layer, `tokens_per_page` tokens), structure of arrays:
 //   [kv:    tpp x kv_dim   bf16 ]   mla_dsa: c (kv_lora) | k_pe (rope)
@@ -62,48 +64,73 @@ class PageArena {
   std::vector<int32_t> free_list_;
 };
 
-// One layer of one session, as the kernels read it.
+// How `need` new pages are spread over the arenas of one node (DESIGN.md §3
+// "Placement"): `free_pages[0]` is the home arena's free page count, the
+// others those of the node's other arenas. The home takes as many as it has
+// room for; only the rest spill, to the other arenas in decreasing order of
+// free pages (ties: lower index), each filled before the next. Returns the
+// count taken from each arena, or RESOURCE_EXHAUSTED when all of them
+// together have fewer than `need` free pages. Pure.
+absl::StatusOr<std::vector<int>> PlanPageSpill(
+    const std::vector<int>& free_pages, int need);
+
+// One layer of one session, as the kernels read it. Valid until the cache
+// it came from next grows (SessionCache::Reserve) or shrinks.
 struct LayerView {
   const KvLayout* layout = nullptr;
-  const std::vector<int32_t>* pages = nullptr;
-  const PageArena* arena = nullptr;
+  // The base address of each page of the layer, in position order. Pages
+  // may come from more than one arena (a session spilled across the devices
+  // of a node); kernels read them in place.
+  const uint8_t* const* pages = nullptr;
   int length = 0;  // tokens stored
 
   // The bytes of the layer's `index`-th page (positions from index x
   // tokens_per_page). Kernels reach pages only through this and the
-  // accessors below, so pages may come from more than one arena.
-  const uint8_t* PageData(int index) const {
-    return arena->Page((*pages)[index]);
-  }
+  // accessors below.
+  const uint8_t* PageData(int index) const { return pages[index]; }
   const uint16_t* Kv(int pos) const {
-    const uint8_t* p = arena->Page((*pages)[pos / layout->tokens_per_page]);
+    const uint8_t* p = pages[pos / layout->tokens_per_page];
     return reinterpret_cast<const uint16_t*>(p + layout->kv_offset) +
            size_t(pos % layout->tokens_per_page) * layout->kv_dim;
   }
   const uint8_t* IndexKey(int pos) const {
-    const uint8_t* p = arena->Page((*pages)[pos / layout->tokens_per_page]);
+    const uint8_t* p = pages[pos / layout->tokens_per_page];
     return p + layout->ikey_offset +
            size_t(pos % layout->tokens_per_page) * layout->index_dim;
   }
   float IndexScale(int pos) const {
-    const uint8_t* p = arena->Page((*pages)[pos / layout->tokens_per_page]);
+    const uint8_t* p = pages[pos / layout->tokens_per_page];
     return reinterpret_cast<const float*>(p + layout->iscale_offset)
         [pos % layout->tokens_per_page];
   }
 };
 
-// A session's cache on one arena: per layer a page table and a length.
+// A session's cache: per layer a page table and a length, plus the pages
+// held to account for the attention method's metadata. Pages come from the
+// home arena and, when it is full, spill to the other arenas it was given
+// (PlanPageSpill); every page goes back to its own arena. All arenas must
+// have the layout's page size and outlive the cache.
 // Not thread-safe; its owner serialises access.
 class SessionCache {
  public:
+  // Every page on `arena`.
   SessionCache(const KvLayout* layout, PageArena* arena);
+  // `arenas[0]` is the home arena; the others take what it cannot hold.
+  SessionCache(const KvLayout* layout, std::vector<PageArena*> arenas);
   ~SessionCache();  // frees its pages
   SessionCache(const SessionCache&) = delete;
   SessionCache& operator=(const SessionCache&) = delete;
 
-  // Makes room for `tokens` positions in every layer (all or nothing).
+  // Makes room for `tokens` positions in every layer (all or nothing:
+  // RESOURCE_EXHAUSTED and no page taken when the arenas cannot supply them).
   absl::Status Reserve(int tokens);
   int reserved_tokens() const { return reserved_tokens_; }
+  // Holds ceil(bytes / page_bytes) pages for the metadata kept beside the
+  // cache (growing or shrinking what is held), so that it counts against
+  // the arenas' capacity. All or nothing: RESOURCE_EXHAUSTED and nothing
+  // changed when the arenas cannot supply the growth.
+  absl::Status ChargeMetadata(size_t bytes);
+  int metadata_pages() const { return int(metadata_pages_.size()); }
   // Drops positions >= length in `layer` (a resent position overwrites).
   void Truncate(int layer, int length);
   int length(int layer) const { return lengths_[layer]; }
@@ -120,16 +147,34 @@ class SessionCache {
   // Sets the number of valid positions of `layer` (<= reserved_tokens()).
   void SetLength(int layer, int length);
   LayerView View(int layer) const;
-  size_t bytes() const;  // pages held x page bytes
+  size_t bytes() const;  // pages held (KV and metadata) x page bytes
+  // Pages held on each arena (KV and metadata), indexed like the arenas.
+  const std::vector<int>& PagesPerArena() const { return pages_per_arena_; }
+  // Stored positions (< length(layer)) whose page is not on the home arena.
+  int SpilledPositions(int layer) const;
   // Frees pages beyond what `tokens` positions need.
   void Shrink(int tokens);
 
  private:
+  // A page: the arena it came from (index into arenas_) and its id there.
+  struct PageRef {
+    int32_t arena;
+    int32_t id;
+  };
+  // Takes `n` pages (home first, then spilled) or none.
+  absl::Status TakePages(int n, std::vector<PageRef>* out);
+  void ReturnPages(const PageRef* pages, size_t n);
+  uint8_t* PageAddress(PageRef p) const { return arenas_[p.arena]->Page(p.id); }
+
   const KvLayout* layout_;
-  PageArena* arena_;
+  std::vector<PageArena*> arenas_;  // [0]: home
   int reserved_tokens_ = 0;
-  std::vector<std::vector<int32_t>> pages_;  // per layer
+  // Per layer: the pages and, in the same order, their base addresses.
+  std::vector<std::vector<PageRef>> pages_;
+  std::vector<std::vector<uint8_t*>> page_data_;
+  std::vector<PageRef> metadata_pages_;
   std::vector<int> lengths_;
+  std::vector<int> pages_per_arena_;
 };
 
 }  // namespace karat

@@ -75,6 +75,65 @@ absl::Duration PacingDelay(const KernelCost& cost, double bandwidth_gbps,
 }
 
 // ---------------------------------------------------------------------------
+// NodeMemory
+
+absl::Status NodeMemory::Add(int device, std::shared_ptr<PageArena> arena) {
+  if (arena == nullptr) return absl::InvalidArgumentError("no arena");
+  absl::MutexLock lock(&mu_);
+  if (arenas_.contains(device)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("device ", device, " already has an arena on this node"));
+  }
+  if (!arenas_.empty() &&
+      arenas_.begin()->second->page_bytes() != arena->page_bytes()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("device ", device, " has pages of ", arena->page_bytes(),
+                     " bytes; the node's other devices have ",
+                     arenas_.begin()->second->page_bytes()));
+  }
+  arenas_.emplace(device, std::move(arena));
+  return absl::OkStatus();
+}
+
+std::vector<int> NodeMemory::DevicesFor(int home) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<int> out;
+  if (arenas_.contains(home)) out.push_back(home);
+  for (const auto& [device, arena] : arenas_) {
+    if (device != home) out.push_back(device);
+  }
+  return out;
+}
+
+std::vector<PageArena*> NodeMemory::ArenasFor(int home) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<PageArena*> out;
+  auto it = arenas_.find(home);
+  if (it != arenas_.end()) out.push_back(it->second.get());
+  for (const auto& [device, arena] : arenas_) {
+    if (device != home) out.push_back(arena.get());
+  }
+  return out;
+}
+
+void ExportDeviceMetrics(int index, const DeviceMetrics& m,
+                         std::map<std::string, double>* stats) {
+  const std::string p = absl::StrCat("device.", index, ".");
+  auto& st = *stats;
+  st[p + "busy_seconds"] = m.busy_seconds;
+  st[p + "frames"] = double(m.frames);
+  st[p + "frame_errors"] = double(m.frame_errors);
+  st[p + "kernel_bytes"] = double(m.kernel_bytes);
+  st[p + "cross_device_bytes"] = double(m.cross_device_bytes);
+  st[p + "used_bytes"] = double(m.used_bytes);
+  st[p + "capacity_bytes"] = double(m.capacity_bytes);
+  st[p + "spilled_bytes"] = double(m.spilled_bytes);
+  st[p + "hosted_bytes"] = double(m.hosted_bytes);
+  st[p + "metadata_bytes"] = double(m.metadata_bytes);
+  st[p + "sessions"] = double(m.sessions);
+}
+
+// ---------------------------------------------------------------------------
 // KaratDevice
 
 namespace {
@@ -134,6 +193,9 @@ absl::StatusOr<std::unique_ptr<KaratDevice>> KaratDevice::Create(
   ASSIGN_OR_RETURN(
       device->arena_,
       PageArena::Create(options.capacity_bytes, device->layout_.page_bytes));
+  if (options.memory != nullptr) {
+    RETURN_IF_ERROR(options.memory->Add(index, device->arena_));
+  }
   if (config.attention.type != AttentionType::kMlaDsa) {
     device->method_ = std::move(attention);
     if (device->method_ == nullptr) {
@@ -154,16 +216,31 @@ absl::Status KaratDevice::Reserve(uint64_t session, int tokens) {
   const bool created = it == sessions_.end();
   if (created) {
     Session s;
-    s.cache = std::make_unique<SessionCache>(&layout_, arena_.get());
+    std::vector<PageArena*> arenas = {arena_.get()};
+    if (options_.memory != nullptr) {
+      arenas = options_.memory->ArenasFor(index_);
+    }
+    s.cache = std::make_unique<SessionCache>(&layout_, std::move(arenas));
     if (method_ != nullptr) {
       s.method_state =
           NewAttentionSessionState(*method_, config_.num_hidden_layers);
     }
     it = sessions_.emplace(session, std::move(s)).first;
   }
-  absl::Status status = EnsureRoom(session, &it->second, tokens);
+  Session& s = it->second;
+  const int before = s.cache->reserved_tokens();
+  absl::Status status = EnsureRoom(session, &s, tokens);
+  // Metadata a frame could not charge (or a new session's) is charged now,
+  // and the reservation fails with it.
+  if (status.ok()) status = ChargeMetadata(session, &s);
   if (!status.ok()) {
-    if (created) sessions_.erase(it);
+    s.cache->Shrink(before);
+    if (created) {
+      UpdatePageCounts(&s, /*dropping=*/true);
+      sessions_.erase(it);
+    } else {
+      UpdatePageCounts(&s);
+    }
     return status;
   }
   if (created) num_sessions_.fetch_add(1);
@@ -173,14 +250,44 @@ absl::Status KaratDevice::Reserve(uint64_t session, int tokens) {
 absl::Status KaratDevice::EnsureRoom(uint64_t session, Session* s, int tokens) {
   if (tokens <= s->cache->reserved_tokens()) return absl::OkStatus();
   absl::Status status = s->cache->Reserve(tokens);
+  UpdatePageCounts(s);
   if (status.ok()) return status;
   if (absl::IsResourceExhausted(status)) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "device ", index_, " cannot hold ", tokens, " positions of session ",
         session, " (", arena_->free_pages(), " of ", arena_->total_pages(),
-        " pages free): ", status.message()));
+        " pages free here",
+        options_.memory != nullptr
+            ? "; the node's other devices cannot make up the rest"
+            : "",
+        "): ", status.message()));
   }
   return status;
+}
+
+absl::Status KaratDevice::ChargeMetadata(uint64_t session, Session* s) {
+  if (s->method_state == nullptr) return absl::OkStatus();
+  const size_t bytes = s->method_state->bytes();
+  absl::Status status = s->cache->ChargeMetadata(bytes);
+  UpdatePageCounts(s);
+  if (status.ok()) return status;
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "device ", index_, ": the attention metadata of session ", session,
+      " (", bytes, " bytes) does not fit: ", status.message()));
+}
+
+void KaratDevice::UpdatePageCounts(Session* s, bool dropping) {
+  int64_t home = 0, spilled = 0;
+  if (!dropping) {
+    const std::vector<int>& per_arena = s->cache->PagesPerArena();
+    for (size_t a = 0; a < per_arena.size(); ++a) {
+      (a == 0 ? home : spilled) += per_arena[a];
+    }
+  }
+  home_pages_.fetch_add(home - s->home_pages);
+  spilled_pages_.fetch_add(spilled - s->spilled_pages);
+  s->home_pages = home;
+  s->spilled_pages = spilled;
 }
 
 bool KaratDevice::HasSession(uint64_t session) const {
@@ -196,7 +303,8 @@ absl::Status KaratDevice::Free(uint64_t session) {
         absl::StrCat("session ", session, " is not on device ", index_));
   }
   metadata_bytes_.fetch_sub(it->second.metadata_bytes);
-  sessions_.erase(it);
+  UpdatePageCounts(&it->second, /*dropping=*/true);
+  sessions_.erase(it);  // the cache returns every page to its own arena
   num_sessions_.fetch_sub(1);
   return absl::OkStatus();
 }
@@ -206,34 +314,60 @@ absl::Status KaratDevice::Process(const FrameView& frame,
   const FrameHeader& h = frame.header;
   *ingested = 0;
   const auto type = static_cast<FrameType>(h.type);
+  absl::Status status;
   if (type != FrameType::kIndexQK && type != FrameType::kAttnQKV) {
-    return absl::InvalidArgumentError(absl::StrCat(
+    status = absl::InvalidArgumentError(absl::StrCat(
         "frame type ", FrameTypeName(h.type), " carries no attention work"));
-  }
-  if (h.layer >= uint32_t(layout_.num_layers)) {
-    return absl::InvalidArgumentError(
+  } else if (h.layer >= uint32_t(layout_.num_layers)) {
+    status = absl::InvalidArgumentError(
         absl::StrCat("layer ", h.layer, " out of range (the model has ",
                      layout_.num_layers, ")"));
-  }
-  if (h.n_tokens == 0 || h.n_tokens > kMaxSegmentTokens) {
-    return absl::InvalidArgumentError(
+  } else if (h.n_tokens == 0 || h.n_tokens > kMaxSegmentTokens) {
+    status = absl::InvalidArgumentError(
         absl::StrCat("segment of ", h.n_tokens, " tokens"));
-  }
-  if (uint64_t(h.pos_start) + h.n_tokens >
-      uint64_t(std::numeric_limits<int32_t>::max())) {
-    return absl::InvalidArgumentError(
+  } else if (uint64_t(h.pos_start) + h.n_tokens >
+             uint64_t(std::numeric_limits<int32_t>::max())) {
+    status = absl::InvalidArgumentError(
         absl::StrCat("segment position ", h.pos_start, " out of range"));
   }
+  if (!status.ok()) {
+    frame_errors_.fetch_add(1);
+    return status;
+  }
+
+  // The timing model's clock starts before the wait for the device; busy
+  // time once the device is taken.
+  const absl::Time start = absl::Now();
+  KernelCost cost;
+  absl::Time kernel_start;
+  {
+    absl::MutexLock lock(&mu_);
+    kernel_start = absl::Now();
+    status = ProcessLocked(frame, out, ingested, &cost);
+  }
+  // Frames run one at a time on the device worker, so sleeping here keeps
+  // the device busy until the roofline time without blocking Reserve().
+  if (status.ok()) {
+    const absl::Duration delay = PacingDelay(
+        cost, options_.bandwidth_gbps, options_.tflops, absl::Now() - start);
+    if (delay > absl::ZeroDuration()) absl::SleepFor(delay);
+  }
+  busy_ns_.fetch_add(absl::ToInt64Nanoseconds(absl::Now() - kernel_start));
+  kernel_bytes_.fetch_add(uint64_t(cost.bytes));
+  (status.ok() ? frames_ : frame_errors_).fetch_add(1);
+  return status;
+}
+
+absl::Status KaratDevice::ProcessLocked(const FrameView& frame,
+                                        std::vector<float>* out,
+                                        uint64_t* ingested, KernelCost* cost) {
+  const FrameHeader& h = frame.header;
+  const auto type = static_cast<FrameType>(h.type);
   const int layer = int(h.layer);
   const int n = int(h.n_tokens);
   const int pos_start = int(h.pos_start);
   const uint64_t un = h.n_tokens;
   const AttnShapes& s = shapes_;
-
-  // The timing model's clock starts before the wait for the device.
-  const absl::Time start = absl::Now();
-  KernelCost cost;
-  absl::ReleasableMutexLock lock(&mu_);
   auto it = sessions_.find(h.session);
   if (it == sessions_.end()) {
     return absl::NotFoundError(
@@ -264,10 +398,10 @@ absl::Status KaratDevice::Process(const FrameView& frame,
     in.k_codes = reinterpret_cast<const uint8_t*>(frame.sections[3].data());
     in.k_scales = reinterpret_cast<const float*>(frame.sections[4].data());
     RETURN_IF_ERROR(RunIndexer(s, layer, pos_start, n, in, session.cache.get(),
-                               &session.selection, pool_.get(), &cost));
+                               &session.selection, pool_.get(), cost));
     *ingested = un * (di + 4);
   } else if (method_ != nullptr) {
-    RETURN_IF_ERROR(ProcessGqa(frame, &session, out, &cost));
+    RETURN_IF_ERROR(ProcessGqa(frame, &session, out, cost));
     *ingested = un * uint64_t(s.kv_dim) * 2;
   } else {
     if (h.n_sections != 2) {
@@ -289,20 +423,22 @@ absl::Status KaratDevice::Process(const FrameView& frame,
     out->assign(size_t(n) * s.heads * s.out_dim, 0.0f);
     RETURN_IF_ERROR(RunAttention(s, layer, pos_start, n, in,
                                  session.cache.get(), sel, out->data(),
-                                 pool_.get(), &cost));
+                                 pool_.get(), cost));
     *ingested = un * uint64_t(s.kv_dim) * 2;
   }
   session.ingested_bytes += *ingested;
+  // Bytes read from the pages spilled to other devices: the frame's share
+  // in proportion to the layer's stored positions on them.
+  const int length = session.cache->length(layer);
+  const int spilled = session.cache->SpilledPositions(layer);
+  if (spilled > 0 && length > 0) {
+    cross_device_bytes_.fetch_add(
+        uint64_t(cost->bytes * double(spilled) / double(length)));
+  }
   KLOG(Debug, "karat_node")
       << "session=" << h.session << " device=" << index_ << " layer=" << layer
       << " " << FrameTypeName(h.type) << " positions " << pos_start << ".."
       << pos_start + n - 1 << " ingested_bytes=" << session.ingested_bytes;
-  lock.Release();
-  // Frames run one at a time on the device worker, so sleeping here keeps
-  // the device busy until the roofline time without blocking Reserve().
-  const absl::Duration delay = PacingDelay(cost, options_.bandwidth_gbps,
-                                           options_.tflops, absl::Now() - start);
-  if (delay > absl::ZeroDuration()) absl::SleepFor(delay);
   return absl::OkStatus();
 }
 
@@ -310,8 +446,27 @@ size_t KaratDevice::capacity_bytes() const {
   return size_t(arena_->total_pages()) * arena_->page_bytes();
 }
 
-size_t KaratDevice::used_bytes() const {
-  return arena_->used_bytes() + metadata_bytes_.load();
+size_t KaratDevice::used_bytes() const { return arena_->used_bytes(); }
+
+DeviceMetrics KaratDevice::Metrics() const {
+  DeviceMetrics m;
+  m.busy_seconds = double(busy_ns_.load()) * 1e-9;
+  m.frames = frames_.load();
+  m.frame_errors = frame_errors_.load();
+  m.kernel_bytes = kernel_bytes_.load();
+  m.cross_device_bytes = cross_device_bytes_.load();
+  m.used_bytes = used_bytes();
+  m.capacity_bytes = capacity_bytes();
+  const int64_t page = int64_t(layout_.page_bytes);
+  m.spilled_bytes =
+      uint64_t(std::max<int64_t>(spilled_pages_.load(), 0) * page);
+  // Counters read one after the other: clamp a momentary mismatch.
+  const int64_t hosted = int64_t(arena_->total_pages() - arena_->free_pages()) -
+                         home_pages_.load();
+  m.hosted_bytes = uint64_t(std::max<int64_t>(hosted, 0) * page);
+  m.metadata_bytes = metadata_bytes_.load();
+  m.sessions = sessions();
+  return m;
 }
 
 absl::Status KaratDevice::ProcessGqa(const FrameView& frame, Session* session,
@@ -349,7 +504,8 @@ absl::Status KaratDevice::ProcessGqa(const FrameView& frame, Session* session,
   const size_t bytes = session->method_state->bytes();
   metadata_bytes_.fetch_add(bytes - session->metadata_bytes);
   session->metadata_bytes = bytes;
-  return status;
+  absl::Status charged = ChargeMetadata(h.session, session);
+  return status.ok() ? charged : status;
 }
 
 cluster::DeviceInfo KaratDevice::Info() const {

@@ -1,12 +1,16 @@
 // One emulated KARAT device (DESIGN.md §3): a page arena of fixed capacity,
 // the caches of the sessions whose home it is, and one worker thread that
-// runs the device's data-plane work in arrival order.
+// runs the device's data-plane work in arrival order. The devices of one
+// node share a NodeMemory: when a session's home device is full, its new
+// pages spill to the node's other devices and the home's kernels read them
+// in place.
 #pragma once
 
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -55,6 +59,29 @@ class SerialWorker {
   std::thread thread_;
 };
 
+// The arenas of one KARAT node's devices, which share the node's host memory
+// (DESIGN.md §3 "Placement"). A session's pages go to its home device's
+// arena and spill to the others only when the home is full. Each device adds
+// its arena when it is created, before any session is placed; the NodeMemory
+// keeps every arena alive as long as it lives (a session of one device may
+// hold pages of another device's arena, so no arena may go before every
+// session is gone: each device holds the NodeMemory). Thread-safe.
+class NodeMemory {
+ public:
+  // INVALID_ARGUMENT when `device` already has an arena or the page size
+  // differs from the arenas added before.
+  absl::Status Add(int device, std::shared_ptr<PageArena> arena);
+  // The arenas a session homed on `home` draws from: home first, then the
+  // node's other devices in increasing device order.
+  std::vector<PageArena*> ArenasFor(int home) const;
+  // The device ids in ArenasFor(home)'s order.
+  std::vector<int> DevicesFor(int home) const;
+
+ private:
+  mutable absl::Mutex mu_;
+  std::map<int, std::shared_ptr<PageArena>> arenas_ ABSL_GUARDED_BY(mu_);
+};
+
 struct DeviceOptions {
   size_t capacity_bytes = size_t(1) << 30;
   // GPNM cores: the size of the device's core pool. The device worker is
@@ -67,7 +94,42 @@ struct DeviceOptions {
   // its term out.
   double bandwidth_gbps = 0;  // 1e9 bytes/s
   double tflops = 0;          // 1e12 floating-point operations/s
+  // The node's shared memory: when set, the device adds its arena and its
+  // sessions spill to the other devices of the same NodeMemory. When null
+  // the device stands alone (a full arena refuses).
+  std::shared_ptr<NodeMemory> memory = nullptr;
 };
+
+// What one device has done and holds (DESIGN.md §3), for the node's stats.
+struct DeviceMetrics {
+  // Seconds the worker spent in kernels: from taking the device to the end
+  // of the frame's kernels, including the timing model's pacing.
+  double busy_seconds = 0;
+  uint64_t frames = 0;        // data frames processed successfully
+  uint64_t frame_errors = 0;  // data frames refused or failed
+  // Bytes the kernels read (their KernelCost), and the part of it read from
+  // other devices' arenas: a frame's bytes are attributed to spilled pages
+  // in proportion to the layer's stored positions that lie on them.
+  uint64_t kernel_bytes = 0;
+  uint64_t cross_device_bytes = 0;
+  // Occupancy: pages of this device's arena (whoever's home they serve).
+  uint64_t used_bytes = 0;
+  uint64_t capacity_bytes = 0;
+  // Of the pages of this device's sessions: bytes held on other devices.
+  uint64_t spilled_bytes = 0;
+  // Of this arena's pages: bytes held for other devices' sessions.
+  uint64_t hosted_bytes = 0;
+  // The attention methods' metadata (exact bytes; it is charged to the
+  // arenas in whole pages).
+  uint64_t metadata_bytes = 0;
+  int sessions = 0;  // sessions whose home this is
+};
+
+// Adds `m` to a stats map as "device.<index>.<name>" entries (busy_seconds,
+// frames, frame_errors, kernel_bytes, cross_device_bytes, used_bytes,
+// capacity_bytes, spilled_bytes, hosted_bytes, metadata_bytes, sessions).
+void ExportDeviceMetrics(int index, const DeviceMetrics& m,
+                         std::map<std::string, double>* stats);
 
 // The roofline time of a kernel: max(bytes / bandwidth, flops / rate), each
 // term only when its rate is > 0; zero when both are off. Pure.
@@ -102,18 +164,24 @@ class KaratDevice {
   const AttnShapes& shapes() const { return shapes_; }
 
   // Ensures room for `tokens` positions of `session`, creating its cache on
-  // first use. RESOURCE_EXHAUSTED (and nothing changed, a new session not
-  // created) when the arena cannot hold them.
+  // first use. Pages the arena cannot hold spill to the node's other devices
+  // (DeviceOptions::memory). RESOURCE_EXHAUSTED (and nothing changed, a new
+  // session not created) when the node's arenas cannot hold them, counting
+  // the pages held for the session's metadata.
   absl::Status Reserve(uint64_t session, int tokens);
   bool HasSession(uint64_t session) const;
-  // Frees the session's pages; NOT_FOUND when it is not on this device.
+  // Frees the session's pages, each to its own arena; NOT_FOUND when the
+  // session's home is not this device.
   absl::Status Free(uint64_t session);
 
   // Runs one kIndexQK or kAttnQKV frame for this device: validates the
   // session, layer, segment and every section length against the shapes,
   // then appends the entries and runs the kernels. For kAttnQKV `out`
   // receives n x H x out_dim floats. `ingested` receives the bytes of KV
-  // and index-key entries appended. Never reads outside the frame.
+  // and index-key entries appended. Never reads outside the frame. The
+  // methods' metadata that grows in a frame is charged to the arenas after
+  // the kernels; when they cannot supply the pages the frame fails with
+  // RESOURCE_EXHAUSTED naming the metadata.
   absl::Status Process(const FrameView& frame, std::vector<float>* out,
                        uint64_t* ingested);
 
@@ -124,23 +192,41 @@ class KaratDevice {
 
   cluster::DeviceInfo Info() const;
   size_t capacity_bytes() const;
-  // Pages held plus the attention methods' metadata.
+  // The pages of this device's arena: KV and the pages charged for the
+  // attention methods' metadata, of its own sessions and of sessions spilled
+  // here from other devices. Never exceeds capacity_bytes().
   size_t used_bytes() const;
   int sessions() const { return num_sessions_.load(); }
+  DeviceMetrics Metrics() const;
 
  private:
   struct Session {
     std::unique_ptr<SessionCache> cache;
     SelectionState selection;
     // GQA methods: per-layer metadata, and its bytes counted in
-    // metadata_bytes_.
+    // metadata_bytes_ and charged to the cache's pages.
     std::unique_ptr<AttentionSessionState> method_state;
     size_t metadata_bytes = 0;
     uint64_t ingested_bytes = 0;
+    // Pages of the cache on this device and off it, as last added to
+    // home_pages_ and spilled_pages_.
+    int64_t home_pages = 0;
+    int64_t spilled_pages = 0;
   };
   KaratDevice(int index, const ModelConfig& config, int tokens_per_page,
               const DeviceOptions& options);
   absl::Status EnsureRoom(uint64_t session, Session* s, int tokens)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Charges the session's metadata, as it is now, to its cache's pages.
+  absl::Status ChargeMetadata(uint64_t session, Session* s)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Brings home_pages_ and spilled_pages_ up to date with the session's
+  // cache (before it is dropped: with `dropping`, removes its share).
+  void UpdatePageCounts(Session* s, bool dropping = false)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The frame's work under mu_ (Process validates the header first).
+  absl::Status ProcessLocked(const FrameView& frame, std::vector<float>* out,
+                             uint64_t* ingested, KernelCost* cost)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // kAttnQKV for the GQA forms: validates the sections (q, kv, optional
   // flags) and runs RunAttentionLayer.
@@ -153,11 +239,21 @@ class KaratDevice {
   const KvLayout layout_;
   const AttnShapes shapes_;
   const DeviceOptions options_;
-  std::unique_ptr<PageArena> arena_;
+  // Shared with options_.memory, which keeps it alive while pages of it may
+  // still be held by sessions of other devices.
+  std::shared_ptr<PageArena> arena_;
   // The device's GPNM cores; kernels run on it under mu_.
   std::unique_ptr<CorePool> pool_;
   std::shared_ptr<const SparseAttention> method_;  // GQA forms only
   std::atomic<size_t> metadata_bytes_{0};
+  // Pages of this device's sessions on its own arena and on other devices'.
+  std::atomic<int64_t> home_pages_{0};
+  std::atomic<int64_t> spilled_pages_{0};
+  std::atomic<int64_t> busy_ns_{0};
+  std::atomic<uint64_t> frames_{0};
+  std::atomic<uint64_t> frame_errors_{0};
+  std::atomic<uint64_t> kernel_bytes_{0};
+  std::atomic<uint64_t> cross_device_bytes_{0};
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<uint64_t, Session> sessions_ ABSL_GUARDED_BY(mu_);

@@ -5,6 +5,8 @@
 #include <cctype>
 #include <limits>
 #include <map>
+#include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -28,6 +30,18 @@ grpc::Status ToGrpc(const absl::Status& s) {
   if (s.ok()) return grpc::Status::OK;
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()),
                       std::string(s.message()));
+}
+
+// Per-device metrics (busy time, frames, kernel and cross-device bytes,
+// occupancy, spill) as "device.<i>.<name>" entries of a stats map.
+void ExportDevices(const DataPlaneHandler& handler,
+                   google::protobuf::Map<std::string, double>* out) {
+  std::map<std::string, double> stats;
+  for (int i = 0; i < handler.num_devices(); ++i) {
+    ExportDeviceMetrics(handler.device(i)->index(),
+                        handler.device(i)->Metrics(), &stats);
+  }
+  for (const auto& [k, v] : stats) (*out)[k] = v;
 }
 
 class KaratNodeService final : public cluster::KaratNode::Service {
@@ -69,6 +83,7 @@ class KaratNodeService final : public cluster::KaratNode::Service {
     for (const auto& [k, v] : handler_->Counters()) {
       (*response->mutable_stats())[k] = v;
     }
+    ExportDevices(*handler_, response->mutable_stats());
     for (const auto& d : handler_->Devices()) *response->add_devices() = d;
     if (links_ != nullptr) links_->stats()->ExportTo(response->mutable_stats());
     return grpc::Status::OK;
@@ -169,6 +184,7 @@ struct KaratNodeDaemon::Impl {
   void FillHeartbeat(cluster::HeartbeatRequest* r) const {
     for (const auto& d : handler->Devices()) *r->add_devices() = d;
     for (const auto& [k, v] : handler->Counters()) (*r->mutable_stats())[k] = v;
+    ExportDevices(*handler, r->mutable_stats());
     if (links != nullptr) links->stats()->ExportTo(r->mutable_stats());
   }
 };
@@ -206,10 +222,14 @@ absl::StatusOr<std::unique_ptr<KaratNodeDaemon>> KaratNodeDaemon::Start(
   DataPlaneOptions plane;
   plane.tokens_per_page = options.tokens_per_page;
   plane.model_dir = options.model_dir;  // MagicPIG reads its hyperplanes
+  // One memory for the node's devices: a full home device spills to the
+  // others (DESIGN.md §3 "Placement").
+  auto memory = options.spill ? std::make_shared<NodeMemory>() : nullptr;
   for (int i = 0; i < options.devices; ++i) {
     DeviceOptions device{options.device_capacity_bytes, options.cores};
     device.bandwidth_gbps = options.device_bandwidth_gbps;
     device.tflops = options.device_tflops;
+    device.memory = memory;
     plane.devices.push_back(device);
   }
   ASSIGN_OR_RETURN(
@@ -226,7 +246,9 @@ absl::StatusOr<std::unique_ptr<KaratNodeDaemon>> KaratNodeDaemon::Start(
                            << ", " << options.devices << " devices of "
                            << impl->handler->device(0)->capacity_bytes()
                            << " bytes, " << options.cores << " cores each, "
-                           << options.tokens_per_page << " tokens per page";
+                           << options.tokens_per_page << " tokens per page"
+                           << (options.spill ? ""
+                                             : ", no spill across devices");
 
   RegistrarOptions reg;
   reg.coordinator = options.coordinator;

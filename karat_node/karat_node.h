@@ -5,6 +5,10 @@
 //   grpc.health.v1.Health and server reflection.
 // The node registers with the coordinator (role "karat") and sends
 // heartbeats with its devices' occupancy; it logs "ready" once registered.
+// GetStats and the heartbeat stats carry per-device metrics as
+// "device.<i>.<name>" (busy_seconds, frames, frame_errors, kernel_bytes,
+// cross_device_bytes, used_bytes, capacity_bytes, spilled_bytes,
+// hosted_bytes, metadata_bytes, sessions; karat_device.h DeviceMetrics).
 #pragma once
 
 #include <cstddef>
@@ -38,6 +42,9 @@ struct KaratNodeOptions {
   double device_bandwidth_gbps = 0;
   double device_tflops = 0;
   int tokens_per_page = 64;
+  // Whether a session's pages spill to the node's other devices when its
+  // home device is full (DESIGN.md §3); off, a full home device refuses.
+  bool spill = true;
   // When set, the bound gRPC address is written here once listening.
   std::string port_file;
   absl::Duration heartbeat_interval = absl::Seconds(1);

@@ -14,6 +14,7 @@ constexpr char kUsage[] =
     "  [--fabric-node ADDR] [--devices N] [--device-capacity BYTES]\n"
     "  [--cores N] [--tokens-per-page N] [--port-file PATH]\n"
     "  [--device-bandwidth-gbps GBPS] [--device-tflops TFLOPS]\n"
+    "  [--spill on|off] (pages spill to other devices when the home is full)\n"
     "  [--send-timeout-ms N] [--log-level debug|info|warning|error]\n";
 
 double NonNegativeDouble(const karat::NodeFlagParser& parser,
@@ -46,6 +47,11 @@ karat::KaratNodeOptions ParseFlags(int argc, char** argv) {
           o.device_bandwidth_gbps = NonNegativeDouble(parser, flag, value);
         } else if (flag == "--device-tflops") {
           o.device_tflops = NonNegativeDouble(parser, flag, value);
+        } else if (flag == "--spill") {
+          if (value != "on" && value != "off") {
+            parser.BadFlag(flag, "expected on or off, got '" + value + "'");
+          }
+          o.spill = value == "on";
         } else if (flag == "--tokens-per-page") {
           o.tokens_per_page = parser.PositiveInt(flag, value);
         } else {

@@ -12,3 +12,10 @@ add_unit_test(karat_device_test SOURCES tests/karat_node/karat_device_test.cc
 add_unit_test(karat_device_gqa_test
               SOURCES tests/karat_node/karat_device_gqa_test.cc
               LIBS karat_karat_node)
+add_unit_test(karat_device_spill_test
+              SOURCES tests/karat_node/device_spill_test.cc
+              LIBS karat_karat_node)
+add_unit_test(karat_node_stats_test
+              SOURCES tests/karat_node/karat_node_stats_test.cc
+              LIBS karat_karat_node
+              LABELS unit loopback)
