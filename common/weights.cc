@@ -3,9 +3,11 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <string_view>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -201,6 +203,26 @@ std::vector<TensorSpec> ExpectedTensors(const ModelConfig& c) {
           {int64_t{c.attention.lsh_bits} * c.attention.lsh_tables, c.head_dim});
   }
   return s.Take();
+}
+
+int64_t RankWeightBytes(const ModelConfig& c, int rank, int ranks) {
+  const int64_t experts = c.n_routed_experts;
+  const int64_t first = ranks > 0 ? experts * rank / ranks : 0;
+  const int64_t last = ranks > 0 ? experts * (rank + 1) / ranks : experts;
+  static constexpr std::string_view kExperts = ".mlp.experts.";
+  int64_t bytes = 0;
+  for (const TensorSpec& spec : ExpectedTensors(c)) {
+    const size_t at = spec.name.find(kExperts);
+    if (at != std::string::npos) {
+      const int64_t e =
+          std::strtoll(spec.name.c_str() + at + kExperts.size(), nullptr, 10);
+      if (e < first || e >= last) continue;
+    }
+    int64_t n = 1;
+    for (int64_t d : spec.shape) n *= d;
+    bytes += n * static_cast<int64_t>(sizeof(float));
+  }
+  return bytes;
 }
 
 absl::StatusOr<ModelFiles> LoadModel(const std::string& model_dir) {

@@ -2,11 +2,13 @@
 
 #include <cmath>
 
+#include <algorithm>
 #include <fstream>
 #include <set>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "common/weights.h"
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
 
@@ -38,6 +40,26 @@ absl::Status Invalid(const std::string& field, const std::string& problem) {
 }
 
 }  // namespace
+
+const cluster::LinkConfig* EffectiveLink(
+    const google::protobuf::RepeatedPtrField<cluster::LinkConfig>& links,
+    const std::string& source, const std::string& destination) {
+  // Specificity: exact source and destination, exact source, exact
+  // destination, "*" -> "*".
+  const cluster::LinkConfig* best = nullptr;
+  int best_rank = -1;
+  for (const auto& l : links) {
+    const bool src = l.source() == source, dst = l.destination() == destination;
+    if (!(src || l.source() == "*") || !(dst || l.destination() == "*"))
+      continue;
+    const int rank = src && dst ? 3 : src ? 2 : dst ? 1 : 0;
+    if (rank > best_rank) {
+      best = &l;
+      best_rank = rank;
+    }
+  }
+  return best;
+}
 
 absl::Status ValidateLinkConfig(const cluster::LinkConfig& l,
                                 const std::string& f) {
@@ -98,7 +120,84 @@ absl::Status ValidateClusterConfig(const cluster::ClusterConfig& config) {
         ValidateLinkConfig(config.links(i), absl::StrCat("links[", i, "]"));
     if (!link.ok()) return link;
   }
+  const std::string& mode = config.mode();
+  if (!mode.empty() && mode != "karat" && mode != "gpu_only")
+    return Invalid("mode", absl::StrCat("must be \"karat\" or \"gpu_only\", got \"",
+                                        mode, "\""));
+  const bool gpu_only = mode == "gpu_only";
+  const auto& sc = config.scheduling();
+  if (sc.micro_batches() < 0 || sc.micro_batches() > 2)
+    return Invalid("scheduling.micro_batches",
+                   absl::StrCat("must be 1 or 2 (0: 2), got ", sc.micro_batches()));
+  if (!sc.schedule().empty() && sc.schedule() != "ofms" && sc.schedule() != "scms")
+    return Invalid("scheduling.schedule",
+                   absl::StrCat("must be \"ofms\" or \"scms\", got \"",
+                                sc.schedule(), "\""));
+  if (!sc.balance().empty() && sc.balance() != "cmr" && sc.balance() != "count")
+    return Invalid("scheduling.balance",
+                   absl::StrCat("must be \"cmr\" or \"count\", got \"",
+                                sc.balance(), "\""));
+  if (!(sc.tbt_slo_ms() >= 0) || std::isinf(sc.tbt_slo_ms()))
+    return Invalid("scheduling.tbt_slo_ms", "must be >= 0 and finite");
+  if (sc.queue_timeout_ms() < 0)
+    return Invalid("scheduling.queue_timeout_ms", "must be >= 0");
+  for (int i = 0; i < config.gpu_nodes_size(); ++i) {
+    const auto& g = config.gpu_nodes(i);
+    std::string f = absl::StrCat("gpu_nodes[", i, "].hbm_bytes");
+    if (g.hbm_bytes() < 0) return Invalid(f, "must be >= 0");
+    if (gpu_only && g.hbm_bytes() == 0)
+      return Invalid(f, "must be > 0 in gpu_only mode (the rank's KV lives in it)");
+  }
+  if (!gpu_only && config.karat_nodes_size() > 0) {
+    for (int i = 0; i < config.gpu_nodes_size(); ++i) {
+      const std::string& g = config.gpu_nodes(i).name();
+      bool reachable = false;
+      for (const auto& k : config.karat_nodes()) {
+        const cluster::LinkConfig* to = EffectiveLink(config.links(), g, k.name());
+        const cluster::LinkConfig* from = EffectiveLink(config.links(), k.name(), g);
+        if ((to == nullptr || !to->down()) && (from == nullptr || !from->down()))
+          reachable = true;
+      }
+      if (!reachable)
+        return Invalid(absl::StrCat("gpu_nodes[", i, "]"),
+                       absl::StrCat("GPU node \"", g,
+                                    "\" has no link to any KARAT node that is "
+                                    "not down (see links)"));
+    }
+  }
   return absl::OkStatus();
+}
+
+absl::Status ValidateClusterConfigForModel(const cluster::ClusterConfig& config,
+                                           const ModelConfig& model) {
+  const int ranks = std::max(1, config.gpu_nodes_size());
+  if (model.n_routed_experts % ranks != 0)
+    return Invalid("gpu_nodes",
+                   absl::StrCat(model.n_routed_experts,
+                                " routed experts cannot be split evenly among ",
+                                ranks, " GPU ranks"));
+  for (int i = 0; i < config.gpu_nodes_size(); ++i) {
+    const int64_t hbm = config.gpu_nodes(i).hbm_bytes();
+    if (hbm <= 0) continue;
+    const int64_t weights = RankWeightBytes(model, i, ranks);
+    if (hbm < weights)
+      return Invalid(absl::StrCat("gpu_nodes[", i, "].hbm_bytes"),
+                     absl::StrCat(hbm, " bytes cannot hold the rank's ", weights,
+                                  " bytes of weights"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckClusterConfigAgainstModel(const cluster::ClusterConfig& config,
+                                            const std::string& model_dir) {
+  std::ifstream probe(model_dir + "/config.json");
+  if (!probe)
+    return absl::NotFoundError(
+        absl::StrCat(model_dir, "/config.json: cannot read the model config"));
+  absl::StatusOr<ModelConfig> model = LoadModelConfig(model_dir);
+  if (!model.ok())
+    return absl::InvalidArgumentError(std::string(model.status().message()));
+  return ValidateClusterConfigForModel(config, *model);
 }
 
 absl::StatusOr<cluster::ClusterConfig> ParseClusterConfig(

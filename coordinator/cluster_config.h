@@ -6,6 +6,7 @@
 
 #include "absl/status/statusor.h"
 #include "cluster.pb.h"
+#include "common/model_config.h"
 
 namespace karat::coordinator {
 
@@ -22,9 +23,35 @@ absl::StatusOr<cluster::ClusterConfig> LoadClusterConfig(
 
 // Checks values that parse but make no sense: empty or duplicate node names,
 // negative limits, a KARAT node without devices or with a device of zero
-// capacity. The message names the field ("karat_nodes[0].devices[1].
-// capacity_bytes: must be > 0").
+// capacity, an unknown `mode`, `scheduling.schedule` or `scheduling.balance`,
+// `scheduling.micro_batches` outside {0, 1, 2}, a negative or non-finite
+// `scheduling.tbt_slo_ms`, a negative `hbm_bytes`, `gpu_only` mode without
+// `hbm_bytes` on every GPU node, and in `karat` mode a GPU node whose links
+// (`links`) to every KARAT node are down. The message names the field
+// ("karat_nodes[0].devices[1].capacity_bytes: must be > 0").
 absl::Status ValidateClusterConfig(const cluster::ClusterConfig& config);
+
+// The checks that need the model (`model`, usually read from
+// model_dir/config.json): the routed experts must divide evenly among the
+// GPU ranks ("gpu_nodes: 16 routed experts cannot be split evenly among 3
+// GPU ranks"), and a GPU node's `hbm_bytes`, when set, must hold the weights
+// of its rank (RankWeightBytes; "gpu_nodes[1].hbm_bytes: 1000000 bytes
+// cannot hold the rank's 3456789 bytes of weights"). INVALID_ARGUMENT.
+absl::Status ValidateClusterConfigForModel(const cluster::ClusterConfig& config,
+                                           const ModelConfig& model);
+
+// Reads `model_dir`/config.json (LoadModelConfig) and runs
+// ValidateClusterConfigForModel. NOT_FOUND when the model config cannot be
+// read, INVALID_ARGUMENT when it is malformed or the checks fail.
+absl::Status CheckClusterConfigAgainstModel(const cluster::ClusterConfig& config,
+                                            const std::string& model_dir);
+
+// The effective link rule from `source` to `destination` among `links`
+// (the most specific one, as cluster.proto's LinkConfig describes), or
+// nullptr when none applies.
+const cluster::LinkConfig* EffectiveLink(
+    const google::protobuf::RepeatedPtrField<cluster::LinkConfig>& links,
+    const std::string& source, const std::string& destination);
 
 // Checks one link-emulation rule (names not empty, latency, jitter and
 // bandwidth >= 0, loss within [0, 1]); `field` prefixes the message

@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <deque>
+#include <functional>
 #include <map>
 #include <set>
 #include <thread>
@@ -22,6 +24,7 @@
 #include "common/tokenizer.h"
 #include "coordinator/cluster_config.h"
 #include "coordinator/placement.h"
+#include "coordinator/scheduling.h"
 #include "karat.grpc.pb.h"
 
 namespace karat::coordinator {
@@ -45,6 +48,11 @@ struct Node {
   absl::Time last_seen;
   int active_turns = 0;
   std::shared_ptr<grpc::Channel> channel;
+  // GPU nodes: rank and rank count (RegisterNodeRequest; 0 ranks: 1), and
+  // in gpu_only mode the KV room of the rank.
+  int rank = 0;
+  int ranks = 1;
+  int64_t kv_capacity_bytes = 0;
 };
 
 struct Session {
@@ -59,6 +67,62 @@ struct Session {
   bool busy = false;
   // The running turn's call while busy (valid until busy is cleared).
   grpc::ServerContext* turn_ctx = nullptr;
+  // gpu_only: the rank whose memory holds the KV (-1: none yet).
+  int rank = -1;
+  // Positions where each earlier turn's prefill ended (increasing); sent as
+  // RunTurnRequest.prefill_ends when the KV is rebuilt from the token log.
+  std::vector<int> prefill_ends;
+};
+
+// A turn admitted to a rank and not finished yet.
+struct RunningTurn {
+  std::string session_id;
+  HomeDevice home;
+  int64_t context_tokens = 0;
+  int micro_batch = 0;
+  // The micro-batch the GPU node was last told (RunTurnRequest or
+  // SetMicroBatches), and whether its RunTurn call has been made.
+  int pushed_micro_batch = 0;
+  bool started = false;
+};
+
+// One GPU rank's batch as the coordinator schedules it.
+struct Rank {
+  std::map<uint64_t, RunningTurn> running;  // by session key
+  MicroBatchPlan plan;
+  double imbalance_sum = 0;
+  int64_t imbalance_samples = 0;
+};
+
+// A fixed-bucket histogram of milliseconds (Prometheus-style cumulative
+// buckets when exported).
+class MsHistogram {
+ public:
+  static constexpr double kBounds[] = {1,   2,   5,    10,   20,   50,   100,
+                                       200, 500, 1000, 2000, 5000, 10000};
+  void Add(double ms) {
+    size_t i = 0;
+    while (i < std::size(kBounds) && ms > kBounds[i]) ++i;
+    counts_[i]++;
+    count_++;
+    sum_ += ms;
+  }
+  void ExportTo(const std::string& name,
+                google::protobuf::Map<std::string, double>* stats) const {
+    uint64_t cumulative = 0;
+    for (size_t i = 0; i < std::size(kBounds); ++i) {
+      cumulative += counts_[i];
+      (*stats)[absl::StrCat(name, "_bucket_le_", kBounds[i])] = double(cumulative);
+    }
+    (*stats)[name + "_bucket_le_inf"] = double(count_);
+    (*stats)[name + "_count"] = double(count_);
+    (*stats)[name + "_sum"] = sum_;
+  }
+
+ private:
+  uint64_t counts_[std::size(kBounds) + 1] = {};
+  uint64_t count_ = 0;
+  double sum_ = 0;
 };
 
 const char* RoleName(NodeRole r) { return r == NodeRole::kGpu ? "gpu" : "karat"; }
@@ -74,10 +138,107 @@ grpc::Status ToGrpc(const absl::Status& s) {
 class State {
  public:
   explicit State(const Options& options)
-      : links_(options.links), options_(options) {}
+      : links_(options.links), options_(options), started_(Now()) {}
 
   absl::Time Now() const { return options_.now ? options_.now() : absl::Now(); }
   const Options& options() const { return options_; }
+  bool gpu_only() const { return options_.mode == "gpu_only"; }
+  int micro_batches() const {
+    return options_.scheduling.micro_batches() == 1 ? 1 : 2;
+  }
+  absl::Duration queue_timeout() const {
+    const int ms = options_.scheduling.queue_timeout_ms();
+    return absl::Milliseconds(ms > 0 ? ms : 60000);
+  }
+  absl::Time started() const { return started_; }
+
+  // The rank count the alive GPU nodes claim (1 without any).
+  int RankCountLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    int ranks = 1;
+    for (const auto& [id, n] : nodes_)
+      if (n.role == NodeRole::kGpu && AliveLocked(n)) ranks = std::max(ranks, n.ranks);
+    return ranks;
+  }
+
+  // The alive GPU node serving `rank`, or nullptr.
+  Node* RankNodeLocked(int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (auto& [id, n] : nodes_)
+      if (n.role == NodeRole::kGpu && n.rank == rank && AliveLocked(n)) return &n;
+    return nullptr;
+  }
+
+  // Most requests `rank` may run at once: min(max_batch, TBT cap), where the
+  // TBT cap models a batch whose mean context includes `extra_context` (the
+  // turn being admitted). Never below 1: a lone request always runs.
+  int RankCapLocked(int rank, int64_t extra_context)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    int cap = kUnboundedBatch;
+    if (rank >= 0 && rank < static_cast<int>(options_.max_batch_by_rank.size()) &&
+        options_.max_batch_by_rank[rank] > 0)
+      cap = options_.max_batch_by_rank[rank];
+    const double slo = options_.scheduling.tbt_slo_ms();
+    if (slo > 0) {
+      int64_t sum = extra_context, n = 1;
+      auto r = ranks_.find(rank);
+      if (r != ranks_.end()) {
+        for (const auto& [key, t] : r->second.running) {
+          sum += t.context_tokens;
+          ++n;
+        }
+      }
+      absl::StatusOr<int> slo_cap = MaxBatchForSlo(slo, options_.step_cost, sum / n);
+      if (slo_cap.ok()) {
+        cap = std::min(cap, *slo_cap);
+      } else {
+        KLOG(Warning, "coordinator") << "TBT cap: " << slo_cap.status();
+      }
+    }
+    return std::max(cap, 1);
+  }
+
+  // Recomputes `rank`'s micro-batches (CMR or count balancing over its
+  // running turns) and records the token imbalance. Returns true when a
+  // started turn's micro-batch differs from what its GPU node knows.
+  bool RecomputeMicroBatchesLocked(int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Rank& r = ranks_[rank];
+    std::vector<RankRequest> requests;
+    for (const auto& [key, t] : r.running)
+      requests.push_back({key, t.home, t.context_tokens});
+    MicroBatchPlan plan;
+    if (micro_batches() == 1) {
+      for (const auto& q : requests) plan.assignments.push_back({q.request_id, MicroBatch::k0});
+    } else {
+      const MicroBatchMode mode = options_.scheduling.balance() == "count"
+                                      ? MicroBatchMode::kRequestCount
+                                      : MicroBatchMode::kContextLength;
+      absl::StatusOr<MicroBatchPlan> p = AssignMicroBatches(mode, requests, r.plan);
+      if (!p.ok()) {
+        KLOG(Warning, "coordinator") << "micro-batches of rank " << rank << ": "
+                                     << p.status();
+        return false;
+      }
+      plan = *std::move(p);
+      absl::StatusOr<MicroBatchImbalance> imb = Imbalance(requests, plan);
+      if (imb.ok()) {
+        const int64_t total = imb->rank_context_tokens[0] + imb->rank_context_tokens[1];
+        if (total > 0) {
+          const double ratio = double(imb->token_imbalance) / double(total);
+          r.imbalance_sum += ratio;
+          r.imbalance_samples++;
+          imbalance_sum_ += ratio;
+          imbalance_samples_++;
+        }
+      }
+    }
+    r.plan = std::move(plan);
+    bool push = false;
+    for (auto& [key, t] : r.running) {
+      std::optional<MicroBatch> mb = r.plan.Find(key);
+      t.micro_batch = mb ? static_cast<int>(*mb) : 0;
+      if (t.started && t.micro_batch != t.pushed_micro_batch) push = true;
+    }
+    return push;
+  }
 
   bool AliveLocked(const Node& n) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return Now() - n.last_seen <= absl::Milliseconds(options_.node_timeout_ms);
@@ -117,9 +278,153 @@ class State {
   // carries the version it was built from.
   uint64_t links_version_ ABSL_GUARDED_BY(mu_) = 0;
 
+  // Scheduling: running turns by rank, the admission queue (turn ids, front
+  // first) and the events that wake queued turns.
+  std::map<int, Rank> ranks_ ABSL_GUARDED_BY(mu_);
+  std::deque<uint64_t> queue_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_turn_id_ ABSL_GUARDED_BY(mu_) = 1;
+  // Bumped when room may have appeared (a turn finished, a session closed,
+  // a node registered) and when the queue changed.
+  uint64_t capacity_epoch_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t queue_epoch_ ABSL_GUARDED_BY(mu_) = 0;
+
+  // Metrics (ClusterStatus.stats).
+  MsHistogram ttft_ms_ ABSL_GUARDED_BY(mu_);
+  MsHistogram tbt_ms_ ABSL_GUARDED_BY(mu_);
+  int64_t turns_admitted_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t turns_queued_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t turns_timed_out_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t turns_cancelled_queued_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t turns_refused_ ABSL_GUARDED_BY(mu_) = 0;
+  double imbalance_sum_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t imbalance_samples_ ABSL_GUARDED_BY(mu_) = 0;
+
  private:
   const Options options_;
+  const absl::Time started_;
 };
+
+// ---------------------------------------------------------------------------
+// Control pushes made in the background (SetPeers, SetMicroBatches), so that
+// no client stream and no lock waits on a node. Tasks are coalesced by key:
+// a task posted again before it ran replaces the waiting one.
+
+class ControlPusher {
+ public:
+  ControlPusher() : thread_([this] { Loop(); }) {}
+  ~ControlPusher() { Stop(); }
+
+  void Post(const std::string& key, std::function<void()> task) {
+    absl::MutexLock lock(&mu_);
+    if (stop_) return;
+    tasks_[key] = std::move(task);
+  }
+
+  void Stop() {
+    {
+      absl::MutexLock lock(&mu_);
+      if (stop_) return;
+      stop_ = true;
+    }
+    thread_.join();
+  }
+
+ private:
+  void Loop() {
+    for (;;) {
+      std::function<void()> task;
+      {
+        absl::MutexLock lock(&mu_);
+        auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return !tasks_.empty() || stop_;
+        };
+        mu_.Await(absl::Condition(&ready));
+        if (stop_) return;
+        auto it = tasks_.begin();
+        task = std::move(it->second);
+        tasks_.erase(it);
+      }
+      task();
+    }
+  }
+
+  absl::Mutex mu_;
+  std::map<std::string, std::function<void()>> tasks_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
+std::chrono::system_clock::time_point Deadline(const State* s) {
+  return std::chrono::system_clock::now() +
+         std::chrono::milliseconds(s->options().node_call_timeout_ms);
+}
+
+// Pushes every registered GPU rank's address (GpuNode.SetPeers) to every
+// alive GPU node.
+void PushPeers(State* s) {
+  cl::SetPeersRequest req;
+  std::vector<std::pair<std::string, std::shared_ptr<grpc::Channel>>> targets;
+  {
+    absl::MutexLock lock(&s->mu_);
+    for (const auto& [id, n] : s->nodes_) {
+      if (n.role != NodeRole::kGpu || !s->AliveLocked(n)) continue;
+      cl::GpuPeer* p = req.add_peers();
+      p->set_rank(n.rank);
+      p->set_name(n.name);
+      p->set_node_id(id);
+      p->set_fabric_address(n.fabric_address);
+      targets.emplace_back(n.name, n.channel);
+    }
+  }
+  std::sort(req.mutable_peers()->begin(), req.mutable_peers()->end(),
+            [](const cl::GpuPeer& a, const cl::GpuPeer& b) { return a.rank() < b.rank(); });
+  for (const auto& [name, channel] : targets) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline(s));
+    cl::SetPeersResponse resp;
+    grpc::Status st = cl::GpuNode::NewStub(channel)->SetPeers(&ctx, req, &resp);
+    if (!st.ok()) {
+      KLOG(Warning, kLog) << "cannot push GPU peers to " << name << ": "
+                          << st.error_message();
+    }
+  }
+}
+
+// Tells `rank`'s GPU node the micro-batches of its started turns that
+// changed since it was last told (GpuNode.SetMicroBatches).
+void PushMicroBatches(State* s, int rank) {
+  cl::SetMicroBatchesRequest req;
+  std::shared_ptr<grpc::Channel> channel;
+  std::string name;
+  {
+    absl::MutexLock lock(&s->mu_);
+    Node* node = s->RankNodeLocked(rank);
+    auto r = s->ranks_.find(rank);
+    if (node == nullptr || r == s->ranks_.end()) return;
+    for (const auto& [key, t] : r->second.running)
+      if (t.started && t.micro_batch != t.pushed_micro_batch)
+        (*req.mutable_micro_batch())[key] = t.micro_batch;
+    if (req.micro_batch().empty()) return;
+    channel = node->channel;
+    name = node->name;
+  }
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Deadline(s));
+  cl::SetMicroBatchesResponse resp;
+  grpc::Status st = cl::GpuNode::NewStub(channel)->SetMicroBatches(&ctx, req, &resp);
+  if (!st.ok()) {
+    KLOG(Warning, kLog) << "cannot push micro-batches to " << name << " (rank "
+                        << rank << "): " << st.error_message();
+    return;
+  }
+  absl::MutexLock lock(&s->mu_);
+  auto r = s->ranks_.find(rank);
+  if (r == s->ranks_.end()) return;
+  for (const auto& [key, mb] : req.micro_batch()) {
+    auto t = r->second.running.find(key);
+    if (t != r->second.running.end()) t->second.pushed_micro_batch = mb;
+  }
+}
 
 // ---------------------------------------------------------------------------
 // Link emulation: pushes the rule table to nodes (GpuNode/KaratNode
@@ -286,8 +591,9 @@ class MembershipService final : public cl::Coordinator::Service {
  public:
   explicit MembershipService(State* state) : s_(state) {}
 
-  // Told after every registration (pushes the link table).
+  // Told after every registration (pushes the link table; GPU peers).
   void set_link_pusher(LinkPusher* pusher) { pusher_ = pusher; }
+  void set_control_pusher(ControlPusher* pusher) { control_ = pusher; }
 
   grpc::Status RegisterNode(grpc::ServerContext*,
                             const cl::RegisterNodeRequest* req,
@@ -323,6 +629,37 @@ class MembershipService final : public cl::Coordinator::Service {
                          s_->gpu_fingerprint_));
       }
     }
+    int rank = 0, ranks = 1;
+    if (role == NodeRole::kGpu) {
+      rank = req->rank();
+      ranks = req->ranks() > 0 ? req->ranks() : 1;
+      if (req->ranks() < 0 || rank < 0 || rank >= ranks)
+        return grpc::Status(
+            grpc::StatusCode::INVALID_ARGUMENT,
+            absl::StrCat("node ", req->name(), ": rank ", rank,
+                         " is outside [0, ranks) with ranks ", req->ranks()));
+      for (const auto& [id, n] : s_->nodes_) {
+        if (n.role != NodeRole::kGpu || n.name == req->name() ||
+            !s_->AliveLocked(n))
+          continue;
+        if (n.ranks != ranks)
+          return grpc::Status(
+              grpc::StatusCode::FAILED_PRECONDITION,
+              absl::StrCat("node ", req->name(), " claims ", ranks,
+                           " GPU ranks but node ", n.name, " claims ", n.ranks,
+                           "; start every GPU node with the same --ranks"));
+        if (n.rank == rank)
+          return grpc::Status(
+              grpc::StatusCode::ALREADY_EXISTS,
+              absl::StrCat("node ", req->name(), " claims rank ", rank,
+                           " of ", ranks, " but the alive node ", n.name,
+                           " serves it; give each GPU node its own --rank"));
+      }
+      if (s_->gpu_only() && req->kv_capacity_bytes() < 0)
+        return grpc::Status(
+            grpc::StatusCode::INVALID_ARGUMENT,
+            absl::StrCat("node ", req->name(), ": kv_capacity_bytes must be >= 0"));
+    }
     for (auto it = s_->nodes_.begin(); it != s_->nodes_.end(); ++it) {
       if (it->second.name == req->name()) {
         KLOG(Info, kLog) << "node " << req->name() << " re-registered; id "
@@ -342,14 +679,32 @@ class MembershipService final : public cl::Coordinator::Service {
     n.devices.assign(req->devices().begin(), req->devices().end());
     n.last_seen = s_->Now();
     n.channel = std::move(channel);
+    n.rank = rank;
+    n.ranks = ranks;
+    n.kv_capacity_bytes = req->kv_capacity_bytes();
+    if (role == NodeRole::kGpu && n.devices.empty() && n.kv_capacity_bytes > 0) {
+      // gpu_only: the rank's KV room shows as its one device.
+      cl::DeviceInfo d;
+      d.set_device(0);
+      d.set_capacity_bytes(n.kv_capacity_bytes);
+      n.devices.push_back(d);
+    }
     KLOG(Info, kLog) << "node " << n.name << " registered: id=" << n.id
                      << " role=" << RoleName(role) << " grpc=" << n.grpc_address
                      << " provider=" << n.provider
-                     << " devices=" << n.devices.size();
+                     << " devices=" << n.devices.size()
+                     << (role == NodeRole::kGpu
+                             ? absl::StrCat(" rank=", rank, "/", ranks)
+                             : std::string());
     resp->set_node_id(n.id);
     resp->set_heartbeat_interval_ms(s_->options().heartbeat_interval_ms);
     s_->nodes_.emplace(n.id, std::move(n));
+    s_->capacity_epoch_++;
     if (pusher_ != nullptr && !s_->links_.empty()) pusher_->Request();
+    if (role == NodeRole::kGpu && control_ != nullptr) {
+      State* s = s_;
+      control_->Post("peers", [s] { PushPeers(s); });
+    }
     return grpc::Status::OK;
   }
 
@@ -362,6 +717,8 @@ class MembershipService final : public cl::Coordinator::Service {
       return grpc::Status::OK;
     }
     Node& n = it->second;
+    // A node back from silence may make room for queued turns.
+    if (!s_->AliveLocked(n)) s_->capacity_epoch_++;
     if (req->devices_size() > 0)
       n.devices.assign(req->devices().begin(), req->devices().end());
     for (const auto& [k, v] : req->stats()) n.stats[k] = v;
@@ -373,6 +730,7 @@ class MembershipService final : public cl::Coordinator::Service {
  private:
   State* s_;
   LinkPusher* pusher_ = nullptr;
+  ControlPusher* control_ = nullptr;
 };
 
 // ---------------------------------------------------------------------------
@@ -382,17 +740,24 @@ class MembershipService final : public cl::Coordinator::Service {
 struct AdmittedTurn {
   uint64_t key = 0;
   uint64_t seed = 0;
+  int rank = 0;
   uint32_t gpu_id = 0;
   std::string gpu_name;
   std::shared_ptr<grpc::Channel> gpu_channel;
-  cl::KaratPlacement placement;
+  cl::KaratPlacement placement;  // empty in gpu_only mode
   int pos_start = 0;
   std::vector<int32_t> feed;
+  std::vector<int32_t> prefill_ends;
 };
 
 class KaratService final : public v1::Karat::Service {
  public:
   explicit KaratService(State* state) : s_(state) {}
+
+  // Runs the SetMicroBatches pushes.
+  void set_control_pusher(ControlPusher* pusher) { control_ = pusher; }
+  // Posts a SetMicroBatches push for `rank`.
+  void PostMicroBatchPush(int rank);
 
   grpc::Status CreateSession(grpc::ServerContext*,
                              const v1::CreateSessionRequest* req,
@@ -433,6 +798,7 @@ class KaratService final : public v1::Karat::Service {
                             v1::CloseSessionResponse*) override {
     std::shared_ptr<grpc::Channel> home_channel;
     std::string home_name;
+    NodeRole home_role = NodeRole::kKarat;
     uint64_t key = 0;
     WaitForCancelledTurn(req->session_id(), absl::Milliseconds(200));
     {
@@ -450,22 +816,25 @@ class KaratService final : public v1::Karat::Service {
         if (n != s_->nodes_.end()) {
           home_channel = n->second.channel;
           home_name = n->second.name;
+          home_role = n->second.role;
         }
       }
       s_->session_keys_.erase(key);
       s_->sessions_.erase(it);
+      // Its pages are about to be freed: queued turns may fit.
+      s_->capacity_epoch_++;
     }
     KLOG(Info, kLog) << "session=" << req->session_id() << " closed";
     if (home_channel) {
-      auto stub = cl::KaratNode::NewStub(home_channel);
       grpc::ClientContext ctx;
-      ctx.set_deadline(std::chrono::system_clock::now() +
-                       std::chrono::milliseconds(
-                           s_->options().node_call_timeout_ms));
+      ctx.set_deadline(Deadline(s_));
       cl::FreeSessionRequest freq;
       freq.set_session(key);
       cl::FreeSessionResponse fresp;
-      grpc::Status st = stub->FreeSession(&ctx, freq, &fresp);
+      grpc::Status st =
+          home_role == NodeRole::kGpu
+              ? cl::GpuNode::NewStub(home_channel)->FreeSession(&ctx, freq, &fresp)
+              : cl::KaratNode::NewStub(home_channel)->FreeSession(&ctx, freq, &fresp);
       if (!st.ok()) {
         // The session is closed either way; the node frees the pages when
         // it restarts or when it learns the session is gone.
@@ -473,6 +842,8 @@ class KaratService final : public v1::Karat::Service {
                             << " FreeSession on " << home_name
                             << " failed: " << st.error_message();
       }
+      absl::MutexLock lock(&s_->mu_);
+      s_->capacity_epoch_++;
     }
     return grpc::Status::OK;
   }
@@ -503,6 +874,7 @@ class KaratService final : public v1::Karat::Service {
     resp->set_sessions(static_cast<int32_t>(s_->sessions_.size()));
     resp->set_active_generations(s_->active_generations_);
     resp->set_tokens_generated(s_->tokens_generated_);
+    FillStatsLocked(now, resp->mutable_stats());
     return grpc::Status::OK;
   }
 
@@ -511,6 +883,45 @@ class KaratService final : public v1::Karat::Service {
                         grpc::ServerWriter<v1::GenerateResponse>* writer) override;
 
  private:
+  void FillStatsLocked(absl::Time now,
+                       google::protobuf::Map<std::string, double>* stats) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(s_->mu_) {
+    auto& m = *stats;
+    const double uptime = absl::ToDoubleSeconds(now - s_->started());
+    m["uptime_s"] = uptime;
+    m["tokens_generated"] = double(s_->tokens_generated_);
+    m["throughput_tokens_per_s"] =
+        uptime > 0 ? double(s_->tokens_generated_) / uptime : 0.0;
+    m["queue_length"] = double(s_->queue_.size());
+    m["turns_admitted"] = double(s_->turns_admitted_);
+    m["turns_queued"] = double(s_->turns_queued_);
+    m["turns_timed_out"] = double(s_->turns_timed_out_);
+    m["turns_cancelled_queued"] = double(s_->turns_cancelled_queued_);
+    m["turns_refused"] = double(s_->turns_refused_);
+    m["microbatch_token_imbalance_mean"] =
+        s_->imbalance_samples_ > 0 ? s_->imbalance_sum_ / s_->imbalance_samples_
+                                   : 0.0;
+    m["microbatch_token_imbalance_samples"] = double(s_->imbalance_samples_);
+    s_->ttft_ms_.ExportTo("ttft_ms", stats);
+    s_->tbt_ms_.ExportTo("tbt_ms", stats);
+    const int ranks = s_->RankCountLocked();
+    for (int r = 0; r < ranks; ++r) {
+      const std::string p = absl::StrCat("rank.", r, ".");
+      auto it = s_->ranks_.find(r);
+      const Rank* rank = it == s_->ranks_.end() ? nullptr : &it->second;
+      m[p + "active_requests"] = rank ? double(rank->running.size()) : 0.0;
+      int mb[2] = {0, 0};
+      if (rank)
+        for (const auto& [key, t] : rank->running) mb[t.micro_batch & 1]++;
+      m[p + "micro_batch_0_requests"] = mb[0];
+      m[p + "micro_batch_1_requests"] = mb[1];
+      m[p + "microbatch_token_imbalance_mean"] =
+          rank && rank->imbalance_samples > 0
+              ? rank->imbalance_sum / rank->imbalance_samples
+              : 0.0;
+    }
+  }
+
   static grpc::Status NoSession(const std::string& id) {
     return grpc::Status(grpc::StatusCode::NOT_FOUND,
                         absl::StrCat("no session \"", id, "\" (unknown or closed)"));
@@ -542,11 +953,33 @@ class KaratService final : public v1::Karat::Service {
                             absl::Duration grace) const;
 
   absl::Status Validate(const v1::GenerateRequest& req) const;
-  // Finds a home with room for `tokens` positions (reserving it) and
-  // records it in the session. The session is left unchanged on failure.
-  absl::Status PlaceTurn(const std::string& session_id, int tokens);
+  // UNAVAILABLE unless a GPU node (and in karat mode a KARAT node) is alive
+  // and every GPU rank is.
+  absl::Status CheckNodesLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(s_->mu_);
+
+  struct Attempt {
+    enum Kind { kAdmitted, kWait, kFailed } kind;
+    absl::Status status;  // kFailed
+  };
+  // One admission attempt of the turn at the head of the queue: picks the
+  // rank (fewest running; gpu_only: the one holding the KV) if its batch has
+  // room, reserves the KV (home device, or the rank in gpu_only mode) and on
+  // success appends the prompt and enters the turn into the rank's batch
+  // (filling `turn`). kWait: no room now; kFailed: never (RESOURCE_EXHAUSTED
+  // when even an empty device or rank refuses) or a node error. The session
+  // is left unchanged unless admitted.
+  Attempt TryAdmit(const std::string& session_id, int tokens,
+                   const std::vector<int32_t>& prompt, AdmittedTurn* turn);
+  // Queues the turn and returns once it is admitted, streaming its queue
+  // position; fails on timeout (RESOURCE_EXHAUSTED), cancel (CANCELLED),
+  // shutdown or lost nodes (UNAVAILABLE).
+  absl::StatusOr<AdmittedTurn> WaitForAdmission(
+      grpc::ServerContext* ctx, grpc::ServerWriter<v1::GenerateResponse>* writer,
+      const std::string& sid, int reserve_tokens,
+      const std::vector<int32_t>& prompt);
 
   State* s_;
+  ControlPusher* control_ = nullptr;
 };
 
 void KaratService::WaitForCancelledTurn(const std::string& session_id,
@@ -593,55 +1026,148 @@ absl::Status KaratService::Validate(const v1::GenerateRequest& req) const {
   return absl::OkStatus();
 }
 
-absl::Status KaratService::PlaceTurn(const std::string& session_id,
-                                     int tokens) {
+absl::Status KaratService::CheckNodesLocked() const {
+  bool gpu = false, karat = false;
+  for (const auto& [id, n] : s_->nodes_) {
+    if (!s_->AliveLocked(n)) continue;
+    (n.role == NodeRole::kGpu ? gpu : karat) = true;
+  }
+  if (!gpu)
+    return absl::UnavailableError(
+        "no alive GPU node is registered; start one and retry");
+  if (!karat && !s_->gpu_only())
+    return absl::UnavailableError(
+        "no alive KARAT node is registered; start one and retry");
+  const int ranks = s_->RankCountLocked();
+  for (int r = 0; r < ranks; ++r) {
+    if (s_->RankNodeLocked(r) != nullptr) continue;
+    std::string who;
+    for (const auto& [id, n] : s_->nodes_)
+      if (n.role == NodeRole::kGpu && n.rank == r) who = " (node " + n.name + ")";
+    return absl::UnavailableError(absl::StrCat(
+        "GPU rank ", r, " of ", ranks, who,
+        " is not alive; every rank holds a share of the experts, so no turn "
+        "can run until it is restarted with --rank ", r, " --ranks ", ranks));
+  }
+  return absl::OkStatus();
+}
+
+KaratService::Attempt KaratService::TryAdmit(const std::string& session_id,
+                                             int tokens,
+                                             const std::vector<int32_t>& prompt,
+                                             AdmittedTurn* turn) {
   struct Try {
     HomeDevice home;
+    int rank = 0;
     std::string name;
     std::shared_ptr<grpc::Channel> channel;
+    bool occupied = false;  // another session's KV lives there
   };
   std::vector<Try> tries;
   uint64_t key = 0;
   bool replacing = false;
+  const bool gpu_only = s_->gpu_only();
+  int karat_rank = -1;
   {
     absl::MutexLock lock(&s_->mu_);
+    if (absl::Status nodes = CheckNodesLocked(); !nodes.ok())
+      return {Attempt::kFailed, nodes};
     Session& session = s_->sessions_.at(session_id);
     key = session.key;
-    if (session.has_home) {
-      auto n = s_->nodes_.find(session.home.node_id);
-      if (n != s_->nodes_.end() && s_->AliveLocked(n->second)) {
-        tries.push_back({session.home, n->second.name, n->second.channel});
-      } else {
-        // The home node is gone: place again and rebuild the KV from the
-        // token log by prefill (DESIGN.md §7).
-        replacing = true;
-        KLOG(Warning, kLog) << "session=" << session_id << " home node "
-                            << session.home.node_id
-                            << " is not alive; placing the session again";
-      }
+    const int64_t context =
+        static_cast<int64_t>(session.history.size() + prompt.size()) +
+        (session.history.empty() ? 1 : 0);
+    // Ranks with room, fewest running requests first (ties: lower rank).
+    std::vector<std::pair<int, int>> ranks;  // (running, rank)
+    const int rank_count = s_->RankCountLocked();
+    for (int r = 0; r < rank_count; ++r) {
+      auto it = s_->ranks_.find(r);
+      const int running = it == s_->ranks_.end() ? 0 : it->second.running.size();
+      ranks.emplace_back(running, r);
     }
-    if (tries.empty()) {
-      for (const HomeDevice& h : ChooseHomeDevices(s_->SnapshotLocked())) {
-        const Node& n = s_->nodes_.at(h.node_id);
-        tries.push_back({h, n.name, n.channel});
+    std::sort(ranks.begin(), ranks.end());
+    auto has_room = [&](int r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s_->mu_) {
+      auto it = s_->ranks_.find(r);
+      const int running = it == s_->ranks_.end() ? 0 : it->second.running.size();
+      return running < s_->RankCapLocked(r, context);
+    };
+    auto occupied = [&](const HomeDevice& h) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s_->mu_) {
+      for (const auto& [id, other] : s_->sessions_)
+        if (id != session_id && other.has_home && other.home == h) return true;
+      return false;
+    };
+    if (gpu_only) {
+      // The KV lives on the rank: a session sticks to it.
+      std::vector<int> candidates;
+      if (session.has_home && session.rank >= 0) {
+        Node* n = s_->RankNodeLocked(session.rank);
+        if (n != nullptr && n->id == session.home.node_id) {
+          candidates.push_back(session.rank);
+        } else {
+          replacing = true;
+          KLOG(Warning, kLog) << "session=" << session_id << " rank "
+                              << session.rank
+                              << " lost its KV; placing the session again";
+        }
+      }
+      if (candidates.empty())
+        for (const auto& [running, r] : ranks) candidates.push_back(r);
+      for (int r : candidates) {
+        if (!has_room(r)) continue;
+        Node* n = s_->RankNodeLocked(r);
+        HomeDevice h{n->id, 0};
+        tries.push_back({h, r, n->name, n->channel, occupied(h)});
+      }
+      if (tries.empty()) return {Attempt::kWait, absl::OkStatus()};
+    } else {
+      if (!has_room(ranks.front().second)) return {Attempt::kWait, absl::OkStatus()};
+      karat_rank = ranks.front().second;
+      if (session.has_home) {
+        auto n = s_->nodes_.find(session.home.node_id);
+        if (n != s_->nodes_.end() && s_->AliveLocked(n->second)) {
+          tries.push_back({session.home, karat_rank, n->second.name,
+                           n->second.channel, occupied(session.home)});
+        } else {
+          // The home node is gone: place again and rebuild the KV from the
+          // token log by prefill (DESIGN.md §7).
+          replacing = true;
+          KLOG(Warning, kLog) << "session=" << session_id << " home node "
+                              << session.home.node_id
+                              << " is not alive; placing the session again";
+        }
+      }
+      if (tries.empty()) {
+        for (const HomeDevice& h : ChooseHomeDevices(s_->SnapshotLocked())) {
+          const Node& n = s_->nodes_.at(h.node_id);
+          tries.push_back({h, karat_rank, n.name, n.channel, occupied(h)});
+        }
       }
     }
   }
   absl::Status other_error;
+  bool busy_refusal = false;
   for (const Try& t : tries) {
-    auto stub = cl::KaratNode::NewStub(t.channel);
     grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() +
-                     std::chrono::milliseconds(s_->options().node_call_timeout_ms));
+    ctx.set_deadline(Deadline(s_));
     cl::ReserveRequest rreq;
     rreq.set_session(key);
     rreq.set_device(t.home.device);
     rreq.set_tokens(tokens);
     cl::ReserveResponse rresp;
-    grpc::Status st = stub->Reserve(&ctx, rreq, &rresp);
+    grpc::Status st =
+        gpu_only ? cl::GpuNode::NewStub(t.channel)->Reserve(&ctx, rreq, &rresp)
+                 : cl::KaratNode::NewStub(t.channel)->Reserve(&ctx, rreq, &rresp);
     if (st.ok()) {
       absl::MutexLock lock(&s_->mu_);
-      Session& session = s_->sessions_.at(session_id);
+      auto sit = s_->sessions_.find(session_id);
+      auto n = s_->nodes_.find(t.home.node_id);
+      Node* gpu = s_->RankNodeLocked(t.rank);
+      if (sit == s_->sessions_.end() || n == s_->nodes_.end() || gpu == nullptr)
+        return {Attempt::kFailed,
+                absl::UnavailableError(absl::StrCat(
+                    "node ", t.name, " or GPU rank ", t.rank,
+                    " went away during admission; retry"))};
+      Session& session = sit->second;
       if (!session.has_home || replacing) {
         KLOG(Info, kLog) << "session=" << session_id << " home " << t.name
                          << "/" << t.home.device;
@@ -649,26 +1175,186 @@ absl::Status KaratService::PlaceTurn(const std::string& session_id,
       if (replacing) session.kv_len = 0;
       session.has_home = true;
       session.home = t.home;
-      auto n = s_->nodes_.find(t.home.node_id);
-      if (n != s_->nodes_.end()) {
+      if (gpu_only) session.rank = t.rank;
+      if (gpu_only) {
+        if (n->second.devices.empty()) {
+          cl::DeviceInfo d;
+          d.set_device(0);
+          d.set_capacity_bytes(n->second.kv_capacity_bytes);
+          n->second.devices.push_back(d);
+        }
+        n->second.devices[0].set_used_bytes(rresp.used_bytes());
+      } else {
         for (auto& d : n->second.devices)
           if (d.device() == t.home.device) d.set_used_bytes(rresp.used_bytes());
       }
-      return absl::OkStatus();
+      // Admitted: the turn joins its rank's batch.
+      gpu->active_turns++;
+      s_->active_generations_++;
+      s_->turns_admitted_++;
+      turn->key = session.key;
+      turn->seed = session.seed;
+      turn->rank = t.rank;
+      turn->gpu_id = gpu->id;
+      turn->gpu_name = gpu->name;
+      turn->gpu_channel = gpu->channel;
+      if (!gpu_only) {
+        turn->placement.set_node_id(n->second.id);
+        turn->placement.set_node_name(n->second.name);
+        turn->placement.set_fabric_address(n->second.fabric_address);
+        turn->placement.set_device(t.home.device);
+      }
+      if (session.history.empty()) session.history.push_back(kBosToken);
+      session.history.insert(session.history.end(), prompt.begin(), prompt.end());
+      turn->pos_start = session.kv_len;
+      turn->feed.assign(session.history.begin() + session.kv_len,
+                        session.history.end());
+      const int feed_end = static_cast<int>(session.history.size());
+      for (int end : session.prefill_ends)
+        if (end > turn->pos_start && end < feed_end) turn->prefill_ends.push_back(end);
+      session.turns++;
+      RunningTurn running;
+      running.session_id = session_id;
+      running.home = t.home;
+      running.context_tokens = feed_end;
+      Rank& rank = s_->ranks_[t.rank];
+      rank.running[session.key] = running;
+      if (s_->RecomputeMicroBatchesLocked(t.rank)) PostMicroBatchPush(t.rank);
+      return {Attempt::kAdmitted, absl::OkStatus()};
     }
-    if (st.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED) {
-      KLOG(Warning, kLog) << "session=" << session_id << " Reserve on "
-                          << t.name << "/" << t.home.device
-                          << " failed: " << st.error_message();
-      other_error = absl::UnavailableError(
-          absl::StrCat("KARAT node ", t.name, ": ", st.error_message()));
+    if (st.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
+      if (t.occupied) busy_refusal = true;
+      continue;
     }
+    KLOG(Warning, kLog) << "session=" << session_id << " Reserve on " << t.name
+                        << "/" << t.home.device << " failed: " << st.error_message();
+    other_error = absl::UnavailableError(absl::StrCat(
+        gpu_only ? "GPU node " : "KARAT node ", t.name, ": ", st.error_message()));
   }
-  if (!other_error.ok()) return other_error;
+  // Room may appear only where other sessions' KV lives; a turn refused by
+  // every empty candidate can never fit.
+  if (busy_refusal) return {Attempt::kWait, absl::OkStatus()};
+  if (!other_error.ok()) return {Attempt::kFailed, other_error};
   if (tries.empty())
-    return absl::UnavailableError("no alive KARAT node has a device");
-  return absl::ResourceExhaustedError(
-      absl::StrCat("turn needs ", tokens, " tokens of KV; no device has room"));
+    return {Attempt::kFailed,
+            absl::UnavailableError("no alive KARAT node has a device")};
+  return {Attempt::kFailed,
+          absl::ResourceExhaustedError(absl::StrCat(
+              "turn needs ", tokens, " tokens of KV; no ",
+              gpu_only ? "GPU rank" : "device", " has room, even empty"))};
+}
+
+void KaratService::PostMicroBatchPush(int rank) {
+  if (control_ == nullptr) return;
+  State* s = s_;
+  control_->Post(absl::StrCat("micro_batches/", rank),
+                 [s, rank] { PushMicroBatches(s, rank); });
+}
+
+absl::StatusOr<AdmittedTurn> KaratService::WaitForAdmission(
+    grpc::ServerContext* ctx, grpc::ServerWriter<v1::GenerateResponse>* writer,
+    const std::string& sid, int reserve_tokens,
+    const std::vector<int32_t>& prompt) {
+  uint64_t turn_id = 0;
+  {
+    absl::MutexLock lock(&s_->mu_);
+    turn_id = s_->next_turn_id_++;
+    s_->queue_.push_back(turn_id);
+    s_->queue_epoch_++;
+  }
+  struct QueueGuard {
+    State* s;
+    uint64_t id;
+    ~QueueGuard() {
+      absl::MutexLock lock(&s->mu_);
+      auto it = std::find(s->queue_.begin(), s->queue_.end(), id);
+      if (it != s->queue_.end()) {
+        s->queue_.erase(it);
+        s->queue_epoch_++;
+      }
+    }
+  } queue_guard{s_, turn_id};
+  const absl::Time enqueued = s_->Now();
+  const absl::Duration timeout = s_->queue_timeout();
+  bool was_head = false, waiting = false;
+  uint64_t tried_capacity = 0;
+  int shown = -1;
+  auto show = [&](int position) -> bool {
+    if (position == shown) return true;
+    shown = position;
+    v1::GenerateResponse out;
+    out.mutable_queued()->set_position(position);
+    return writer->Write(out);
+  };
+  for (;;) {
+    bool attempt = false;
+    int position = 0;
+    uint64_t seen_queue = 0, seen_capacity = 0;
+    {
+      absl::MutexLock lock(&s_->mu_);
+      if (s_->shutting_down_)
+        return absl::UnavailableError("coordinator is shutting down");
+      position = static_cast<int>(
+          std::find(s_->queue_.begin(), s_->queue_.end(), turn_id) -
+          s_->queue_.begin());
+      const bool head = position == 0;
+      if (head && (!was_head || s_->capacity_epoch_ != tried_capacity)) {
+        attempt = true;
+        tried_capacity = s_->capacity_epoch_;
+      }
+      was_head = head;
+      seen_queue = s_->queue_epoch_;
+      seen_capacity = s_->capacity_epoch_;
+    }
+    bool client_gone = waiting && !show(position);
+    if (attempt && !client_gone) {
+      AdmittedTurn turn;
+      Attempt a = TryAdmit(sid, reserve_tokens, prompt, &turn);
+      if (a.kind == Attempt::kAdmitted) return turn;
+      if (a.kind == Attempt::kFailed) {
+        if (a.status.code() == absl::StatusCode::kResourceExhausted) {
+          absl::MutexLock lock(&s_->mu_);
+          s_->turns_refused_++;
+        }
+        return a.status;
+      }
+    }
+    // The turn waits: show its position, then sleep until the queue or the
+    // room changes (bounded, to notice a cancel and the timeout).
+    if (!waiting) {
+      waiting = true;
+      {
+        absl::MutexLock lock(&s_->mu_);
+        s_->turns_queued_++;
+      }
+      KLOG(Info, kLog) << "session=" << sid << " turn queued at position "
+                       << position;
+      client_gone = !show(position);
+    }
+    if (client_gone || ctx->IsCancelled()) {
+      absl::MutexLock lock(&s_->mu_);
+      s_->turns_cancelled_queued_++;
+      KLOG(Info, kLog) << "session=" << sid << " turn cancelled while queued";
+      return absl::CancelledError("cancelled by the client while queued");
+    }
+    const absl::Duration waited = s_->Now() - enqueued;
+    if (waited >= timeout) {
+      absl::MutexLock lock(&s_->mu_);
+      s_->turns_timed_out_++;
+      KLOG(Info, kLog) << "session=" << sid << " turn timed out in the queue";
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the turn waited ", absl::ToInt64Milliseconds(waited),
+          " ms in the admission queue without fitting (queue_timeout_ms ",
+          absl::ToInt64Milliseconds(timeout),
+          "): the devices or the rank's batch stayed full; retry later"));
+    }
+    absl::MutexLock lock(&s_->mu_);
+    auto changed = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s_->mu_) {
+      return s_->queue_epoch_ != seen_queue ||
+             s_->capacity_epoch_ != seen_capacity || s_->shutting_down_;
+    };
+    s_->mu_.AwaitWithTimeout(absl::Condition(&changed), absl::Milliseconds(50));
+  }
 }
 
 grpc::Status KaratService::Generate(
@@ -697,16 +1383,7 @@ grpc::Status KaratService::Generate(
     if (s_->shutting_down_)
       return grpc::Status(grpc::StatusCode::UNAVAILABLE,
                           "coordinator is shutting down");
-    bool gpu = false, karat = false;
-    for (const auto& [id, n] : s_->nodes_) {
-      if (!s_->AliveLocked(n)) continue;
-      (n.role == NodeRole::kGpu ? gpu : karat) = true;
-    }
-    if (!gpu || !karat)
-      return grpc::Status(
-          grpc::StatusCode::UNAVAILABLE,
-          absl::StrCat("no alive ", !gpu ? "GPU" : "KARAT",
-                       " node is registered; start one and retry"));
+    if (absl::Status nodes = CheckNodesLocked(); !nodes.ok()) return ToGrpc(nodes);
     session.busy = true;
     session.turn_ctx = ctx;
     reserve_tokens = static_cast<int>(session.history.size()) +
@@ -727,56 +1404,37 @@ grpc::Status KaratService::Generate(
     }
   } busy_guard{s_, sid};
 
-  absl::Status placed = PlaceTurn(sid, reserve_tokens);
-  if (!placed.ok()) {
-    KLOG(Info, kLog) << "session=" << sid << " turn refused: " << placed;
-    return ToGrpc(placed);
+  absl::StatusOr<AdmittedTurn> admitted =
+      WaitForAdmission(ctx, writer, sid, reserve_tokens, prompt);
+  if (!admitted.ok()) {
+    KLOG(Info, kLog) << "session=" << sid << " turn refused: " << admitted.status();
+    return ToGrpc(admitted.status());
   }
-
-  AdmittedTurn turn;
-  {
-    absl::MutexLock lock(&s_->mu_);
-    Session& session = s_->sessions_.at(sid);
-    std::optional<uint32_t> gpu_id = ChooseGpuNode(s_->SnapshotLocked());
-    auto home = s_->nodes_.find(session.home.node_id);
-    if (!gpu_id || home == s_->nodes_.end())
-      return grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                          "no alive GPU node is registered; start one and retry");
-    Node& gpu = s_->nodes_.at(*gpu_id);
-    gpu.active_turns++;
-    s_->active_generations_++;
-    turn.key = session.key;
-    turn.seed = session.seed;
-    turn.gpu_id = gpu.id;
-    turn.gpu_name = gpu.name;
-    turn.gpu_channel = gpu.channel;
-    turn.placement.set_node_id(home->second.id);
-    turn.placement.set_node_name(home->second.name);
-    turn.placement.set_fabric_address(home->second.fabric_address);
-    turn.placement.set_device(session.home.device);
-    if (session.history.empty()) session.history.push_back(kBosToken);
-    session.history.insert(session.history.end(), prompt.begin(), prompt.end());
-    turn.pos_start = session.kv_len;
-    turn.feed.assign(session.history.begin() + session.kv_len,
-                     session.history.end());
-    session.turns++;
-  }
+  AdmittedTurn& turn = *admitted;
+  // Leaves the rank's batch however the turn ends, and wakes queued turns.
   struct ActiveGuard {
+    KaratService* service;
     State* s;
     uint32_t gpu_id;
+    int rank;
+    uint64_t key;
     ~ActiveGuard() {
-      absl::MutexLock lock(&s->mu_);
-      s->active_generations_--;
-      auto n = s->nodes_.find(gpu_id);
-      if (n != s->nodes_.end()) n->second.active_turns--;
+      bool push = false;
+      {
+        absl::MutexLock lock(&s->mu_);
+        s->active_generations_--;
+        auto n = s->nodes_.find(gpu_id);
+        if (n != s->nodes_.end()) n->second.active_turns--;
+        auto r = s->ranks_.find(rank);
+        if (r != s->ranks_.end()) {
+          r->second.running.erase(key);
+          push = s->RecomputeMicroBatchesLocked(rank);
+        }
+        s->capacity_epoch_++;
+      }
+      if (push) service->PostMicroBatchPush(rank);
     }
-  } active_guard{s_, turn.gpu_id};
-
-  KLOG(Info, kLog) << "session=" << sid << " turn on " << turn.gpu_name
-                   << " home=" << turn.placement.node_name() << "/"
-                   << turn.placement.device() << " pos_start=" << turn.pos_start
-                   << " feed=" << turn.feed.size()
-                   << " max_new_tokens=" << req->max_new_tokens();
+  } active_guard{this, s_, turn.gpu_id, turn.rank, turn.key};
 
   cl::RunTurnRequest run;
   run.set_session(turn.key);
@@ -785,14 +1443,38 @@ grpc::Status KaratService::Generate(
   run.set_pos_start(turn.pos_start);
   run.mutable_feed_tokens()->Assign(turn.feed.begin(), turn.feed.end());
   run.set_max_new_tokens(req->max_new_tokens());
-  *run.mutable_placement() = turn.placement;
+  if (!s_->gpu_only()) *run.mutable_placement() = turn.placement;
+  run.mutable_prefill_ends()->Assign(turn.prefill_ends.begin(),
+                                     turn.prefill_ends.end());
 
   grpc::ClientContext gpu_ctx;
   {
     absl::MutexLock lock(&s_->mu_);
     if (s_->shutting_down_) gpu_ctx.TryCancel();
     s_->running_.insert(&gpu_ctx);
+    // From here on SetMicroBatches pushes cover this turn; until now its
+    // micro-batch travels in the request.
+    auto r = s_->ranks_.find(turn.rank);
+    if (r != s_->ranks_.end()) {
+      auto t = r->second.running.find(turn.key);
+      if (t != r->second.running.end()) {
+        run.set_micro_batch(t->second.micro_batch);
+        t->second.pushed_micro_batch = t->second.micro_batch;
+        t->second.started = true;
+      }
+    }
   }
+  KLOG(Info, kLog) << "session=" << sid << " turn on " << turn.gpu_name
+                   << " (rank " << turn.rank << ", micro-batch "
+                   << run.micro_batch() << ")"
+                   << (s_->gpu_only() ? std::string(" gpu_only")
+                                      : absl::StrCat(" home=",
+                                                     turn.placement.node_name(),
+                                                     "/", turn.placement.device()))
+                   << " pos_start=" << turn.pos_start
+                   << " feed=" << turn.feed.size()
+                   << " max_new_tokens=" << req->max_new_tokens();
+
   // Watches for the client going away and cancels the GPU call.
   absl::Mutex watch_mu;
   bool turn_over = false;
@@ -818,17 +1500,29 @@ grpc::Status KaratService::Generate(
   bool eos = false;
   int64_t ttft_us = 0;
   absl::Time previous = arrived;
+  const int prefill_end = turn.pos_start + static_cast<int>(turn.feed.size());
   while (reader->Read(&ev)) {
+    generated++;
+    absl::Time now = s_->Now();
+    int64_t latency = absl::ToInt64Microseconds(now - previous);
     {
       absl::MutexLock lock(&s_->mu_);
       Session& session = s_->sessions_.at(sid);
       session.history.push_back(ev.token_id());
       session.kv_len = ev.kv_len();
+      // The first token exists once the prefill is done.
+      if (generated == 1 && (session.prefill_ends.empty() ||
+                             session.prefill_ends.back() < prefill_end))
+        session.prefill_ends.push_back(prefill_end);
       s_->tokens_generated_++;
+      (generated == 1 ? s_->ttft_ms_ : s_->tbt_ms_).Add(latency / 1000.0);
+      auto r = s_->ranks_.find(turn.rank);
+      if (r != s_->ranks_.end()) {
+        auto t = r->second.running.find(turn.key);
+        if (t != r->second.running.end())
+          t->second.context_tokens = static_cast<int64_t>(session.history.size());
+      }
     }
-    generated++;
-    absl::Time now = s_->Now();
-    int64_t latency = absl::ToInt64Microseconds(now - previous);
     if (generated == 1) ttft_us = latency;
     previous = now;
     if (ev.token_id() == kEosToken) eos = true;
@@ -912,6 +1606,8 @@ class CoordinatorImpl final : public Coordinator {
         admin_(&state_),
         link_pusher_(&state_) {
     membership_.set_link_pusher(&link_pusher_);
+    membership_.set_control_pusher(&control_pusher_);
+    karat_.set_control_pusher(&control_pusher_);
   }
   ~CoordinatorImpl() override { Shutdown(absl::Seconds(5)); }
 
@@ -955,6 +1651,7 @@ class CoordinatorImpl final : public Coordinator {
       server_->Wait();
     }
     link_pusher_.Stop();
+    control_pusher_.Stop();
     KLOG(Info, kLog) << "shut down";
   }
 
@@ -968,6 +1665,7 @@ class CoordinatorImpl final : public Coordinator {
   MembershipService membership_;
   AdminService admin_;
   LinkPusher link_pusher_;
+  ControlPusher control_pusher_;
   std::unique_ptr<grpc::Server> server_;
   std::string address_;
   absl::Mutex shutdown_mu_;
@@ -982,6 +1680,19 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(
     return absl::InvalidArgumentError("max_new_tokens_limit must be >= 1");
   if (options.node_timeout_ms < 1)
     return absl::InvalidArgumentError("node_timeout_ms must be >= 1");
+  if (options.mode != "karat" && options.mode != "gpu_only")
+    return absl::InvalidArgumentError(absl::StrCat(
+        "mode must be \"karat\" or \"gpu_only\", got \"", options.mode, "\""));
+  if (options.scheduling.micro_batches() < 0 ||
+      options.scheduling.micro_batches() > 2)
+    return absl::InvalidArgumentError("scheduling.micro_batches must be 0, 1 or 2");
+  const std::string& balance = options.scheduling.balance();
+  if (!balance.empty() && balance != "cmr" && balance != "count")
+    return absl::InvalidArgumentError(absl::StrCat(
+        "scheduling.balance must be \"cmr\" or \"count\", got \"", balance, "\""));
+  if (!(options.scheduling.tbt_slo_ms() >= 0) ||
+      std::isinf(options.scheduling.tbt_slo_ms()))
+    return absl::InvalidArgumentError("scheduling.tbt_slo_ms must be >= 0 and finite");
   auto impl = std::make_unique<CoordinatorImpl>(options);
   absl::Status st = impl->Init();
   if (!st.ok()) return st;

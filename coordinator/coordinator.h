@@ -3,6 +3,17 @@
 // gRPC server, keeps every session's token log, places each session's KV on
 // a home device and drives turns through GPU nodes.
 //
+// Scale-out (DESIGN.md §4): GPU nodes register as ranks 0..G-1 of G; every
+// turn runs on one rank (fewest running requests; in gpu_only mode the rank
+// holding the session's KV) and needs every rank alive (experts are sharded).
+// A turn waits in one FIFO admission queue (its position streamed to the
+// client as GenerateResponse.queued) until its KV reservation succeeds and
+// its rank's batch is below min(max_batch, TBT cap). On every admission and
+// finish the rank's micro-batches are recomputed (CMR or count balancing)
+// and pushed to the rank (GpuNode.SetMicroBatches). GetClusterStatus.stats
+// carries the coordinator's counters and histograms (TTFT, TBT, queue,
+// micro-batch token imbalance).
+//
 // Usage:
 //   Options options;  options.listen = "127.0.0.1:0";
 //   ASSIGN_OR_RETURN(auto coordinator, Coordinator::Start(options));
@@ -21,6 +32,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "cluster.pb.h"
+#include "coordinator/scheduling.h"
 
 namespace karat::coordinator {
 
@@ -42,6 +54,20 @@ struct Options {
   // changes and when a node registers, as long as it is not empty.
   std::vector<cluster::LinkConfig> links;
   uint64_t link_seed = 1;
+  // "karat" (attention on KARAT nodes) or "gpu_only" (ClusterConfig.mode):
+  // in gpu_only mode a session's KV lives on its GPU rank (GpuNode.Reserve),
+  // the session sticks to that rank and KARAT nodes are not needed.
+  std::string mode = "karat";
+  // ClusterConfig.scheduling: micro_batches (0: 2), balance ("cmr" or
+  // "count"; "" is cmr), tbt_slo_ms (0: no cap) and queue_timeout_ms
+  // (0: 60000). `schedule` is the GPU nodes' business.
+  cluster::SchedulingConfig scheduling;
+  // GpuNodeConfig.max_batch by rank (index = rank); a missing entry or 0:
+  // no limit beyond the TBT cap.
+  std::vector<int> max_batch_by_rank;
+  // Step-time model behind the TBT cap (MaxBatchForSlo with tbt_slo_ms and
+  // the mean context of the rank's batch).
+  StepCostModel step_cost = {2.0, 0.5, 0.0005};
   // The clock (a seam for tests). Defaults to absl::Now.
   std::function<absl::Time()> now;
 };

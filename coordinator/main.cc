@@ -15,9 +15,11 @@
 namespace {
 
 constexpr char kUsage[] =
-    "usage: karat-coordinator [--config FILE] [--listen HOST:PORT]\n"
+    "usage: karat-coordinator [--config FILE] [--model DIR] [--listen HOST:PORT]\n"
     "                         [--port-file PATH] [--log-level LEVEL]\n"
-    "                         [--max-new-tokens-limit N]\n";
+    "                         [--max-new-tokens-limit N]\n"
+    "  --model DIR  the model the config is checked against (experts per\n"
+    "               GPU rank, hbm_bytes); default: the config's model_dir\n";
 
 [[noreturn]] void UsageError(const std::string& message) {
   std::fprintf(stderr, "karat-coordinator: %s\n%s", message.c_str(), kUsage);
@@ -38,7 +40,7 @@ bool WriteFileAtomically(const std::string& path, const std::string& text) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string config_path, listen, port_file, log_level = "info";
+  std::string config_path, model_dir, listen, port_file, log_level = "info";
   int max_new_tokens_limit = 0;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -55,6 +57,7 @@ int main(int argc, char** argv) {
       return argv[++i];
     };
     if (arg == "--config") config_path = next();
+    else if (arg == "--model") model_dir = next();
     else if (arg == "--listen") listen = next();
     else if (arg == "--port-file") port_file = next();
     else if (arg == "--log-level") log_level = next();
@@ -91,6 +94,28 @@ int main(int argc, char** argv) {
     if (c.node_timeout_ms() > 0) options.node_timeout_ms = c.node_timeout_ms();
     options.links.assign(config->links().begin(), config->links().end());
     if (config->link_seed() != 0) options.link_seed = config->link_seed();
+    if (!config->mode().empty()) options.mode = config->mode();
+    options.scheduling = config->scheduling();
+    for (const auto& g : config->gpu_nodes())
+      options.max_batch_by_rank.push_back(g.max_batch());
+    // A config that cannot work with its model is refused now, with the
+    // reason, rather than by a GPU node later.
+    if (model_dir.empty()) model_dir = config->model_dir();
+    if (!model_dir.empty()) {
+      absl::Status fits =
+          karat::coordinator::CheckClusterConfigAgainstModel(*config, model_dir);
+      if (fits.code() == absl::StatusCode::kNotFound) {
+        KLOG(Warning, "coordinator")
+            << fits.message()
+            << "; the config is not checked against the model (pass --model DIR)";
+      } else if (!fits.ok()) {
+        std::fprintf(stderr, "karat-coordinator: %s: %s\n", config_path.c_str(),
+                     std::string(fits.message()).c_str());
+        return 2;
+      }
+    }
+  } else if (!model_dir.empty()) {
+    UsageError("--model needs --config");
   }
   if (!listen.empty()) options.listen = listen;
   if (max_new_tokens_limit > 0) options.max_new_tokens_limit = max_new_tokens_limit;

@@ -10,14 +10,14 @@
 // (duplicate ids, negative sizes, a referenced device that is not listed) is
 // reported as INVALID_ARGUMENT / NOT_FOUND rather than silently repaired.
 //
-// Status: none of these policies is wired into the runtime yet. Today the
-// coordinator places a session with ChooseHomeDevices() (placement.h) and
-// reserves its KV on the first device that accepts, refusing the turn with
-// RESOURCE_EXHAUSTED when none does (there is no admission queue and no
-// spill); it picks a GPU node with ChooseGpuNode(); and the coordinator and
-// GPU nodes run one micro-batch per rank. These functions are the decisions
-// the admission queue, the spilling allocator and the two-micro-batch
-// pipeline will call once they exist.
+// Use in the runtime (coordinator.cc): AssignMicroBatches() recomputes a
+// rank's micro-batches on every admission and finish (pushed to the rank
+// with GpuNode.SetMicroBatches), Imbalance() feeds the token-imbalance
+// metric, and MaxBatchForSlo() caps a rank's batch under the TBT target at
+// admission. Admit() and PlacePages() are not used there: the coordinator
+// does not know the page geometry, so it admits by asking the home device to
+// reserve (KaratNode.Reserve, which spills inside the node) and places the
+// home device with ChooseHomeDevices() (placement.h).
 #pragma once
 
 #include <cstdint>

@@ -4,16 +4,23 @@ add_library(karat_coordinator STATIC
   coordinator/coordinator.cc
   coordinator/placement.cc
   coordinator/scheduling.cc
-  # The only compiled part of common/ the coordinator needs (tokenizer.h and
-  # status_macros.h are header-only); compiled in so that the coordinator
-  # does not pull the model kernels and libfabric.
-  common/log.cc)
+  # The only compiled parts of common/ the coordinator needs (tokenizer.h and
+  # status_macros.h are header-only): logging, and the model config and
+  # tensor list for the config checks (RankWeightBytes). Compiled in so that
+  # the coordinator does not pull the model kernels and libfabric.
+  common/log.cc
+  common/json.cc
+  common/numeric.cc
+  common/model_config.cc
+  common/safetensors.cc
+  common/weights.cc
+  ${PROJECT_BINARY_DIR}/generated/karat_presets.cc)
 target_include_directories(karat_coordinator PUBLIC ${PROJECT_SOURCE_DIR})
 target_link_libraries(karat_coordinator PUBLIC
   karat_proto gRPC::grpc++ gRPC::grpc++_reflection
   protobuf::libprotobuf absl::status absl::statusor absl::strings
   absl::str_format absl::synchronization absl::random_random absl::time
-  Threads::Threads)
+  OpenMP::OpenMP_CXX Threads::Threads)
 
 add_executable(karat-coordinator coordinator/main.cc)
 target_link_libraries(karat-coordinator PRIVATE karat_coordinator)

@@ -3,6 +3,10 @@
 #include <catch2/catch.hpp>
 #include <fstream>
 
+#include "absl/strings/str_cat.h"
+#include "common/model_config.h"
+#include "common/weights.h"
+
 namespace karat::coordinator {
 namespace {
 
@@ -58,6 +62,107 @@ TEST_CASE("config: loading a file") {
   auto missing = LoadClusterConfig("/nonexistent/cluster.textproto");
   CHECK(missing.status().code() == absl::StatusCode::kNotFound);
   std::remove(path.c_str());
+}
+
+// A config that parses with `extra` appended to one GPU node and one KARAT
+// node; returns the error message ("" when valid).
+std::string Refusal(const std::string& extra) {
+  auto c = ParseClusterConfig(
+      "gpu_nodes { name: \"g0\" }\n"
+      "karat_nodes { name: \"k0\" devices { capacity_bytes: 1000 } }\n" + extra,
+      "c");
+  return c.ok() ? "" : std::string(c.status().message());
+}
+
+TEST_CASE("config: scale-out settings are checked by field") {
+  CHECK(Refusal("") == "");
+  CHECK(Refusal("mode: \"gpu_only\" gpu_nodes { name: \"g1\" hbm_bytes: 5 }") ==
+        "c: gpu_nodes[0].hbm_bytes: must be > 0 in gpu_only mode (the rank's KV "
+        "lives in it)");
+  CHECK(Refusal("mode: \"tpu\"").find("c: mode: must be") == 0);
+  CHECK(Refusal("scheduling { micro_batches: 3 }")
+            .find("c: scheduling.micro_batches: must be 1 or 2") == 0);
+  CHECK(Refusal("scheduling { micro_batches: 1 schedule: \"scms\" "
+                "balance: \"count\" tbt_slo_ms: 50 }") == "");
+  CHECK(Refusal("scheduling { schedule: \"fifo\" }")
+            .find("c: scheduling.schedule: must be") == 0);
+  CHECK(Refusal("scheduling { balance: \"random\" }")
+            .find("c: scheduling.balance: must be") == 0);
+  CHECK(Refusal("scheduling { tbt_slo_ms: -1 }")
+            .find("c: scheduling.tbt_slo_ms") == 0);
+  CHECK(Refusal("scheduling { queue_timeout_ms: -1 }")
+            .find("c: scheduling.queue_timeout_ms") == 0);
+  CHECK(Refusal("gpu_nodes { name: \"g1\" hbm_bytes: -1 }") ==
+        "c: gpu_nodes[1].hbm_bytes: must be >= 0");
+}
+
+TEST_CASE("config: a GPU node with every link to the KARAT nodes down") {
+  CHECK(Refusal("links { source: \"g0\" destination: \"k0\" down: true }") ==
+        "c: gpu_nodes[0]: GPU node \"g0\" has no link to any KARAT node that is "
+        "not down (see links)");
+  CHECK(Refusal("links { source: \"*\" destination: \"g0\" down: true }") != "");
+  // A more specific rule that is up wins over "*" -> "*" down.
+  CHECK(Refusal("links { source: \"*\" destination: \"*\" down: true }\n"
+                "links { source: \"g0\" destination: \"k0\" }\n"
+                "links { source: \"k0\" destination: \"g0\" }") == "");
+  // In gpu_only mode the KARAT nodes are not used.
+  CHECK(Refusal("mode: \"gpu_only\" gpu_nodes { name: \"g1\" hbm_bytes: 5 }\n"
+                "links { source: \"*\" destination: \"*\" down: true }")
+            .find("hbm_bytes") != std::string::npos);
+}
+
+TEST_CASE("config: experts per rank and HBM against the model") {
+  auto model = PresetConfig("dsa-tiny");
+  REQUIRE(model.ok());
+  REQUIRE(model->n_routed_experts == 16);
+  cluster::ClusterConfig config;
+  for (int i = 0; i < 3; ++i) config.add_gpu_nodes()->set_name("g" + std::to_string(i));
+  absl::Status st = ValidateClusterConfigForModel(config, *model);
+  CHECK(st.code() == absl::StatusCode::kInvalidArgument);
+  CHECK(st.message() ==
+        "gpu_nodes: 16 routed experts cannot be split evenly among 3 GPU ranks");
+  config.mutable_gpu_nodes()->RemoveLast();
+  CHECK(ValidateClusterConfigForModel(config, *model).ok());
+
+  const int64_t rank1 = RankWeightBytes(*model, 1, 2);
+  config.mutable_gpu_nodes(1)->set_hbm_bytes(rank1 - 1);
+  st = ValidateClusterConfigForModel(config, *model);
+  CHECK(st.message() ==
+        absl::StrCat("gpu_nodes[1].hbm_bytes: ", rank1 - 1,
+                     " bytes cannot hold the rank's ", rank1, " bytes of weights"));
+  config.mutable_gpu_nodes(1)->set_hbm_bytes(rank1);
+  CHECK(ValidateClusterConfigForModel(config, *model).ok());
+
+  // A model without routed experts splits over any rank count.
+  auto dense = PresetConfig("llama-tiny");
+  REQUIRE(dense.ok());
+  config.add_gpu_nodes()->set_name("g2");
+  CHECK(ValidateClusterConfigForModel(config, *dense).ok());
+
+  CHECK(CheckClusterConfigAgainstModel(config, "/nonexistent").code() ==
+        absl::StatusCode::kNotFound);
+}
+
+TEST_CASE("RankWeightBytes: shared tensors on every rank, experts split") {
+  auto model = PresetConfig("dsa-tiny");
+  REQUIRE(model.ok());
+  int64_t total = 0, expert_bytes = 0;
+  for (const TensorSpec& t : ExpectedTensors(*model)) {
+    int64_t n = 4;
+    for (int64_t d : t.shape) n *= d;
+    total += n;
+    if (t.name.find(".mlp.experts.") != std::string::npos) expert_bytes += n;
+  }
+  REQUIRE(expert_bytes > 0);
+  CHECK(RankWeightBytes(*model, 0, 1) == total);
+  const int64_t shared = total - expert_bytes;
+  int64_t sum = 0;
+  for (int r = 0; r < 4; ++r) {
+    const int64_t b = RankWeightBytes(*model, r, 4);
+    CHECK(b == shared + expert_bytes / 4);
+    sum += b;
+  }
+  CHECK(sum == 4 * shared + expert_bytes);
 }
 
 }  // namespace

@@ -7,11 +7,13 @@
 #include <atomic>
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <functional>
 #include <map>
 #include <optional>
 #include <thread>
 
 #include "absl/synchronization/mutex.h"
+#include "coordinator/scheduling.h"
 #include "cluster.grpc.pb.h"
 #include "karat.grpc.pb.h"
 
@@ -78,9 +80,11 @@ class FakeGpuNode final : public cl::GpuNode::Service {
     int64_t pos = req->pos_start() + req->feed_tokens_size();
     for (int i = 0; i < req->max_new_tokens(); ++i) {
       if (i == hold_after.load()) {
-        while (!ctx->IsCancelled())
+        while (!ctx->IsCancelled() && !release.load())
           std::this_thread::sleep_for(std::chrono::milliseconds(2));
-        return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
+        if (!release.load())
+          return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
+        return grpc::Status::OK;
       }
       if (i == fail_after.load())
         return grpc::Status(grpc::StatusCode::UNAVAILABLE, "fake GPU lost");
@@ -94,18 +98,77 @@ class FakeGpuNode final : public cl::GpuNode::Service {
     }
     return grpc::Status::OK;
   }
+  // gpu_only mode: KV room of `kv_capacity_tokens` positions per session.
+  grpc::Status Reserve(grpc::ServerContext*, const cl::ReserveRequest* req,
+                       cl::ReserveResponse* resp) override {
+    absl::MutexLock lock(&mu_);
+    reserves_.push_back(*req);
+    if (req->tokens() > kv_capacity_tokens.load())
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "HBM full");
+    resp->set_used_bytes(req->tokens() * 100);
+    return grpc::Status::OK;
+  }
+  grpc::Status FreeSession(grpc::ServerContext*, const cl::FreeSessionRequest* req,
+                           cl::FreeSessionResponse*) override {
+    absl::MutexLock lock(&mu_);
+    freed_.push_back(req->session());
+    return grpc::Status::OK;
+  }
+  grpc::Status SetPeers(grpc::ServerContext*, const cl::SetPeersRequest* req,
+                        cl::SetPeersResponse*) override {
+    absl::MutexLock lock(&mu_);
+    peers_.push_back(*req);
+    return grpc::Status::OK;
+  }
+  grpc::Status SetMicroBatches(grpc::ServerContext*,
+                               const cl::SetMicroBatchesRequest* req,
+                               cl::SetMicroBatchesResponse*) override {
+    absl::MutexLock lock(&mu_);
+    micro_batches_.push_back(
+        std::map<uint64_t, int>(req->micro_batch().begin(), req->micro_batch().end()));
+    return grpc::Status::OK;
+  }
   std::vector<cl::RunTurnRequest> runs() {
     absl::MutexLock lock(&mu_);
     return runs_;
   }
+  std::vector<cl::ReserveRequest> reserves() {
+    absl::MutexLock lock(&mu_);
+    return reserves_;
+  }
+  std::vector<uint64_t> freed() {
+    absl::MutexLock lock(&mu_);
+    return freed_;
+  }
+  std::vector<cl::SetPeersRequest> peers() {
+    absl::MutexLock lock(&mu_);
+    return peers_;
+  }
+  std::vector<std::map<uint64_t, int>> micro_batches() {
+    absl::MutexLock lock(&mu_);
+    return micro_batches_;
+  }
   std::atomic<int> hold_after{-1};
+  // A held turn ends normally once this is set.
+  std::atomic<bool> release{false};
   std::atomic<int> fail_after{-1};
+  std::atomic<int> kv_capacity_tokens{1000};
 
  private:
   const std::vector<int32_t> tokens_;
   absl::Mutex mu_;
   std::vector<cl::RunTurnRequest> runs_ ABSL_GUARDED_BY(mu_);
+  std::vector<cl::ReserveRequest> reserves_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint64_t> freed_ ABSL_GUARDED_BY(mu_);
+  std::vector<cl::SetPeersRequest> peers_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::map<uint64_t, int>> micro_batches_ ABSL_GUARDED_BY(mu_);
 };
+
+// Waits (bounded) until `gpu` has received `n` RunTurn calls.
+void WaitRuns(FakeGpuNode& gpu, size_t n) {
+  for (int i = 0; i < 1000 && gpu.runs().size() < n; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+}
 
 struct FakeServer {
   std::unique_ptr<grpc::Server> server;
@@ -137,11 +200,13 @@ struct TestClock {
 
 class Cluster {
  public:
-  explicit Cluster(int limit = 64) {
+  explicit Cluster(int limit = 64,
+                   const std::function<void(Options&)>& configure = nullptr) {
     Options o;
     o.max_new_tokens_limit = limit;
     o.node_timeout_ms = 5000;
     o.now = [this] { return clock.Now(); };
+    if (configure) configure(o);
     auto c = Coordinator::Start(o);
     REQUIRE(c.ok());
     coordinator = std::move(*c);
@@ -152,10 +217,13 @@ class Cluster {
   }
 
   uint32_t Register(const std::string& name, const std::string& role,
-                    const std::string& address, int devices) {
+                    const std::string& address, int devices, int rank = 0,
+                    int ranks = 0) {
     cl::RegisterNodeRequest req;
     req.set_name(name);
     req.set_role(role);
+    req.set_rank(rank);
+    req.set_ranks(ranks);
     req.set_grpc_address(address);
     req.set_fabric_address("fabric-" + name);
     req.set_provider("shm");
@@ -204,6 +272,7 @@ class Cluster {
     grpc::Status status;
     std::vector<v1::GeneratedToken> tokens;
     std::optional<v1::TurnDone> done;
+    std::vector<int> queued;  // QueuePosition updates, in order
   };
   Result Generate(const std::string& id, const std::string& prompt, int max_new,
                   int cancel_after = -1) {
@@ -219,12 +288,30 @@ class Cluster {
     auto reader = client->Generate(&ctx, req);
     v1::GenerateResponse resp;
     while (reader->Read(&resp)) {
+      if (resp.has_queued()) r.queued.push_back(resp.queued().position());
       if (resp.has_token()) r.tokens.push_back(resp.token());
       if (resp.has_done()) r.done = resp.done();
       if (static_cast<int>(r.tokens.size()) == cancel_after) ctx.TryCancel();
     }
     r.status = reader->Finish();
     return r;
+  }
+
+  v1::ClusterStatus Status() {
+    v1::ClusterStatus status;
+    grpc::ClientContext ctx;
+    REQUIRE(client->GetClusterStatus(&ctx, {}, &status).ok());
+    return status;
+  }
+
+  // Waits (bounded) until the coordinator stat `name` reaches `value`.
+  void WaitStat(const std::string& name, double value) {
+    for (int i = 0; i < 1000; ++i) {
+      auto stats = Status().stats();
+      if (stats.count(name) && stats.at(name) == value) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    FAIL("stat " << name << " never reached " << value);
   }
 
   // Waits until the session's previous generate has fully ended.
@@ -554,6 +641,377 @@ TEST_CASE("close: frees the home and later calls are NOT_FOUND") {
   grpc::ClientContext ctx;
   CHECK(c.client->GetSession(&ctx, get, &s).error_code() ==
         grpc::StatusCode::NOT_FOUND);
+}
+
+// A turn holds its GPU node's batch until released; with max_batch 1 the
+// others wait in the queue and see their positions.
+TEST_CASE("admission: queued turns see their position and run in order") {
+  Cluster c(64, [](Options& o) { o.max_batch_by_rank = {1}; });
+  c.AddNodes({1000}, {'A', 'B'});
+  c.gpu->hold_after = 1;
+  std::string a = c.NewSession(), b = c.NewSession(), d = c.NewSession();
+  Cluster::Result ra, rb, rd;
+  std::thread ta([&] { ra = c.Generate(a, "hi", 2); });
+  c.WaitStat("rank.0.active_requests", 1);
+  std::thread tb([&] { rb = c.Generate(b, "yo", 2); });
+  c.WaitStat("queue_length", 1);
+  std::thread td([&] { rd = c.Generate(d, "ok", 2); });
+  c.WaitStat("queue_length", 2);
+  WaitRuns(*c.gpu, 1);
+  CHECK(c.gpu->runs().size() == 1);
+  c.gpu->release = true;  // a's turn ends: b, then d run
+  ta.join();
+  tb.join();
+  td.join();
+  REQUIRE(ra.status.ok());
+  REQUIRE(rb.status.ok());
+  REQUIRE(rd.status.ok());
+  CHECK(ra.queued.empty());
+  CHECK(rb.queued == std::vector<int>{0});
+  CHECK(rd.queued == std::vector<int>{1, 0});
+  CHECK(rb.done.has_value());
+  auto runs = c.gpu->runs();
+  REQUIRE(runs.size() == 3);
+  CHECK(runs[1].session() != runs[0].session());
+  auto stats = c.Status().stats();
+  CHECK(stats.at("turns_admitted") == 3);
+  CHECK(stats.at("turns_queued") == 2);
+  CHECK(stats.at("queue_length") == 0);
+  CHECK(stats.at("ttft_ms_count") == 3);
+  CHECK(stats.at("ttft_ms_bucket_le_inf") == 3);
+}
+
+TEST_CASE("admission: a turn waiting past queue_timeout_ms is refused") {
+  Cluster c(64, [](Options& o) {
+    o.max_batch_by_rank = {1};
+    o.scheduling.set_queue_timeout_ms(1000);
+  });
+  c.AddNodes({1000}, {'A'});
+  c.gpu->hold_after = 1;
+  std::string a = c.NewSession(), b = c.NewSession();
+  Cluster::Result ra, rb;
+  std::thread ta([&] { ra = c.Generate(a, "hi", 3, /*cancel_after=*/-1); });
+  c.WaitStat("rank.0.active_requests", 1);
+  std::thread tb([&] { rb = c.Generate(b, "yo", 2); });
+  c.WaitStat("queue_length", 1);
+  c.clock.Advance(absl::Milliseconds(1500));
+  tb.join();
+  CHECK(rb.status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED);
+  CHECK(rb.status.error_message().find("waited 1500 ms") != std::string::npos);
+  CHECK(rb.queued == std::vector<int>{0});
+  CHECK(c.Get(b).num_tokens() == 0);
+  CHECK(c.Get(b).state() == "idle");
+  CHECK(c.Status().stats().at("turns_timed_out") == 1);
+  c.gpu->release = true;
+  ta.join();
+  CHECK(ra.status.ok());
+}
+
+TEST_CASE("admission: a client cancel while queued leaves the queue") {
+  Cluster c(64, [](Options& o) { o.max_batch_by_rank = {1}; });
+  c.AddNodes({1000}, {'A'});
+  c.gpu->hold_after = 1;
+  std::string a = c.NewSession(), b = c.NewSession();
+  Cluster::Result ra;
+  std::thread ta([&] { ra = c.Generate(a, "hi", 3); });
+  c.WaitStat("rank.0.active_requests", 1);
+
+  grpc::ClientContext ctx;
+  v1::GenerateRequest req;
+  req.set_session_id(b);
+  req.set_prompt("yo");
+  req.set_max_new_tokens(2);
+  auto reader = c.client->Generate(&ctx, req);
+  v1::GenerateResponse resp;
+  REQUIRE(reader->Read(&resp));
+  REQUIRE(resp.has_queued());
+  CHECK(resp.queued().position() == 0);
+  ctx.TryCancel();
+  while (reader->Read(&resp)) {
+  }
+  CHECK(reader->Finish().error_code() == grpc::StatusCode::CANCELLED);
+  c.WaitStat("queue_length", 0);
+  c.WaitStat("turns_cancelled_queued", 1);
+  c.WaitIdle(b);
+  CHECK(c.Get(b).num_tokens() == 0);
+  c.gpu->release = true;
+  ta.join();
+  CHECK(ra.status.ok());
+  CHECK(c.gpu->runs().size() == 1);
+  // The session that left the queue runs later.
+  CHECK(c.Generate(b, "yo", 1).status.ok());
+}
+
+TEST_CASE("admission: the TBT target caps a rank's batch") {
+  Cluster c(64, [](Options& o) {
+    o.scheduling.set_tbt_slo_ms(10);
+    // 4 ms fixed + 4 ms per request: one request fits 10 ms, two do not.
+    o.step_cost = {4.0, 4.0, 0.0};
+  });
+  c.AddNodes({1000}, {'A'});
+  c.gpu->hold_after = 1;
+  std::string a = c.NewSession(), b = c.NewSession();
+  Cluster::Result ra, rb;
+  std::thread ta([&] { ra = c.Generate(a, "hi", 3); });
+  c.WaitStat("rank.0.active_requests", 1);
+  std::thread tb([&] { rb = c.Generate(b, "yo", 2); });
+  c.WaitStat("queue_length", 1);
+  c.gpu->release = true;
+  ta.join();
+  tb.join();
+  CHECK(ra.status.ok());
+  CHECK(rb.status.ok());
+  CHECK(rb.queued == std::vector<int>{0});
+}
+
+TEST_CASE("ranks: registration checks, SetPeers push, rank choice") {
+  Cluster c;
+  c.karat = std::make_unique<FakeKaratNode>(std::vector<int>{1000});
+  c.karat_server = std::make_unique<FakeServer>(c.karat.get());
+  c.Register("karat0", "karat", c.karat_server->address, 1);
+  FakeGpuNode g0({'A'}), g1({'B'});
+  FakeServer s0(&g0), s1(&g1);
+  uint32_t id0 = c.Register("gpu0", "gpu", s0.address, 0, 0, 2);
+  uint32_t id1 = c.Register("gpu1", "gpu", s1.address, 0, 1, 2);
+
+  // Every GPU node learns both ranks.
+  for (int i = 0; i < 500; ++i) {
+    auto p = g0.peers();
+    if (!p.empty() && p.back().peers_size() == 2 && !g1.peers().empty()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  REQUIRE_FALSE(g0.peers().empty());
+  REQUIRE_FALSE(g1.peers().empty());
+  cl::SetPeersRequest peers = g0.peers().back();
+  REQUIRE(peers.peers_size() == 2);
+  CHECK(peers.peers(0).rank() == 0);
+  CHECK(peers.peers(0).name() == "gpu0");
+  CHECK(peers.peers(0).node_id() == id0);
+  CHECK(peers.peers(0).fabric_address() == "fabric-gpu0");
+  CHECK(peers.peers(1).rank() == 1);
+  CHECK(peers.peers(1).node_id() == id1);
+  CHECK(g1.peers().back().peers_size() == 2);
+
+  SECTION("a live rank or another rank count is refused") {
+    cl::RegisterNodeRequest req;
+    req.set_name("gpu2");
+    req.set_role("gpu");
+    req.set_grpc_address("127.0.0.1:1");
+    req.set_rank(1);
+    req.set_ranks(2);
+    cl::RegisterNodeResponse resp;
+    {
+      grpc::ClientContext ctx;
+      auto st = c.membership->RegisterNode(&ctx, req, &resp);
+      CHECK(st.error_code() == grpc::StatusCode::ALREADY_EXISTS);
+      CHECK(st.error_message().find("gpu1") != std::string::npos);
+    }
+    req.set_rank(2);
+    req.set_ranks(3);
+    {
+      grpc::ClientContext ctx;
+      CHECK(c.membership->RegisterNode(&ctx, req, &resp).error_code() ==
+            grpc::StatusCode::FAILED_PRECONDITION);
+    }
+    req.set_rank(2);
+    req.set_ranks(2);
+    {
+      grpc::ClientContext ctx;
+      CHECK(c.membership->RegisterNode(&ctx, req, &resp).error_code() ==
+            grpc::StatusCode::INVALID_ARGUMENT);
+    }
+  }
+
+  SECTION("turns go to the rank with the fewest running requests") {
+    g0.hold_after = 1;
+    g1.hold_after = 1;
+    std::string a = c.NewSession(), b = c.NewSession(), d = c.NewSession();
+    Cluster::Result ra, rb, rd;
+    std::thread ta([&] { ra = c.Generate(a, "hi", 2); });
+    c.WaitStat("rank.0.active_requests", 1);
+    std::thread tb([&] { rb = c.Generate(b, "hi", 2); });
+    c.WaitStat("rank.1.active_requests", 1);
+    WaitRuns(g0, 1);
+    WaitRuns(g1, 1);
+    CHECK(g0.runs().size() == 1);
+    CHECK(g1.runs().size() == 1);
+    g1.release = true;
+    tb.join();
+    // Rank 1 is idle again: the next turn goes there.
+    std::thread td([&] { rd = c.Generate(d, "hi", 2); });
+    td.join();
+    CHECK(g1.runs().size() == 2);
+    g0.release = true;
+    ta.join();
+    CHECK(ra.status.ok());
+    CHECK(rb.status.ok());
+    CHECK(rd.status.ok());
+  }
+
+  SECTION("a turn needs every rank alive") {
+    c.clock.Advance(absl::Seconds(4));
+    cl::HeartbeatRequest hb;
+    cl::HeartbeatResponse hr;
+    for (uint32_t id : {1u, id0}) {
+      hb.set_node_id(id);
+      grpc::ClientContext ctx;
+      REQUIRE(c.membership->Heartbeat(&ctx, hb, &hr).ok());
+    }
+    c.clock.Advance(absl::Seconds(2));  // gpu1 silent for 6 s
+    auto r = c.Generate(c.NewSession(), "hi", 2);
+    CHECK(r.status.error_code() == grpc::StatusCode::UNAVAILABLE);
+    CHECK(r.status.error_message().find("rank 1 of 2") != std::string::npos);
+    CHECK(r.status.error_message().find("gpu1") != std::string::npos);
+  }
+}
+
+TEST_CASE("micro-batches: CMR's assignment is pushed to the rank") {
+  Cluster c;
+  c.AddNodes({1000}, {'A'});
+  c.gpu->hold_after = 1;
+  std::string a = c.NewSession(), b = c.NewSession();
+  Cluster::Result ra, rb;
+  // a: 1 + 2 prompt tokens; b: 1 + 10: longer.
+  std::thread ta([&] { ra = c.Generate(a, "hi", 3); });
+  c.WaitStat("rank.0.active_requests", 1);
+  for (int i = 0; i < 500 && c.Get(a).num_tokens() < 4; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  REQUIRE(c.Get(a).num_tokens() == 4);
+  std::thread tb([&] { rb = c.Generate(b, "0123456789", 3); });
+  c.WaitStat("rank.0.active_requests", 2);
+  WaitRuns(*c.gpu, 2);
+  auto runs = c.gpu->runs();
+  REQUIRE(runs.size() == 2);
+  const uint64_t ka = runs[0].session(), kb = runs[1].session();
+  CHECK(runs[0].micro_batch() == 0);
+  // CMR over {a: 4 tokens (3 + the first generated), b: 11}: the longest
+  // first, into micro-batch 0; a moves to 1.
+  auto plan = AssignByContextLength({{ka, {1, 0}, 4}, {kb, {1, 0}, 11}});
+  REQUIRE(plan.ok());
+  CHECK(runs[1].micro_batch() == static_cast<int>(*plan->Find(kb)));
+  CHECK(runs[1].micro_batch() == 0);
+  std::map<uint64_t, int> pushed;
+  for (int i = 0; i < 500 && pushed.empty(); ++i) {
+    auto all = c.gpu->micro_batches();
+    if (!all.empty()) pushed = all.back();
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  CHECK(pushed == std::map<uint64_t, int>{{ka, 1}});
+  auto stats = c.Status().stats();
+  CHECK(stats.at("rank.0.micro_batch_0_requests") == 1);
+  CHECK(stats.at("rank.0.micro_batch_1_requests") == 1);
+  // Recomputations: {a} alone (imbalance 1), then {b | a}: 7/15.
+  CHECK(stats.at("microbatch_token_imbalance_samples") == 2);
+  CHECK(stats.at("microbatch_token_imbalance_mean") ==
+        Approx((1.0 + 7.0 / 15.0) / 2));
+  c.gpu->release = true;
+  ta.join();
+  tb.join();
+  CHECK(ra.status.ok());
+  CHECK(rb.status.ok());
+}
+
+TEST_CASE("micro-batches: count mode appends, one micro-batch mode is all 0") {
+  const bool count = GENERATE(true, false);
+  Cluster c(64, [count](Options& o) {
+    if (count) o.scheduling.set_balance("count");
+    else o.scheduling.set_micro_batches(1);
+  });
+  c.AddNodes({1000}, {'A'});
+  c.gpu->hold_after = 1;
+  std::string a = c.NewSession(), b = c.NewSession();
+  Cluster::Result ra, rb;
+  std::thread ta([&] { ra = c.Generate(a, "hi", 3); });
+  c.WaitStat("rank.0.active_requests", 1);
+  std::thread tb([&] { rb = c.Generate(b, "0123456789", 3); });
+  c.WaitStat("rank.0.active_requests", 2);
+  WaitRuns(*c.gpu, 2);
+  auto runs = c.gpu->runs();
+  REQUIRE(runs.size() == 2);
+  CHECK(runs[0].micro_batch() == 0);
+  CHECK(runs[1].micro_batch() == (count ? 1 : 0));
+  c.gpu->release = true;
+  ta.join();
+  tb.join();
+  CHECK(c.gpu->micro_batches().empty());  // nobody moved
+}
+
+TEST_CASE("gpu_only: the KV is reserved on the rank, which the session keeps") {
+  Cluster c(64, [](Options& o) { o.mode = "gpu_only"; });
+  FakeGpuNode g0({'A'}), g1({'B'});
+  FakeServer s0(&g0), s1(&g1);
+  c.Register("gpu0", "gpu", s0.address, 0, 0, 2);
+  c.Register("gpu1", "gpu", s1.address, 0, 1, 2);
+  std::string a = c.NewSession(), b = c.NewSession();
+  // A turn bigger than every empty rank's HBM fails at once.
+  g0.kv_capacity_tokens = 4;
+  g1.kv_capacity_tokens = 4;
+  auto big = c.Generate(a, "abcdef", 3);
+  CHECK(big.status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED);
+  CHECK(big.status.error_message().find("10 tokens") != std::string::npos);
+  g0.kv_capacity_tokens = 1000;
+  g1.kv_capacity_tokens = 1000;
+  // No KARAT node is needed.
+  REQUIRE(c.Generate(a, "hi", 2).status.ok());
+  REQUIRE(g0.reserves().size() == 2);
+  CHECK(g0.reserves()[1].tokens() == 5);
+  auto runs = g0.runs();
+  REQUIRE(runs.size() == 1);
+  CHECK_FALSE(runs[0].has_placement());
+  CHECK(c.Get(a).home_node() == "gpu0");
+
+  // b holds rank 0's batch; a's next turn still goes to rank 0 (its KV).
+  g0.hold_after = 1;
+  Cluster::Result rb;
+  std::thread tb([&] { rb = c.Generate(b, "yo", 2); });
+  c.WaitStat("rank.0.active_requests", 1);
+  g0.hold_after = -1;
+  auto r2 = c.Generate(a, "x", 1);
+  REQUIRE(r2.status.ok());
+  WaitRuns(g0, 3);
+  CHECK(g0.runs().size() == 3);
+  CHECK(g1.runs().empty());
+  g0.release = true;
+  tb.join();
+  CHECK(rb.status.ok());
+
+
+  v1::CloseSessionRequest close;
+  close.set_session_id(a);
+  v1::CloseSessionResponse closed;
+  grpc::ClientContext ctx;
+  REQUIRE(c.client->CloseSession(&ctx, close, &closed).ok());
+  CHECK(g0.freed() == std::vector<uint64_t>{runs[0].session()});
+}
+
+TEST_CASE("recovery: a rebuild from the token log carries the turn boundaries") {
+  Cluster c;
+  c.AddNodes({1000}, {'A', 'B'});
+  std::string sid = c.NewSession();
+  REQUIRE(c.Generate(sid, "hi", 2).status.ok());   // prefill ends at 3
+  REQUIRE(c.Generate(sid, "xyz", 2).status.ok());  // pos 4, feed 4: ends at 8
+  // karat0 dies; karat1 takes over.
+  FakeKaratNode k1({1000});
+  FakeServer s1(&k1);
+  c.clock.Advance(absl::Seconds(6));
+  cl::HeartbeatRequest hb;
+  hb.set_node_id(c.gpu_id);
+  cl::HeartbeatResponse hr;
+  {
+    grpc::ClientContext ctx;
+    REQUIRE(c.membership->Heartbeat(&ctx, hb, &hr).ok());
+  }
+  c.Register("karat1", "karat", s1.address, 1);
+  REQUIRE(c.Generate(sid, "q", 1).status.ok());
+  auto runs = c.gpu->runs();
+  REQUIRE(runs.size() == 3);
+  CHECK(runs[2].pos_start() == 0);
+  CHECK(runs[2].feed_tokens_size() == 11);
+  CHECK(std::vector<int32_t>(runs[2].prefill_ends().begin(),
+                             runs[2].prefill_ends().end()) ==
+        std::vector<int32_t>{3, 8});
+  CHECK(runs[2].placement().node_name() == "karat1");
+  CHECK(runs[1].prefill_ends_size() == 0);
 }
 
 }  // namespace
