@@ -1,9 +1,12 @@
-// The workload plan of `karatctl bench` (tools/karatctl/workload.h).
+// The workload plan of `karatctl bench` (tools/karatctl/workload.h) and its
+// JSON report (tools/karatctl/bench.h).
 #include "tools/karatctl/workload.h"
 
 #include <catch2/catch.hpp>
 #include <cstdio>
 #include <fstream>
+
+#include "tools/karatctl/bench.h"
 
 namespace karat::ctl {
 namespace {
@@ -58,6 +61,18 @@ TEST_CASE("workload: scaling, ordering and eligibility") {
     CHECK((*again)[i].trace == (*plan)[i].trace);
     CHECK((*again)[i].turns[2].prompt == (*plan)[i].turns[2].prompt);
   }
+  // Outputs scaled on their own: out 2500 / 1000 -> 3 tokens, / 500 -> 5.
+  o.output_scale = 500;
+  o.max_new_tokens_cap = 100;
+  auto longer = PlanWorkload(Calls(), o);
+  REQUIRE(longer.ok());
+  CHECK((*longer)[0].turns[0].max_new_tokens == 5);
+  CHECK((*longer)[0].turns[2].max_new_tokens == 15);
+  CHECK((*longer)[0].turns[0].prompt.size() == 1);  // prompts keep `scale`
+  o.output_scale = -1;
+  CHECK(PlanWorkload(Calls(), o).status().code() ==
+        absl::StatusCode::kInvalidArgument);
+  o.output_scale = 0;
   o.sessions = 4;
   CHECK(PlanWorkload(Calls(), o).status().code() ==
         absl::StatusCode::kInvalidArgument);
@@ -93,6 +108,58 @@ TEST_CASE("workload: percentiles by nearest rank") {
   CHECK(Percentile({5, 1, 3, 2, 4}, 50) == 3);
   CHECK(Percentile({5, 1, 3, 2, 4}, 99) == 5);
   CHECK(Percentile({7}, 1) == 7);
+}
+
+TEST_CASE("bench: the JSON report") {
+  BenchReport r;
+  r.sessions = 4;
+  r.concurrency = 2;
+  r.turns = 8;
+  r.turns_ok = 7;
+  r.turns_failed = 1;
+  r.sessions_ok = 3;
+  r.prompt_tokens = 120;
+  r.generated_tokens = 50;
+  r.wall_s = 2.5;
+  r.ttft_ms_p50 = 10;
+  r.ttft_ms_p90 = 20;
+  r.ttft_ms_p99 = 30;
+  r.ttft_ms_mean = 12.5;
+  r.tbt_ms_p50 = 1;
+  r.tbt_ms_p90 = 2;
+  r.tbt_ms_p99 = 3;
+  r.tbt_ms_mean = 1.25;
+  r.errors_by_code["RESOURCE_EXHAUSTED"] = 1;
+  r.error_samples.push_back("session 1 \"x\"\tturn 0\n");
+  const std::string json = BenchReportJson(r);
+  CHECK(json ==
+        "{\"sessions\": 4, \"concurrency\": 2, \"turns\": 8, \"turns_ok\": 7, "
+        "\"turns_failed\": 1, \"sessions_ok\": 3, \"prompt_tokens\": 120, "
+        "\"generated_tokens\": 50, \"wall_s\": 2.500, "
+        "\"throughput_tokens_per_s\": 20.000, \"ttft_ms_p50\": 10.000, "
+        "\"ttft_ms_p90\": 20.000, \"ttft_ms_p99\": 30.000, "
+        "\"ttft_ms_mean\": 12.500, \"tbt_ms_p50\": 1.000, "
+        "\"tbt_ms_p90\": 2.000, \"tbt_ms_p99\": 3.000, \"tbt_ms_mean\": 1.250, "
+        "\"errors\": 1, \"errors_by_code\": {\"RESOURCE_EXHAUSTED\": 1}, "
+        "\"error_samples\": [\"session 1 \\\"x\\\"\\tturn 0\\n\"]}\n");
+
+  // The TBT target's figures appear only when one was set; a zero wall
+  // time gives a zero throughput, not a division by zero.
+  CHECK(json.find("tbt_slo_ms") == std::string::npos);
+  r.tbt_slo_ms = 50;
+  r.sessions_within_tbt_slo = 2;
+  r.tbt_within_slo_fraction = 0.75;
+  r.wall_s = 0;
+  const std::string with_slo = BenchReportJson(r);
+  CHECK(with_slo.find("\"throughput_tokens_per_s\": 0.000") !=
+        std::string::npos);
+  CHECK(with_slo.find("\"tbt_slo_ms\": 50.000, \"sessions_within_tbt_slo\": 2, "
+                      "\"tbt_within_slo_fraction\": 0.750") !=
+        std::string::npos);
+
+  // Raw bytes in an error message stay valid JSON.
+  r.error_samples = {std::string("bad \x01\xff")};
+  CHECK(BenchReportJson(r).find("\"bad \\u0001\\u00ff\"") != std::string::npos);
 }
 
 }  // namespace

@@ -1,24 +1,34 @@
 #include "tools/karatctl/bench.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <numeric>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 
 namespace karat::ctl {
 namespace {
 
+// Error messages kept for the report.
+constexpr size_t kErrorSamples = 10;
+
 struct Totals {
   absl::Mutex mu;
   std::vector<double> ttft_ms ABSL_GUARDED_BY(mu);
   std::vector<double> tbt_ms ABSL_GUARDED_BY(mu);
   std::vector<std::string> errors ABSL_GUARDED_BY(mu);
+  std::map<std::string, int> errors_by_code ABSL_GUARDED_BY(mu);
   int64_t prompt_tokens ABSL_GUARDED_BY(mu) = 0;
+  int sessions_ok ABSL_GUARDED_BY(mu) = 0;
+  int sessions_within_slo ABSL_GUARDED_BY(mu) = 0;
   std::atomic<int64_t> generated{0};
   std::atomic<int> turns_done{0};
   std::atomic<int> turns_failed{0};
@@ -26,12 +36,16 @@ struct Totals {
 
 void RunSession(Client& client, const PlannedSession& plan, int index,
                 const BenchOptions& o, Totals* totals) {
+  bool all_ok = true;
+  std::vector<double> session_tbt;
   auto fail = [&](int turn, const absl::Status& st) {
+    all_ok = false;
     totals->turns_failed++;
     absl::MutexLock lock(&totals->mu);
-    totals->errors.push_back(absl::StrFormat(
-        "session %d (%s) turn %d: %s: %s", index, plan.trace, turn,
-        StatusCodeName(st.code()), st.message()));
+    totals->errors_by_code[StatusCodeName(st.code())]++;
+    totals->errors.push_back(
+        absl::StrFormat("session %d (%s) turn %d: %s: %s", index, plan.trace,
+                        turn, StatusCodeName(st.code()), st.message()));
   };
   auto session = client.CreateSession(o.workload.seed + index);
   if (!session.ok()) {
@@ -41,7 +55,8 @@ void RunSession(Client& client, const PlannedSession& plan, int index,
   for (size_t t = 0; t < plan.turns.size(); ++t) {
     const PlannedTurn& turn = plan.turns[t];
     if (turn.think_seconds > 0 && t > 0)
-      std::this_thread::sleep_for(std::chrono::duration<double>(turn.think_seconds));
+      std::this_thread::sleep_for(
+          std::chrono::duration<double>(turn.think_seconds));
     v1::GenerateRequest req;
     req.set_session_id(session->session_id());
     req.set_prompt(turn.prompt);
@@ -54,6 +69,8 @@ void RunSession(Client& client, const PlannedSession& plan, int index,
       continue;
     }
     totals->turns_done++;
+    session_tbt.insert(session_tbt.end(), result->tbt_ms.begin(),
+                       result->tbt_ms.end());
     absl::MutexLock lock(&totals->mu);
     totals->prompt_tokens += static_cast<int64_t>(turn.prompt.size());
     if (result->tokens > 0) totals->ttft_ms.push_back(result->ttft_ms);
@@ -61,39 +78,143 @@ void RunSession(Client& client, const PlannedSession& plan, int index,
                           result->tbt_ms.end());
   }
   absl::Status closed = client.CloseSession(session->session_id());
+  absl::MutexLock lock(&totals->mu);
   if (!closed.ok()) {
-    absl::MutexLock lock(&totals->mu);
-    totals->errors.push_back(absl::StrFormat(
-        "session %d: CloseSession: %s: %s", index, StatusCodeName(closed.code()),
-        closed.message()));
+    totals->errors.push_back(
+        absl::StrFormat("session %d: CloseSession: %s: %s", index,
+                        StatusCodeName(closed.code()), closed.message()));
   }
+  if (all_ok) {
+    totals->sessions_ok++;
+    if (o.tbt_slo_ms > 0 && Percentile(session_tbt, 99) <= o.tbt_slo_ms)
+      totals->sessions_within_slo++;
+  }
+}
+
+double Mean(const std::vector<double>& v) {
+  if (v.empty()) return 0;
+  return std::accumulate(v.begin(), v.end(), 0.0) /
+         static_cast<double>(v.size());
+}
+
+std::string JsonString(const std::string& s) {
+  std::string out = "\"";
+  for (unsigned char c : s) {
+    switch (c) {
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      default:
+        if (c < 0x20 || c >= 0x7f) {
+          // Error text may carry raw bytes; keep the JSON valid ASCII.
+          absl::StrAppend(&out, absl::StrFormat("\\u%04x", c));
+        } else {
+          out += static_cast<char>(c);
+        }
+    }
+  }
+  return out + "\"";
+}
+
+// A finite number in JSON (NaN and infinities are not JSON).
+std::string JsonNumber(double v) {
+  if (!std::isfinite(v)) return "null";
+  return absl::StrFormat("%.3f", v);
 }
 
 }  // namespace
 
+std::string BenchReportJson(const BenchReport& r) {
+  std::string out = absl::StrFormat(
+      "{\"sessions\": %d, \"concurrency\": %d, \"turns\": %d, \"turns_ok\": "
+      "%d, "
+      "\"turns_failed\": %d, \"sessions_ok\": %d, \"prompt_tokens\": %d, "
+      "\"generated_tokens\": %d, \"wall_s\": %s, \"throughput_tokens_per_s\": "
+      "%s",
+      r.sessions, r.concurrency, r.turns, r.turns_ok, r.turns_failed,
+      r.sessions_ok, r.prompt_tokens, r.generated_tokens, JsonNumber(r.wall_s),
+      JsonNumber(r.throughput()));
+  const std::pair<const char*, double> latencies[] = {
+      {"ttft_ms_p50", r.ttft_ms_p50}, {"ttft_ms_p90", r.ttft_ms_p90},
+      {"ttft_ms_p99", r.ttft_ms_p99}, {"ttft_ms_mean", r.ttft_ms_mean},
+      {"tbt_ms_p50", r.tbt_ms_p50},   {"tbt_ms_p90", r.tbt_ms_p90},
+      {"tbt_ms_p99", r.tbt_ms_p99},   {"tbt_ms_mean", r.tbt_ms_mean}};
+  for (const auto& [key, value] : latencies)
+    absl::StrAppend(&out, ", \"", key, "\": ", JsonNumber(value));
+  if (r.tbt_slo_ms > 0) {
+    absl::StrAppend(
+        &out, ", \"tbt_slo_ms\": ", JsonNumber(r.tbt_slo_ms),
+        ", \"sessions_within_tbt_slo\": ", r.sessions_within_tbt_slo,
+        ", \"tbt_within_slo_fraction\": ",
+        JsonNumber(r.tbt_within_slo_fraction));
+  }
+  absl::StrAppend(&out, ", \"errors\": ", r.turns_failed,
+                  ", \"errors_by_code\": {");
+  bool first = true;
+  for (const auto& [code, n] : r.errors_by_code) {
+    absl::StrAppend(&out, first ? "" : ", ", JsonString(code), ": ", n);
+    first = false;
+  }
+  absl::StrAppend(&out, "}, \"error_samples\": [");
+  for (size_t i = 0; i < r.error_samples.size(); ++i)
+    absl::StrAppend(&out, i ? ", " : "", JsonString(r.error_samples[i]));
+  absl::StrAppend(&out, "]}\n");
+  return out;
+}
+
 int RunBench(Client& client, const BenchOptions& o) {
+  if (o.concurrency < 0) {
+    std::fprintf(stderr, "karatctl: --concurrency must be >= 0\n");
+    return 2;
+  }
+  if (!(o.tbt_slo_ms >= 0) || !std::isfinite(o.tbt_slo_ms)) {
+    std::fprintf(stderr, "karatctl: --tbt-slo-ms must be >= 0\n");
+    return 2;
+  }
   auto calls = ReadTrace(o.trace);
   if (!calls.ok()) {
-    std::fprintf(stderr, "karatctl: %s\n", std::string(calls.status().message()).c_str());
+    std::fprintf(stderr, "karatctl: %s\n",
+                 std::string(calls.status().message()).c_str());
     return 2;
   }
   auto plan = PlanWorkload(*calls, o.workload);
   if (!plan.ok()) {
-    std::fprintf(stderr, "karatctl: %s\n", std::string(plan.status().message()).c_str());
+    std::fprintf(stderr, "karatctl: %s\n",
+                 std::string(plan.status().message()).c_str());
     return 2;
   }
+  const int sessions = static_cast<int>(plan->size());
+  const int concurrency =
+      o.concurrency == 0 ? sessions : std::min(o.concurrency, sessions);
   int total_turns = 0;
   for (const auto& s : *plan) total_turns += static_cast<int>(s.turns.size());
-  std::fprintf(stderr, "bench: %zu sessions x %d turns from %s (scale %g, cap %d)\n",
-               plan->size(), o.workload.turns, o.trace.c_str(), o.workload.scale,
-               o.workload.max_new_tokens_cap);
+  std::fprintf(
+      stderr,
+      "bench: %d sessions x %d turns from %s (scale %g, cap %d), %d in "
+      "flight\n",
+      sessions, o.workload.turns, o.trace.c_str(), o.workload.scale,
+      o.workload.max_new_tokens_cap, concurrency);
 
   Totals totals;
   auto start = std::chrono::steady_clock::now();
+  std::atomic<int> next_session{0};
   std::vector<std::thread> threads;
-  for (size_t i = 0; i < plan->size(); ++i) {
-    threads.emplace_back([&, i] {
-      RunSession(client, (*plan)[i], static_cast<int>(i), o, &totals);
+  for (int w = 0; w < concurrency; ++w) {
+    threads.emplace_back([&] {
+      for (int i = next_session++; i < sessions; i = next_session++)
+        RunSession(client, (*plan)[i], i, o, &totals);
     });
   }
   // Progress about once a second until every session has finished.
@@ -108,11 +229,12 @@ int RunBench(Client& client, const BenchOptions& o) {
       auto now = std::chrono::steady_clock::now();
       int64_t tokens = totals.generated.load();
       double dt = std::chrono::duration<double>(now - last).count();
-      std::fprintf(stderr, "bench: turns %d/%d, %lld tokens, %.1f tokens/s, %d errors\n",
-                   totals.turns_done + totals.turns_failed, total_turns,
-                   static_cast<long long>(tokens),
-                   dt > 0 ? (tokens - last_tokens) / dt : 0.0,
-                   totals.turns_failed.load());
+      std::fprintf(
+          stderr, "bench: turns %d/%d, %lld tokens, %.1f tokens/s, %d errors\n",
+          totals.turns_done + totals.turns_failed, total_turns,
+          static_cast<long long>(tokens),
+          dt > 0 ? (tokens - last_tokens) / dt : 0.0,
+          totals.turns_failed.load());
       last_tokens = tokens;
       last = now;
     }
@@ -120,43 +242,80 @@ int RunBench(Client& client, const BenchOptions& o) {
   for (auto& t : threads) t.join();
   finished = true;
   progress.join();
-  double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  double wall =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+          .count();
 
   absl::MutexLock lock(&totals.mu);
-  int64_t generated = totals.generated.load();
-  double throughput = wall > 0 ? generated / wall : 0;
-  double ttft50 = Percentile(totals.ttft_ms, 50), ttft99 = Percentile(totals.ttft_ms, 99);
-  double tbt50 = Percentile(totals.tbt_ms, 50), tbt99 = Percentile(totals.tbt_ms, 99);
-  int errors = totals.turns_failed.load();
-  std::printf("sessions           %zu\n", plan->size());
-  std::printf("turns              %d ok / %d\n", totals.turns_done.load(), total_turns);
-  std::printf("prompt tokens      %lld\n", static_cast<long long>(totals.prompt_tokens));
-  std::printf("generated tokens   %lld\n", static_cast<long long>(generated));
-  std::printf("wall time          %.2f s\n", wall);
-  std::printf("throughput         %.1f generated tokens/s\n", throughput);
-  std::printf("TTFT p50 / p99     %.1f / %.1f ms\n", ttft50, ttft99);
-  std::printf("TBT  p50 / p99     %.1f / %.1f ms\n", tbt50, tbt99);
-  std::printf("errors             %d\n", errors);
-  for (size_t i = 0; i < totals.errors.size() && i < 10; ++i)
+  BenchReport r;
+  r.sessions = sessions;
+  r.concurrency = concurrency;
+  r.turns = total_turns;
+  r.turns_ok = totals.turns_done.load();
+  r.turns_failed = totals.turns_failed.load();
+  r.sessions_ok = totals.sessions_ok;
+  r.prompt_tokens = totals.prompt_tokens;
+  r.generated_tokens = totals.generated.load();
+  r.wall_s = wall;
+  r.ttft_ms_p50 = Percentile(totals.ttft_ms, 50);
+  r.ttft_ms_p90 = Percentile(totals.ttft_ms, 90);
+  r.ttft_ms_p99 = Percentile(totals.ttft_ms, 99);
+  r.ttft_ms_mean = Mean(totals.ttft_ms);
+  r.tbt_ms_p50 = Percentile(totals.tbt_ms, 50);
+  r.tbt_ms_p90 = Percentile(totals.tbt_ms, 90);
+  r.tbt_ms_p99 = Percentile(totals.tbt_ms, 99);
+  r.tbt_ms_mean = Mean(totals.tbt_ms);
+  if (o.tbt_slo_ms > 0) {
+    r.tbt_slo_ms = o.tbt_slo_ms;
+    r.sessions_within_tbt_slo = totals.sessions_within_slo;
+    const auto within =
+        std::count_if(totals.tbt_ms.begin(), totals.tbt_ms.end(),
+                      [&](double v) { return v <= o.tbt_slo_ms; });
+    r.tbt_within_slo_fraction =
+        totals.tbt_ms.empty()
+            ? 0
+            : static_cast<double>(within) / totals.tbt_ms.size();
+  }
+  r.errors_by_code = totals.errors_by_code;
+  for (size_t i = 0; i < totals.errors.size() && i < kErrorSamples; ++i)
+    r.error_samples.push_back(totals.errors[i]);
+
+  std::printf("sessions           %d (%d in flight, %d fully served)\n",
+              r.sessions, r.concurrency, r.sessions_ok);
+  std::printf("turns              %d ok / %d\n", r.turns_ok, r.turns);
+  std::printf("prompt tokens      %lld\n",
+              static_cast<long long>(r.prompt_tokens));
+  std::printf("generated tokens   %lld\n",
+              static_cast<long long>(r.generated_tokens));
+  std::printf("wall time          %.2f s\n", r.wall_s);
+  std::printf("throughput         %.1f generated tokens/s\n", r.throughput());
+  std::printf("TTFT p50/p90/p99   %.1f / %.1f / %.1f ms\n", r.ttft_ms_p50,
+              r.ttft_ms_p90, r.ttft_ms_p99);
+  std::printf("TBT  p50/p90/p99   %.1f / %.1f / %.1f ms\n", r.tbt_ms_p50,
+              r.tbt_ms_p90, r.tbt_ms_p99);
+  if (o.tbt_slo_ms > 0) {
+    std::printf(
+        "TBT target         %.1f ms: %d sessions within, %.1f%% of TBTs\n",
+        o.tbt_slo_ms, r.sessions_within_tbt_slo,
+        100.0 * r.tbt_within_slo_fraction);
+  }
+  std::printf("errors             %d\n", r.turns_failed);
+  for (const auto& [code, n] : r.errors_by_code)
+    std::printf("  %-16s %d\n", code.c_str(), n);
+  for (size_t i = 0; i < totals.errors.size() && i < kErrorSamples; ++i)
     std::printf("  %s\n", totals.errors[i].c_str());
   std::fflush(stdout);
 
   if (!o.json_path.empty()) {
     std::ofstream out(o.json_path);
-    out << absl::StrFormat(
-        "{\"sessions\": %d, \"turns\": %d, \"turns_ok\": %d, \"prompt_tokens\": %d, "
-        "\"generated_tokens\": %d, \"wall_s\": %.3f, \"throughput_tokens_per_s\": %.3f, "
-        "\"ttft_ms_p50\": %.3f, \"ttft_ms_p99\": %.3f, \"tbt_ms_p50\": %.3f, "
-        "\"tbt_ms_p99\": %.3f, \"errors\": %d}\n",
-        static_cast<int>(plan->size()), total_turns, totals.turns_done.load(),
-        totals.prompt_tokens, generated, wall, throughput, ttft50, ttft99, tbt50,
-        tbt99, errors);
+    out << BenchReportJson(r);
+    out.close();
     if (!out.good()) {
       std::fprintf(stderr, "karatctl: cannot write %s\n", o.json_path.c_str());
       return 1;
     }
   }
-  return errors == 0 && totals.errors.empty() ? 0 : 1;
+  return r.turns_failed == 0 && totals.errors.empty() ? 0 : 1;
 }
 
 }  // namespace karat::ctl

@@ -1,9 +1,12 @@
 // karatctl: command-line client of the KARAT coordinator.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
+#include <limits>
 #include <iostream>
 #include <map>
 #include <set>
@@ -13,6 +16,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -37,12 +41,17 @@ commands:
       Multi-turn conversation on one session; one line of stdin per turn,
       until EOF or /quit.
   status [--expect-alive NAME,NAME...]
-      Nodes, devices and sessions. With --expect-alive, exits 3 unless every
-      named node is registered and alive.
-  bench --trace FILE --sessions N --turns T --scale F
+      Nodes, devices and sessions, the admission queue and latencies, each
+      rank's batch, and the nodes' busy / stalled time. With --expect-alive,
+      exits 3 unless every named node is registered and alive.
+  bench --trace FILE --sessions N --turns T --scale F [--output-scale F]
         [--max-new-tokens-cap C] [--think-scale X] [--seed S]
-        [--temperature T] [--json FILE]
-      Closed-loop workload from the kvcache-tester trace.
+        [--temperature T] [--concurrency N] [--tbt-slo-ms X] [--json FILE]
+      Closed-loop workload from the kvcache-tester trace; token counts are
+      divided by --scale (outputs by --output-scale if given). --concurrency
+      caps the sessions in flight (default: all); --tbt-slo-ms counts the
+      sessions served within that TBT target; --json also writes the report
+      as one JSON object.
   link set --from NODE|* --to NODE|* [--latency-us N] [--jitter-us N]
            [--bandwidth-mbps R] [--loss P] [--down | --up]
   link remove --from NODE|* --to NODE|*
@@ -50,12 +59,15 @@ commands:
       Link emulation of the data plane (the coordinator pushes it to the
       nodes); `status` shows the rules and per-link counters too.
   metrics
-      Every node's counters in the Prometheus text format (per-link messages,
-      bytes, drops, failures, send latency).
+      The coordinator's counters (TTFT / TBT histograms, throughput, admission
+      queue, micro-batch token imbalance per rank) and every node's counters
+      (per-link messages, bytes, drops, failures, send latency) in the
+      Prometheus text format.
   plan --config FILE
       Prints the daemons of a cluster config, one per line (used by
       deploy/karat): "model_dir DIR", "provider P", "gpu NAME FLAGS...",
-      "karat NAME FLAGS...".
+      "karat NAME FLAGS...". GPU nodes get --rank, --ranks, --mode,
+      --micro-batches, --schedule and --hbm-bytes from the config.
 
 Without --coordinator or --addr-file the address is read from
 run/coordinator.addr (written by `deploy/karat up`).
@@ -211,6 +223,50 @@ int Chat(Client& client, const Flags& f) {
 
 void PrintLinks(const std::string& address, const v1::ClusterStatus& st);
 
+// The coordinator's scheduling counters (ClusterStatus.stats) and the
+// nodes' busy / stalled time (their stats maps).
+void PrintScheduling(const v1::ClusterStatus& st) {
+  const auto& m = st.stats();
+  auto get = [&](const std::string& k) {
+    auto it = m.find(k);
+    return it == m.end() ? 0.0 : it->second;
+  };
+  if (m.empty()) return;
+  auto mean = [&](const std::string& h) {
+    const double n = get(h + "_count");
+    return n > 0 ? get(h + "_sum") / n : 0.0;
+  };
+  std::printf(
+      "queue %.0f waiting; turns admitted %.0f, queued %.0f, timed out %.0f, "
+      "cancelled while queued %.0f, refused %.0f\n",
+      get("queue_length"), get("turns_admitted"), get("turns_queued"),
+      get("turns_timed_out"), get("turns_cancelled_queued"), get("turns_refused"));
+  std::printf(
+      "TTFT mean %.1f ms, TBT mean %.1f ms, throughput %.1f tokens/s, "
+      "micro-batch token imbalance %.3f\n",
+      mean("ttft_ms"), mean("tbt_ms"), get("throughput_tokens_per_s"),
+      get("microbatch_token_imbalance_mean"));
+  for (int r = 0;; ++r) {
+    const std::string p = absl::StrCat("rank.", r, ".");
+    if (!m.contains(p + "active_requests")) break;
+    std::printf("rank %d: %.0f running (micro-batches %.0f / %.0f), token "
+                "imbalance %.3f\n",
+                r, get(p + "active_requests"), get(p + "micro_batch_0_requests"),
+                get(p + "micro_batch_1_requests"),
+                get(p + "microbatch_token_imbalance_mean"));
+  }
+  for (const auto& n : st.nodes()) {
+    std::vector<std::string> parts;
+    std::map<std::string, double> stats(n.stats().begin(), n.stats().end());
+    for (const auto& [k, v] : stats) {
+      if (k.ends_with("busy_seconds") || k.ends_with("stalled_seconds"))
+        parts.push_back(absl::StrFormat("%s %.2fs", k, v));
+    }
+    if (!parts.empty())
+      std::printf("%s: %s\n", n.name().c_str(), absl::StrJoin(parts, ", ").c_str());
+  }
+}
+
 int Status(Client& client, const std::string& address, const Flags& f) {
   auto st = client.GetClusterStatus();
   if (!st.ok()) return PrintError(st.status());
@@ -234,6 +290,7 @@ int Status(Client& client, const std::string& address, const Flags& f) {
   std::printf("sessions %d, active generations %d, tokens generated %lld\n",
               st->sessions(), st->active_generations(),
               static_cast<long long>(st->tokens_generated()));
+  PrintScheduling(*st);
   PrintLinks(address, *st);
   if (f.Has("expect-alive")) {
     std::vector<std::string> names =
@@ -347,9 +404,66 @@ int Link(const std::string& address, const std::string& action,
   return resp.not_applied_size() > 0 ? 1 : 0;
 }
 
+// The coordinator's stats map in the Prometheus text format:
+// "<h>_bucket_le_<b>" / "<h>_count" / "<h>_sum" become the histogram
+// karat_coordinator_<h>, "rank.<r>.<name>" the series
+// karat_coordinator_<name>{rank="<r>"}, anything else karat_coordinator_<key>.
+std::string CoordinatorPrometheus(const google::protobuf::Map<std::string, double>& m) {
+  std::map<std::string, double> stats(m.begin(), m.end());
+  std::map<std::string, std::vector<std::pair<double, std::string>>> buckets;
+  std::string out;
+  auto number = [](double v) { return absl::StrFormat("%.17g", v); };
+  for (const auto& [key, value] : stats) {
+    if (auto at = key.find("_bucket_le_"); at != std::string::npos) {
+      const std::string bound = key.substr(at + 11);
+      double order = 0;
+      if (bound == "inf" || !absl::SimpleAtod(bound, &order))
+        order = std::numeric_limits<double>::infinity();
+      buckets[key.substr(0, at)].emplace_back(
+          order, absl::StrCat("karat_coordinator_", key.substr(0, at),
+                              "_bucket{le=\"", bound == "inf" ? "+Inf" : bound,
+                              "\"} ", number(value), "\n"));
+      continue;
+    }
+    // A histogram's _sum and _count follow its buckets.
+    bool histogram_total = false;
+    for (const char* suffix : {"_sum", "_count"}) {
+      if (key.ends_with(suffix) &&
+          stats.contains(key.substr(0, key.size() - std::strlen(suffix)) +
+                         "_bucket_le_inf"))
+        histogram_total = true;
+    }
+    if (histogram_total) continue;
+    if (key.rfind("rank.", 0) == 0) {
+      const size_t dot = key.find('.', 5);
+      if (dot != std::string::npos) {
+        absl::StrAppend(&out, "karat_coordinator_", key.substr(dot + 1),
+                        "{rank=\"", key.substr(5, dot - 5), "\"} ",
+                        number(value), "\n");
+        continue;
+      }
+    }
+    absl::StrAppend(&out, "karat_coordinator_", key, " ", number(value), "\n");
+  }
+  std::string hist;
+  for (auto& [name, lines] : buckets) {
+    std::sort(lines.begin(), lines.end());
+    absl::StrAppend(&hist, "# TYPE karat_coordinator_", name, " histogram\n");
+    for (const auto& [order, line] : lines) hist += line;
+    for (const char* suffix : {"_sum", "_count"}) {
+      auto it = stats.find(name + suffix);
+      if (it != stats.end())
+        absl::StrAppend(&hist, "karat_coordinator_", name, suffix, " ",
+                        number(it->second), "\n");
+    }
+  }
+  return hist + out;
+}
+
 int Metrics(Client& client) {
   auto st = client.GetClusterStatus();
   if (!st.ok()) return PrintError(st.status());
+  std::fputs(CoordinatorPrometheus(st->stats()).c_str(), stdout);
   for (const auto& n : st->nodes()) {
     std::map<std::string, double> stats(n.stats().begin(), n.stats().end());
     std::fputs(PrometheusFromStatsMap(n.name(), stats).c_str(), stdout);
@@ -364,10 +478,29 @@ int Plan(const Flags& f) {
     std::fprintf(stderr, "karatctl: %s\n", std::string(config.status().message()).c_str());
     return 2;
   }
+  if (!config->model_dir().empty()) {
+    // Checked here when the model is already there (relative to the current
+    // directory); the coordinator checks again at start.
+    absl::Status fits =
+        coordinator::CheckClusterConfigAgainstModel(*config, config->model_dir());
+    if (!fits.ok() && fits.code() != absl::StatusCode::kNotFound) {
+      std::fprintf(stderr, "karatctl: %s: %s\n", f.Str("config").c_str(),
+                   std::string(fits.message()).c_str());
+      return 2;
+    }
+  }
   std::printf("model_dir %s\n", config->model_dir().c_str());
   std::printf("provider %s\n", config->provider().empty() ? "shm" : config->provider().c_str());
-  for (const auto& g : config->gpu_nodes()) {
-    std::string flags;
+  const auto& sched = config->scheduling();
+  const std::string mode = config->mode().empty() ? "karat" : config->mode();
+  const int micro_batches = sched.micro_batches() == 0 ? 2 : sched.micro_batches();
+  const std::string schedule = sched.schedule().empty() ? "ofms" : sched.schedule();
+  for (int rank = 0; rank < config->gpu_nodes_size(); ++rank) {
+    const auto& g = config->gpu_nodes(rank);
+    std::string flags = absl::StrCat(
+        " --rank ", rank, " --ranks ", config->gpu_nodes_size(), " --mode ", mode,
+        " --micro-batches ", micro_batches, " --schedule ", schedule,
+        " --hbm-bytes ", g.hbm_bytes());
     if (g.max_step_tokens() > 0) flags += " --max-step-tokens " + std::to_string(g.max_step_tokens());
     if (g.max_batch() > 0) flags += " --max-batch " + std::to_string(g.max_batch());
     if (g.threads() > 0) flags += " --threads " + std::to_string(g.threads());
@@ -452,8 +585,10 @@ int Main(int argc, char** argv) {
     known = {"from", "to", "latency-us", "jitter-us", "bandwidth-mbps", "loss"};
     switches = {"down", "up"};
   } else if (command == "bench") {
-    known = {"trace", "sessions", "turns", "scale", "max-new-tokens-cap",
-             "think-scale", "seed", "temperature", "json"};
+    known = {"trace", "sessions", "turns", "scale", "output-scale",
+             "max-new-tokens-cap",
+             "think-scale", "seed", "temperature", "concurrency", "tbt-slo-ms",
+             "json"};
   } else {
     Usage("unknown command " + command);
   }
@@ -485,10 +620,15 @@ int Main(int argc, char** argv) {
   b.workload.sessions = static_cast<int>(flags.Int("sessions", 8));
   b.workload.turns = static_cast<int>(flags.Int("turns", 3));
   b.workload.scale = flags.Double("scale", 1000);
+  b.workload.output_scale = flags.Double("output-scale", 0);
   b.workload.max_new_tokens_cap = static_cast<int>(flags.Int("max-new-tokens-cap", 4096));
   b.workload.think_scale = flags.Double("think-scale", 0);
   b.workload.seed = flags.Uint("seed", 1);
   b.temperature = static_cast<float>(flags.Double("temperature", 0));
+  b.concurrency = static_cast<int>(flags.Int("concurrency", 0));
+  if (b.concurrency < 0) Usage("--concurrency must be >= 0");
+  b.tbt_slo_ms = flags.Double("tbt-slo-ms", 0);
+  if (!(b.tbt_slo_ms >= 0)) Usage("--tbt-slo-ms must be >= 0");
   b.json_path = flags.Str("json");
   return RunBench(client, b);
 }

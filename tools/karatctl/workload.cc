@@ -76,6 +76,9 @@ absl::StatusOr<std::vector<PlannedSession>> PlanWorkload(
   if (o.sessions < 1) return absl::InvalidArgumentError("--sessions must be >= 1");
   if (o.turns < 1) return absl::InvalidArgumentError("--turns must be >= 1");
   if (!(o.scale > 0)) return absl::InvalidArgumentError("--scale must be > 0");
+  if (!(o.output_scale >= 0))
+    return absl::InvalidArgumentError("--output-scale must be >= 0");
+  const double output_scale = o.output_scale > 0 ? o.output_scale : o.scale;
   if (o.max_new_tokens_cap < 1)
     return absl::InvalidArgumentError("--max-new-tokens-cap must be >= 1");
   if (!(o.think_scale >= 0))
@@ -119,8 +122,9 @@ absl::StatusOr<std::vector<PlannedSession>> PlanWorkload(
       int64_t prompt_len = std::max<int64_t>(
           1, std::llround(static_cast<double>(c.new_prefill_tokens) / o.scale));
       pt.max_new_tokens = static_cast<int>(std::max<int64_t>(
-          1, std::min<int64_t>(o.max_new_tokens_cap,
-                               std::llround(static_cast<double>(c.out) / o.scale))));
+          1, std::min<int64_t>(
+                 o.max_new_tokens_cap,
+                 std::llround(static_cast<double>(c.out) / output_scale))));
       pt.think_seconds = c.think_time * o.think_scale;
       pt.trace_in = c.in;
       pt.trace_out = c.out;

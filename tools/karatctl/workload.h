@@ -30,6 +30,10 @@ struct WorkloadOptions {
   int sessions = 8;
   int turns = 3;
   double scale = 1000;
+  // Divides the trace's output tokens; 0: the same as `scale`. A smaller
+  // value than `scale` keeps decode (what TBT measures) long while the
+  // prompts stay short.
+  double output_scale = 0;
   int max_new_tokens_cap = 4096;
   double think_scale = 0;
   uint64_t seed = 1;
@@ -53,8 +57,9 @@ struct PlannedSession {
 // have at least `turns` calls (chosen by a seeded shuffle) and scales their
 // first `turns` calls: prompt = max(1, round(new_prefill_tokens / scale))
 // random printable bytes; max_new_tokens = max(1, min(cap, round(out /
-// scale))); think = think_time * think_scale. INVALID_ARGUMENT when too few
-// traces qualify or an option is out of range.
+// output_scale))) (output_scale 0: scale); think = think_time *
+// think_scale. INVALID_ARGUMENT when too few traces qualify or an option is
+// out of range.
 absl::StatusOr<std::vector<PlannedSession>> PlanWorkload(
     const std::vector<TraceCall>& calls, const WorkloadOptions& options);
 
