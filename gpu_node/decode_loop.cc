@@ -15,7 +15,7 @@ namespace karat {
 // Validation
 
 absl::Status ValidateTurnRequest(const cluster::RunTurnRequest& r,
-                                 int vocab_size) {
+                                 int vocab_size, bool need_placement) {
   if (r.feed_tokens_size() == 0) {
     return absl::InvalidArgumentError("feed_tokens is empty");
   }
@@ -38,6 +38,22 @@ absl::Status ValidateTurnRequest(const cluster::RunTurnRequest& r,
     return absl::InvalidArgumentError(absl::StrCat(
         "temperature must be finite and >= 0, got ", r.temperature()));
   }
+  if (r.micro_batch() < 0 || r.micro_batch() > 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("micro_batch must be 0 or 1, got ", r.micro_batch()));
+  }
+  int previous = r.pos_start();
+  for (int i = 0; i < r.prefill_ends_size(); ++i) {
+    const int end = r.prefill_ends(i);
+    if (end <= previous || end > r.pos_start() + r.feed_tokens_size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "prefill_ends[", i, "] = ", end,
+          " must be increasing and inside (pos_start, pos_start + feed size] = (",
+          r.pos_start(), ", ", r.pos_start() + r.feed_tokens_size(), "]"));
+    }
+    previous = end;
+  }
+  if (!need_placement) return absl::OkStatus();
   if (!r.has_placement()) {
     return absl::InvalidArgumentError("placement is missing");
   }
@@ -61,6 +77,8 @@ TurnRequest TurnRequestFromProto(const cluster::RunTurnRequest& r) {
   t.feed_tokens.assign(r.feed_tokens().begin(), r.feed_tokens().end());
   t.max_new_tokens = r.max_new_tokens();
   t.placement = r.placement();
+  t.micro_batch = r.micro_batch();
+  for (int end : r.prefill_ends()) t.prefill_ends.push_back(end - r.pos_start());
   return t;
 }
 
@@ -113,11 +131,85 @@ struct DecodeLoop::Request {
   int generated = 0;
 };
 
-DecodeLoop::DecodeLoop(const ModelRunner* runner, StepBackend* backend,
-                       const DecodeLoopOptions& options)
-    : runner_(runner), backend_(backend), options_(options) {}
+// A thread that runs one job at a time for the loop thread: the second
+// micro-batch's step.
+class DecodeLoop::MicroBatchThread {
+ public:
+  explicit MicroBatchThread(int threads) {
+    thread_ = std::thread([this, threads] {
+      if (threads > 0) omp_set_num_threads(threads);
+      for (;;) {
+        std::function<void()> job;
+        {
+          absl::MutexLock lock(&mu_);
+          auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+            return stop_ || job_ != nullptr;
+          };
+          mu_.Await(absl::Condition(&ready));
+          if (job_ == nullptr) return;
+          job = std::move(job_);
+          job_ = nullptr;
+        }
+        job();
+        absl::MutexLock lock(&mu_);
+        done_ = true;
+      }
+    });
+  }
+  ~MicroBatchThread() {
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+    }
+    thread_.join();
+  }
+  void Run(std::function<void()> job) {
+    absl::MutexLock lock(&mu_);
+    done_ = false;
+    job_ = std::move(job);
+  }
+  void Wait() {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(&done_));
+  }
 
-DecodeLoop::~DecodeLoop() { Stop(); }
+ private:
+  absl::Mutex mu_;
+  std::function<void()> job_ ABSL_GUARDED_BY(mu_);
+  bool done_ ABSL_GUARDED_BY(mu_) = true;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
+DecodeLoop::DecodeLoop(const ModelRunner* runner, StepBackend* backend,
+                       const DecodeLoopOptions& options, ExpertSource experts)
+    : runner_(runner),
+      backend_(backend),
+      options_(options),
+      experts_(std::move(experts)),
+      token_(options.schedule),
+      hooks_{TokenWaitHooks(&token_, 0), TokenWaitHooks(&token_, 1)} {
+  if (options_.micro_batches > 1) {
+    second_ = std::make_unique<MicroBatchThread>(options_.threads);
+  }
+}
+
+DecodeLoop::~DecodeLoop() {
+  Stop();
+  second_.reset();
+}
+
+void DecodeLoop::SetMicroBatches(
+    const absl::flat_hash_map<uint64_t, int>& assignment) {
+  absl::MutexLock lock(&mu_);
+  // Only sessions running here: a session whose turn has not arrived yet
+  // takes the micro-batch its RunTurn names.
+  for (const auto& [session, mb] : assignment) {
+    auto it = micro_batch_of_.find(session);
+    if (it == micro_batch_of_.end()) continue;
+    it->second = (mb == 1 && options_.micro_batches > 1) ? 1 : 0;
+  }
+}
 
 void DecodeLoop::Start() {
   absl::MutexLock lock(&mu_);
@@ -161,12 +253,17 @@ DecodeStats DecodeLoop::stats() const {
     s.mean_batch_size = double(segments_total_) / double(s.steps);
     s.mean_step_tokens = double(step_tokens_total_) / double(s.steps);
   }
+  s.busy_seconds = token_.busy_seconds();
+  s.stalled_seconds = token_.stalled_seconds();
+  s.switches = token_.switches();
   return s;
 }
 
 void DecodeLoop::Retire(Request* request) {
   request->state = RequestState::kDone;
   backend_->ClearPlacement(request->turn.session);
+  absl::MutexLock lock(&mu_);
+  micro_batch_of_.erase(request->turn.session);
 }
 
 void DecodeLoop::Run() {
@@ -244,6 +341,13 @@ void DecodeLoop::Run() {
           << r->turn.max_new_tokens << " new";
       active.push_back(r);
     }
+    {
+      absl::MutexLock lock(&mu_);
+      for (auto& r : admitted) {
+        micro_batch_of_[r->turn.session] =
+            options_.micro_batches > 1 ? r->turn.micro_batch : 0;
+      }
+    }
     if (active.empty()) continue;
     RunStep(&active);
     absl::MutexLock lock(&mu_);
@@ -265,7 +369,15 @@ void DecodeLoop::RunStep(std::vector<std::shared_ptr<Request>>* active) {
   for (size_t i = 0; i < active->size() && budget > 0; ++i) {
     Request& r = *(*active)[i];
     if (r.state != RequestState::kPrefill) continue;
-    const int remaining = int(r.turn.feed_tokens.size() - r.fed);
+    // A chunk ends at the next turn boundary of the feed at the latest.
+    int until = int(r.turn.feed_tokens.size());
+    for (int end : r.turn.prefill_ends) {
+      if (end > int(r.fed)) {
+        until = std::min(until, end);
+        break;
+      }
+    }
+    const int remaining = until - int(r.fed);
     chunk[i] = std::min(remaining, budget);
     budget -= chunk[i];
   }
@@ -281,7 +393,11 @@ void DecodeLoop::RunStep(std::vector<std::shared_ptr<Request>>* active) {
     if (r.state == RequestState::kPrefill) {
       seg.tokens.assign(r.turn.feed_tokens.begin() + r.fed,
                         r.turn.feed_tokens.begin() + r.fed + chunk[i]);
-      seg.ends_prefill = r.fed + chunk[i] == r.turn.feed_tokens.size();
+      const size_t end = r.fed + chunk[i];
+      seg.ends_prefill =
+          end == r.turn.feed_tokens.size() ||
+          std::find(r.turn.prefill_ends.begin(), r.turn.prefill_ends.end(),
+                    int(end)) != r.turn.prefill_ends.end();
     } else {
       seg.tokens.push_back(r.next_token);
     }
@@ -289,9 +405,55 @@ void DecodeLoop::RunStep(std::vector<std::shared_ptr<Request>>* active) {
     owner.push_back(i);
   }
 
+  // Micro-batches: each runs its own step over its segments; with two, the
+  // second runs on its own thread and the worker token decides who computes.
+  std::vector<int> mb_of(segs.size(), 0);
+  {
+    absl::MutexLock lock(&mu_);
+    for (size_t k = 0; k < segs.size(); ++k) {
+      auto it = micro_batch_of_.find(segs[k].session);
+      if (it != micro_batch_of_.end()) mb_of[k] = it->second;
+    }
+  }
+  std::vector<Segment> part[2];
+  std::vector<size_t> index[2];
+  for (size_t k = 0; k < segs.size(); ++k) {
+    part[mb_of[k]].push_back(segs[k]);
+    index[mb_of[k]].push_back(k);
+  }
+  const bool two = second_ != nullptr && !part[0].empty() && !part[1].empty();
+  absl::StatusOr<std::vector<std::vector<float>>> result[2];
   backend_->BeginStep();
+  auto run = [&](int slot, int mb) {
+    token_.Begin(slot);
+    AttentionBackend* attention = backend_->ForMicroBatch(mb, &hooks_[slot]);
+    ExpertBackend* experts = experts_ ? experts_(mb, &hooks_[slot]) : nullptr;
+    result[mb] = runner_->Step(part[mb], attention, experts);
+    token_.End(slot);
+  };
+  if (two) {
+    token_.BeginStep(2);
+    second_->Run([&] { run(1, 1); });
+    run(0, 0);
+    second_->Wait();
+  } else {
+    const int mb = part[0].empty() ? 1 : 0;
+    token_.BeginStep(1);
+    run(0, mb);
+  }
+  // One status and the logits in segment order.
   absl::StatusOr<std::vector<std::vector<float>>> logits =
-      runner_->Step(segs, backend_);
+      std::vector<std::vector<float>>(segs.size());
+  for (int mb = 0; mb < 2 && logits.ok(); ++mb) {
+    if (part[mb].empty()) continue;
+    if (!result[mb].ok()) {
+      logits = result[mb].status();
+      break;
+    }
+    for (size_t i = 0; i < index[mb].size(); ++i) {
+      (*logits)[index[mb][i]] = std::move((*result[mb])[i]);
+    }
+  }
 
   // Outcomes are published after the statistics, so that a caller who saw
   // its turn end also sees the steps that produced it counted.
@@ -352,6 +514,12 @@ void DecodeLoop::RunStep(std::vector<std::shared_ptr<Request>>* active) {
     stats_.tokens_generated += generated;
     segments_total_ += segs.size();
     step_tokens_total_ += step_tokens;
+    if (two) ++stats_.two_micro_batch_steps;
+    for (int mb = 0; mb < 2; ++mb) {
+      for (const Segment& seg : part[mb]) {
+        stats_.micro_batch_tokens[mb] += seg.tokens.size();
+      }
+    }
   }
 
   for (Outcome& o : outcomes) {

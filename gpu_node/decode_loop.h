@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -19,7 +20,9 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "cluster.pb.h"
+#include "absl/container/flat_hash_map.h"
 #include "common/model_runner.h"
+#include "gpu_node/worker_token.h"
 
 namespace karat {
 
@@ -32,7 +35,18 @@ class StepBackend : public AttentionBackend {
                             const cluster::KaratPlacement& placement) {}
   virtual void ClearPlacement(uint64_t session) {}
   virtual void BeginStep() {}
+  // The backend micro-batch `mb` (0 or 1) runs its layers with; it calls
+  // `hooks` around each blocking wait (may be null). Two micro-batches'
+  // backends are used from two threads at once. The default is this backend
+  // itself, which then must not block on transfers.
+  virtual AttentionBackend* ForMicroBatch(int mb, WaitHooks* hooks) {
+    return this;
+  }
 };
+
+// Where micro-batch `mb`'s MoE layers run their routed experts (expert
+// parallelism); null computes them locally.
+using ExpertSource = std::function<ExpertBackend*(int mb, WaitHooks* hooks)>;
 
 // One turn as the decode loop takes it (cluster.proto RunTurnRequest).
 struct TurnRequest {
@@ -43,13 +57,20 @@ struct TurnRequest {
   std::vector<int32_t> feed_tokens;
   int max_new_tokens = 0;
   cluster::KaratPlacement placement;
+  // Micro-batch of the session (0 or 1) until SetMicroBatches moves it.
+  int micro_batch = 0;
+  // Feed offsets (1 .. feed size) where a turn's prefill ended: prefill
+  // chunks never cross one, and each marks Segment::ends_prefill.
+  std::vector<int> prefill_ends;
 };
 
 // INVALID_ARGUMENT unless: feed_tokens non-empty with ids in [0, vocab),
-// max_new_tokens > 0, pos_start >= 0, temperature >= 0 and finite, and a
-// placement with a fabric address.
+// max_new_tokens > 0, pos_start >= 0, temperature >= 0 and finite,
+// micro_batch 0 or 1, prefill_ends increasing inside the feed, and (when
+// `need_placement`, i.e. attention on KARAT nodes) a placement with a
+// fabric address.
 absl::Status ValidateTurnRequest(const cluster::RunTurnRequest& request,
-                                 int vocab_size);
+                                 int vocab_size, bool need_placement = true);
 TurnRequest TurnRequestFromProto(const cluster::RunTurnRequest& request);
 
 // The events of one turn, from the decode loop to the RunTurn handler.
@@ -87,6 +108,9 @@ struct DecodeLoopOptions {
   // OpenMP threads of the loop thread (omp_set_num_threads); 0 keeps the
   // OpenMP default.
   int threads = 0;
+  // Micro-batches per step (1 or 2) and how the rank switches between them.
+  int micro_batches = 1;
+  Schedule schedule = Schedule::kOfms;
 };
 
 struct DecodeStats {
@@ -99,6 +123,15 @@ struct DecodeStats {
   uint64_t queued_requests = 0;
   double mean_batch_size = 0;   // segments per step
   double mean_step_tokens = 0;  // tokens per step
+  // The rank as a worker (WorkerToken): seconds computing, seconds with
+  // every micro-batch waiting on a transfer, micro-batch switches.
+  double busy_seconds = 0;
+  double stalled_seconds = 0;
+  uint64_t switches = 0;
+  // Steps that ran two micro-batches, and the tokens of each micro-batch
+  // (context lengths are the coordinator's; this is the step work).
+  uint64_t two_micro_batch_steps = 0;
+  uint64_t micro_batch_tokens[2] = {0, 0};
 };
 
 // Request lifecycle inside the loop.
@@ -109,7 +142,7 @@ class DecodeLoop {
   // `runner` and `backend` must outlive the loop; the backend is used on
   // the loop thread only.
   DecodeLoop(const ModelRunner* runner, StepBackend* backend,
-             const DecodeLoopOptions& options);
+             const DecodeLoopOptions& options, ExpertSource experts = nullptr);
   ~DecodeLoop();  // Stop()s
 
   void Start();
@@ -122,8 +155,13 @@ class DecodeLoop {
 
   DecodeStats stats() const;
 
+  // Moves running sessions between micro-batches from the next step on;
+  // other sessions are ignored (a turn brings its own micro-batch).
+  void SetMicroBatches(const absl::flat_hash_map<uint64_t, int>& assignment);
+
  private:
   struct Request;
+  class MicroBatchThread;
   void Run();
   // One step over `active`; removes finished and failed requests.
   void RunStep(std::vector<std::shared_ptr<Request>>* active);
@@ -133,6 +171,10 @@ class DecodeLoop {
   const ModelRunner* const runner_;
   StepBackend* const backend_;
   const DecodeLoopOptions options_;
+  const ExpertSource experts_;
+  WorkerToken token_;
+  TokenWaitHooks hooks_[2];
+  std::unique_ptr<MicroBatchThread> second_;
 
   mutable absl::Mutex mu_;
   std::deque<std::shared_ptr<Request>> pending_ ABSL_GUARDED_BY(mu_);
@@ -140,6 +182,7 @@ class DecodeLoop {
   DecodeStats stats_ ABSL_GUARDED_BY(mu_);
   uint64_t segments_total_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t step_tokens_total_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_map<uint64_t, int> micro_batch_of_ ABSL_GUARDED_BY(mu_);
   std::thread thread_;
 };
 

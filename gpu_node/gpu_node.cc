@@ -16,7 +16,10 @@
 #include "common/node_daemon.h"
 #include "common/status_macros.h"
 #include "common/transport.h"
+#include "common/frame.h"
 #include "gpu_node/decode_loop.h"
+#include "gpu_node/expert_parallel.h"
+#include "gpu_node/local_attention.h"
 #include "gpu_node/remote_attention.h"
 
 namespace karat {
@@ -44,20 +47,53 @@ class Fnv64 {
   uint64_t h_ = 0xcbf29ce484222325ULL;
 };
 
+// The frame type of a data-plane message, or 0 when it is too short or not
+// a frame (common/frame.h: magic, version, type, little-endian).
+uint16_t PeekFrameType(std::string_view message) {
+  if (message.size() < 8) return 0;
+  const auto* p = reinterpret_cast<const unsigned char*>(message.data());
+  const uint32_t magic = uint32_t(p[0]) | uint32_t(p[1]) << 8 |
+                         uint32_t(p[2]) << 16 | uint32_t(p[3]) << 24;
+  if (magic != kFrameMagic) return 0;
+  return uint16_t(p[6] | p[7] << 8);
+}
+
 // Sampled every time the RunTurn handler waits, so a cancelled client is
 // noticed within this long.
 constexpr absl::Duration kCancelPoll = absl::Milliseconds(50);
 
 class GpuNodeService final : public cluster::GpuNode::Service {
  public:
+  // `backend` (karat mode) or `local` (gpu_only) is null.
   GpuNodeService(DecodeLoop* loop, const RemoteAttentionBackend* backend,
+                 GpuLocalAttention* local, ExpertParallel* experts,
                  int vocab_size)
-      : loop_(loop), backend_(backend), vocab_size_(vocab_size) {}
+      : loop_(loop),
+        backend_(backend),
+        local_(local),
+        experts_(experts),
+        vocab_size_(vocab_size) {}
+
+  grpc::Status SetPeers(grpc::ServerContext*,
+                        const cluster::SetPeersRequest* request,
+                        cluster::SetPeersResponse*) override {
+    if (experts_ == nullptr) return grpc::Status::OK;  // the only rank
+    std::vector<cluster::GpuPeer> peers(request->peers().begin(),
+                                        request->peers().end());
+    return ToGrpc(experts_->SetPeers(peers));
+  }
 
   grpc::Status RunTurn(
       grpc::ServerContext* context, const cluster::RunTurnRequest* request,
       grpc::ServerWriter<cluster::RunTurnEvent>* writer) override {
-    absl::Status valid = ValidateTurnRequest(*request, vocab_size_);
+    absl::Status valid =
+        ValidateTurnRequest(*request, vocab_size_, local_ == nullptr);
+    if (valid.ok() && local_ != nullptr &&
+        !local_->HasSession(request->session())) {
+      valid = absl::FailedPreconditionError(absl::StrCat(
+          "session ", request->session(),
+          " has no KV room on this rank: call Reserve first (gpu_only mode)"));
+    }
     if (!valid.ok()) {
       KLOG(Info, "gpu_node")
           << "session=" << request->session() << " RunTurn refused: " << valid;
@@ -100,6 +136,7 @@ class GpuNodeService final : public cluster::GpuNode::Service {
   grpc::Status GetStats(grpc::ServerContext*, const cluster::StatsRequest*,
                         cluster::StatsResponse* response) override {
     Fill(response->mutable_stats());
+    FillDevices(response->mutable_devices());
     return grpc::Status::OK;
   }
 
@@ -118,6 +155,66 @@ class GpuNodeService final : public cluster::GpuNode::Service {
 
   void set_links(LinkEmulator* links) { links_ = links; }
 
+  grpc::Status SetMicroBatches(grpc::ServerContext*,
+                               const cluster::SetMicroBatchesRequest* request,
+                               cluster::SetMicroBatchesResponse*) override {
+    absl::flat_hash_map<uint64_t, int> assignment;
+    for (const auto& [session, mb] : request->micro_batch()) {
+      if (mb < 0 || mb > 1) {
+        return grpc::Status(
+            grpc::StatusCode::INVALID_ARGUMENT,
+            absl::StrCat("micro_batch of session ", session,
+                         " must be 0 or 1, got ", mb));
+      }
+      assignment[session] = mb;
+    }
+    loop_->SetMicroBatches(assignment);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Reserve(grpc::ServerContext*,
+                       const cluster::ReserveRequest* request,
+                       cluster::ReserveResponse* response) override {
+    if (local_ == nullptr) {
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          "this GPU node runs in karat mode: the KV lives on "
+                          "KARAT nodes (Reserve there)");
+    }
+    if (request->tokens() <= 0) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat("tokens must be > 0, got ",
+                                       request->tokens()));
+    }
+    absl::Status s = local_->Reserve(request->session(), request->tokens());
+    if (!s.ok()) return ToGrpc(s);
+    response->set_used_bytes(int64_t(local_->used_bytes()));
+    return grpc::Status::OK;
+  }
+
+  grpc::Status FreeSession(grpc::ServerContext*,
+                           const cluster::FreeSessionRequest* request,
+                           cluster::FreeSessionResponse*) override {
+    if (local_ == nullptr) {
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          "this GPU node runs in karat mode: the KV lives on "
+                          "KARAT nodes");
+    }
+    local_->Free(request->session());
+    return grpc::Status::OK;
+  }
+
+  // gpu_only: the rank's KV store as device 0.
+  void FillDevices(
+      google::protobuf::RepeatedPtrField<cluster::DeviceInfo>* devices) const {
+    if (local_ == nullptr) return;
+    cluster::DeviceInfo* d = devices->Add();
+    d->set_device(0);
+    d->set_capacity_bytes(int64_t(local_->capacity_bytes()));
+    d->set_used_bytes(int64_t(local_->used_bytes()));
+    d->set_sessions(local_->sessions());
+    d->set_cores(1);
+  }
+
   void Fill(google::protobuf::Map<std::string, double>* stats) const {
     const DecodeStats s = loop_->stats();
     (*stats)["steps"] = double(s.steps);
@@ -129,9 +226,22 @@ class GpuNodeService final : public cluster::GpuNode::Service {
     (*stats)["queued_requests"] = double(s.queued_requests);
     (*stats)["batch_size_mean"] = s.mean_batch_size;
     (*stats)["step_tokens_mean"] = s.mean_step_tokens;
-    (*stats)["data_bytes_sent"] = double(backend_->bytes_sent());
-    (*stats)["data_bytes_received"] = double(backend_->bytes_received());
-    (*stats)["frames_invalid"] = double(backend_->frames_invalid());
+    (*stats)["busy_seconds"] = s.busy_seconds;
+    (*stats)["stalled_seconds"] = s.stalled_seconds;
+    (*stats)["micro_batch_switches"] = double(s.switches);
+    (*stats)["two_micro_batch_steps"] = double(s.two_micro_batch_steps);
+    (*stats)["micro_batch_0_tokens"] = double(s.micro_batch_tokens[0]);
+    (*stats)["micro_batch_1_tokens"] = double(s.micro_batch_tokens[1]);
+    if (backend_ != nullptr) {
+      (*stats)["data_bytes_sent"] = double(backend_->bytes_sent());
+      (*stats)["data_bytes_received"] = double(backend_->bytes_received());
+      (*stats)["frames_invalid"] = double(backend_->frames_invalid());
+    }
+    if (experts_ != nullptr) experts_->ExportTo(stats);
+    if (local_ != nullptr) {
+      (*stats)["kv_used_bytes"] = double(local_->used_bytes());
+      (*stats)["kv_capacity_bytes"] = double(local_->capacity_bytes());
+    }
     if (links_ != nullptr) links_->stats()->ExportTo(stats);
   }
 
@@ -139,6 +249,8 @@ class GpuNodeService final : public cluster::GpuNode::Service {
   LinkEmulator* links_ = nullptr;
   DecodeLoop* const loop_;
   const RemoteAttentionBackend* const backend_;
+  GpuLocalAttention* const local_;
+  ExpertParallel* const experts_;
   const int vocab_size_;
 };
 
@@ -161,13 +273,36 @@ struct GpuNodeDaemon::Impl {
   std::string fingerprint;
   std::unique_ptr<Transport> transport;
   LinkEmulator* links = nullptr;  // == transport
-  std::unique_ptr<RemoteAttentionBackend> backend;
+  std::unique_ptr<RemoteAttentionBackend> backend;  // karat mode
+  std::unique_ptr<GpuLocalAttention> local;         // gpu_only mode
   std::unique_ptr<DecodeLoop> loop;
   std::unique_ptr<GpuNodeService> service;
   std::unique_ptr<grpc::Server> server;
   std::unique_ptr<NodeRegistrar> registrar;
   std::string address;
   bool shut_down = false;
+
+  // Expert parallelism (ranks > 1).
+  std::unique_ptr<ExpertParallel> experts;
+  void OnMoeMessage(std::string_view message) {
+    if (experts != nullptr) {
+      experts->OnMessage(message);
+    } else {
+      KLOG(Warning, "gpu_node")
+          << "dropping a MoE frame of " << message.size()
+          << " bytes: this node is the only GPU rank";
+    }
+  }
+  ExpertSource ExpertSourceFn() {
+    if (experts == nullptr) return nullptr;
+    ExpertParallel* ep = experts.get();
+    return [ep](int mb, WaitHooks* hooks) {
+      return ep->ForMicroBatch(mb, hooks);
+    };
+  }
+  void SetNodeId(uint32_t id) {
+    if (experts != nullptr) experts->set_node_id(id);
+  }
 };
 
 GpuNodeDaemon::GpuNodeDaemon() = default;
@@ -194,8 +329,30 @@ absl::StatusOr<std::unique_ptr<GpuNodeDaemon>> GpuNodeDaemon::Start(
   {
     ASSIGN_OR_RETURN(ModelFiles files, LoadModel(options.model_dir));
     impl->fingerprint = ModelFingerprint(files);
-    ASSIGN_OR_RETURN(impl->runner, ModelRunner::Create(files));
+    if (options.rank < 0 || options.ranks < 1 ||
+        options.rank >= options.ranks) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--rank ", options.rank, " must be in [0, --ranks ",
+                       options.ranks, ")"));
+    }
+    RunnerOptions runner;
+    runner.rank = options.rank;
+    runner.ranks = options.ranks;
+    ASSIGN_OR_RETURN(impl->runner, ModelRunner::Create(files, runner));
   }
+  const int64_t weight_bytes = RankWeightBytes(
+      impl->runner->config(), options.rank, options.ranks);
+  if (options.hbm_bytes > 0 && options.hbm_bytes < weight_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--hbm-bytes ", options.hbm_bytes, " cannot hold rank ", options.rank,
+        "'s ", weight_bytes, " bytes of weights"));
+  }
+  if (options.gpu_only && options.hbm_bytes <= 0) {
+    return absl::InvalidArgumentError(
+        "gpu_only mode needs --hbm-bytes (the emulated GPU memory that holds "
+        "the weights and the KV)");
+  }
+  const int64_t kv_capacity = options.hbm_bytes - weight_bytes;
   KLOG(Info, "gpu_node") << "model " << options.model_dir << " loaded ("
                          << AttentionTypeName(
                                 impl->runner->config().attention.type)
@@ -207,21 +364,58 @@ absl::StatusOr<std::unique_ptr<GpuNodeDaemon>> GpuNodeDaemon::Start(
                                  options.send_timeout_ms, options.name));
   impl->links = links.get();
   impl->transport = std::move(links);
-  RemoteAttentionOptions remote;
-  remote.timeout = options.attention_timeout;
-  impl->backend = std::make_unique<RemoteAttentionBackend>(
-      impl->runner->shapes(), impl->transport.get(), remote);
+  StepBackend* step_backend = nullptr;
+  if (options.gpu_only) {
+    ASSIGN_OR_RETURN(MethodWeights weights,
+                     LoadMethodWeights(options.model_dir,
+                                       impl->runner->config()));
+    ASSIGN_OR_RETURN(impl->local, GpuLocalAttention::Create(
+                                      impl->runner->config(), weights,
+                                      options.tokens_per_page,
+                                      size_t(kv_capacity)));
+    step_backend = impl->local.get();
+  } else {
+    RemoteAttentionOptions remote;
+    remote.timeout = options.attention_timeout;
+    impl->backend = std::make_unique<RemoteAttentionBackend>(
+        impl->runner->shapes(), impl->transport.get(), remote,
+        /*install_handler=*/false);
+    step_backend = impl->backend.get();
+  }
+  if (options.ranks > 1) {
+    ExpertParallelOptions ep;
+    ep.timeout = options.attention_timeout;
+    impl->experts = std::make_unique<ExpertParallel>(
+        impl->runner.get(), impl->transport.get(), ep);
+  }
+  // One receive handler for the node: attention frames to the remote
+  // attention backend, MoE frames to the expert-parallel service.
+  impl->transport->SetReceiveHandler([impl](std::string_view message) {
+    const uint16_t type = PeekFrameType(message);
+    if (type == static_cast<uint16_t>(FrameType::kMoeDispatch) ||
+        type == static_cast<uint16_t>(FrameType::kMoeCombine)) {
+      impl->OnMoeMessage(message);
+    } else if (impl->backend != nullptr) {
+      impl->backend->OnMessage(message);
+    } else {
+      KLOG(Warning, "gpu_node") << "dropping a " << FrameTypeName(type)
+                                << " frame: attention runs on this rank";
+    }
+  });
 
   DecodeLoopOptions loop;
   loop.max_step_tokens = options.max_step_tokens;
   loop.max_batch = options.max_batch;
   loop.threads = options.threads;
-  impl->loop = std::make_unique<DecodeLoop>(impl->runner.get(),
-                                            impl->backend.get(), loop);
+  loop.micro_batches = options.micro_batches;
+  ASSIGN_OR_RETURN(loop.schedule, ParseSchedule(options.schedule));
+  impl->loop = std::make_unique<DecodeLoop>(impl->runner.get(), step_backend,
+                                            loop, impl->ExpertSourceFn());
   impl->loop->Start();
 
   impl->service = std::make_unique<GpuNodeService>(
-      impl->loop.get(), impl->backend.get(), impl->runner->config().vocab_size);
+      impl->loop.get(), impl->backend.get(), impl->local.get(),
+      impl->experts.get(), impl->runner->config().vocab_size);
   impl->service->set_links(impl->links);
   ASSIGN_OR_RETURN(NodeGrpcServer grpc_server,
                    StartNodeGrpcServer(impl->service.get(), options.listen));
@@ -243,13 +437,21 @@ absl::StatusOr<std::unique_ptr<GpuNodeDaemon>> GpuNodeDaemon::Start(
     r.set_fabric_address(impl->transport->LocalAddress());
     r.set_provider(impl->options.provider);
     r.set_model_fingerprint(impl->fingerprint);
+    r.set_rank(impl->options.rank);
+    r.set_ranks(impl->options.ranks);
+    if (impl->local != nullptr) {
+      r.set_kv_capacity_bytes(int64_t(impl->local->capacity_bytes()));
+    }
+    impl->service->FillDevices(r.mutable_devices());
     return r;
   };
   reg.fill_heartbeat = [impl](cluster::HeartbeatRequest* r) {
     impl->service->Fill(r->mutable_stats());
+    impl->service->FillDevices(r->mutable_devices());
   };
   reg.on_registered = [impl](uint32_t id) {
-    impl->backend->set_node_id(id);
+    if (impl->backend) impl->backend->set_node_id(id);
+    impl->SetNodeId(id);
     KLOG(Info, "gpu_node") << "ready: " << impl->options.name
                            << " node_id=" << id << " grpc=" << impl->address;
   };
@@ -267,6 +469,7 @@ void GpuNodeDaemon::Shutdown() {
   // Running turns end first (UNAVAILABLE), so their RunTurn calls return
   // and the server can drain.
   if (impl->backend) impl->backend->Abort();
+  if (impl->experts) impl->experts->Abort();
   if (impl->loop) impl->loop->Stop();
   if (impl->server) {
     impl->server->Shutdown(std::chrono::system_clock::now() +

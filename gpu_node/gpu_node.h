@@ -37,6 +37,20 @@ struct GpuNodeOptions {
   // A data-plane send fails with UNAVAILABLE after this long.
   int send_timeout_ms = 10000;
   absl::Duration heartbeat_interval = absl::Seconds(1);
+  // Rank among the GPU nodes (ClusterConfig.gpu_nodes order) and their
+  // count: the rank holds the routed experts [rank*E/G, (rank+1)*E/G).
+  int rank = 0;
+  int ranks = 1;
+  // Attention on the rank itself with the KV in its emulated HBM (the
+  // GPU-only baseline) instead of on KARAT nodes.
+  bool gpu_only = false;
+  // Emulated HBM: the rank's weights must fit; in gpu_only mode the rest
+  // holds KV. 0: not limited (karat mode only).
+  int64_t hbm_bytes = 0;
+  // KV page size of the gpu_only store.
+  int tokens_per_page = 64;
+  int micro_batches = 2;
+  std::string schedule = "ofms";
 };
 
 class GpuNodeDaemon {

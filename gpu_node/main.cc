@@ -1,7 +1,9 @@
 // karat-gpu-node: parses flags into GpuNodeOptions and runs the daemon until
 // SIGINT or SIGTERM.
+#include <cstdint>
 #include <string>
 
+#include "absl/strings/numbers.h"
 #include "absl/time/time.h"
 #include "common/node_daemon.h"
 #include "gpu_node/gpu_node.h"
@@ -13,6 +15,8 @@ constexpr char kUsage[] =
     "  [--listen HOST:PORT] [--name NAME] [--provider shm|tcp]\n"
     "  [--fabric-node ADDR] [--max-step-tokens N] [--max-batch N]\n"
     "  [--threads N] [--attention-timeout-ms N] [--send-timeout-ms N]\n"
+    "  [--rank R --ranks G] [--mode karat|gpu_only] [--hbm-bytes N]\n"
+    "  [--micro-batches 1|2] [--schedule ofms|scms]\n"
     "  [--port-file PATH]\n"
     "  [--log-level debug|info|warning|error]\n";
 
@@ -27,6 +31,34 @@ karat::GpuNodeOptions ParseFlags(int argc, char** argv) {
                    o.max_batch = parser.PositiveInt(flag, value);
                  } else if (flag == "--threads") {
                    o.threads = parser.PositiveInt(flag, value);
+                 } else if (flag == "--rank") {
+                   int64_t rank = 0;
+                   if (!absl::SimpleAtoi(value, &rank) || rank < 0) {
+                     parser.BadFlag(flag, "must be an integer >= 0");
+                   }
+                   o.rank = int(rank);
+                 } else if (flag == "--ranks") {
+                   o.ranks = parser.PositiveInt(flag, value);
+                 } else if (flag == "--mode") {
+                   if (value != "karat" && value != "gpu_only") {
+                     parser.BadFlag(flag, "must be karat or gpu_only");
+                   }
+                   o.gpu_only = value == "gpu_only";
+                 } else if (flag == "--hbm-bytes") {
+                   if (!absl::SimpleAtoi(value, &o.hbm_bytes) ||
+                       o.hbm_bytes < 0) {
+                     parser.BadFlag(flag, "must be a byte count >= 0");
+                   }
+                 } else if (flag == "--micro-batches") {
+                   o.micro_batches = parser.PositiveInt(flag, value);
+                   if (o.micro_batches > 2) {
+                     parser.BadFlag(flag, "must be 1 or 2");
+                   }
+                 } else if (flag == "--schedule") {
+                   if (value != "ofms" && value != "scms") {
+                     parser.BadFlag(flag, "must be ofms or scms");
+                   }
+                   o.schedule = value;
                  } else if (flag == "--attention-timeout-ms") {
                    o.attention_timeout =
                        absl::Milliseconds(parser.PositiveInt(flag, value));

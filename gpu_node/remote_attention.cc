@@ -43,9 +43,30 @@ struct RemoteAttentionBackend::Impl {
 
   void OnMessage(std::string_view message);
   absl::StatusOr<PeerId> EnsurePeer(const cluster::KaratPlacement& p);
-  absl::Status Send(PeerId peer, const std::string& node,
+  void MarkNotReady(const std::string& fabric_address);
+  absl::Status Send(int mb, PeerId peer, const std::string& node,
                     const FrameHeader& header,
                     const std::vector<std::string_view>& sections);
+  absl::Status RunLayer(int mb, WaitHooks* hooks, int layer,
+                        const std::vector<Segment>& segs,
+                        LayerTraffic* traffic);
+
+  class View : public AttentionBackend {
+   public:
+    View(Impl* impl, int mb, WaitHooks* hooks)
+        : impl_(impl), mb_(mb), hooks_(hooks) {}
+    absl::Status RunLayer(int layer, const std::vector<Segment>& segs,
+                          LayerTraffic* traffic) override {
+      return impl_->RunLayer(mb_, hooks_, layer, segs, traffic);
+    }
+    WaitHooks* hooks() const { return hooks_; }
+
+   private:
+    Impl* const impl_;
+    const int mb_;
+    WaitHooks* const hooks_;
+  };
+  std::unique_ptr<View> views[2];
 
   const AttnShapes shapes;
   Transport* const transport;
@@ -56,35 +77,42 @@ struct RemoteAttentionBackend::Impl {
   std::atomic<uint64_t> bytes_received{0};
   std::atomic<uint64_t> frames_invalid{0};
 
-  // Decode-loop thread only.
   struct Peer {
     PeerId id = kUnknownPeer;
     std::string name;
     bool ready = false;  // handshake done
   };
-  absl::flat_hash_map<std::string, Peer> peers;  // by fabric address
-  absl::flat_hash_map<uint64_t, cluster::KaratPlacement> placements;
-  uint64_t step = 0;
-  int last_layer = -1;
-  uint64_t handshake_generation =
+  // Both micro-batches' threads; held across a handshake.
+  absl::Mutex peers_mu;
+  absl::flat_hash_map<std::string, Peer> peers
+      ABSL_GUARDED_BY(peers_mu);  // by fabric address
+  uint64_t handshake_generation ABSL_GUARDED_BY(peers_mu) =
       0;  // id_generation the peers were greeted with
-  uint64_t hello_nonce = 0;
-  // Frame encoding buffer; see Send().
-  std::shared_ptr<std::string> buffer = std::make_shared<std::string>();
+  uint64_t hello_nonce ABSL_GUARDED_BY(peers_mu) = 0;
+  // Written by the decode loop between steps, read during steps.
+  absl::flat_hash_map<uint64_t, cluster::KaratPlacement> placements;
+  std::atomic<uint64_t> step{0};
+  // Per micro-batch: the last layer run, and the frame encoding buffer
+  // (see Send()).
+  int last_layer[2] = {-1, -1};
+  std::shared_ptr<std::string> buffer[2] = {std::make_shared<std::string>(),
+                                            std::make_shared<std::string>()};
 
   // Shared with the receive handler.
-  using Key = std::tuple<uint64_t, uint32_t, uint64_t>;  // step, layer, session
+  using Key = std::tuple<uint32_t, uint64_t, uint32_t,
+                         uint64_t>;  // micro-batch, step, layer, session
   struct Slot {
     float* out = nullptr;
     size_t expected_bytes = 0;
     std::string node;
+    int mb = 0;
     bool done = false;
     absl::Status status;
   };
   absl::Mutex mu;
   absl::flat_hash_map<Key, Slot> pending ABSL_GUARDED_BY(mu);
-  int outstanding ABSL_GUARDED_BY(mu) = 0;
-  bool failed ABSL_GUARDED_BY(mu) = false;
+  int outstanding[2] ABSL_GUARDED_BY(mu) = {0, 0};
+  bool failed[2] ABSL_GUARDED_BY(mu) = {false, false};
   bool aborted ABSL_GUARDED_BY(mu) = false;
   absl::flat_hash_set<uint64_t> hello_waiting ABSL_GUARDED_BY(mu);
   absl::flat_hash_set<uint64_t> hello_acked ABSL_GUARDED_BY(mu);
@@ -113,7 +141,7 @@ void RemoteAttentionBackend::Impl::OnMessage(std::string_view message) {
                               << " frame from node " << h.src_node;
     return;
   }
-  auto it = pending.find(Key{h.step, h.layer, h.session});
+  auto it = pending.find(Key{h.micro_batch, h.step, h.layer, h.session});
   if (it == pending.end() || it->second.done) {
     KLOG(Debug, "gpu_node")
         << "session=" << h.session << " stale " << FrameTypeName(h.type)
@@ -122,29 +150,30 @@ void RemoteAttentionBackend::Impl::OnMessage(std::string_view message) {
   }
   Slot& slot = it->second;
   slot.done = true;
-  --outstanding;
+  --outstanding[slot.mb];
   if (type == FrameType::kError) {
     const std::string_view text =
         h.n_sections > 0 ? frame->sections[0] : std::string_view();
     slot.status = absl::Status(
         CodeFromWire(h.status),
         absl::StrCat("KARAT node ", slot.node, ": ", std::string(text)));
-    failed = true;
+    failed[slot.mb] = true;
   } else if (h.n_sections != 1 ||
              frame->sections[0].size() != slot.expected_bytes) {
     slot.status = absl::DataLossError(
         absl::StrCat("KARAT node ", slot.node, " sent an attention output of ",
                      h.n_sections > 0 ? frame->sections[0].size() : 0,
                      " bytes; expected ", slot.expected_bytes));
-    failed = true;
+    failed[slot.mb] = true;
   } else {
     std::memcpy(slot.out, frame->sections[0].data(), slot.expected_bytes);
   }
 }
 
 absl::Status RemoteAttentionBackend::Impl::Send(
-    PeerId peer, const std::string& node, const FrameHeader& header,
+    int mb, PeerId peer, const std::string& node, const FrameHeader& header,
     const std::vector<std::string_view>& sections) {
+  std::shared_ptr<std::string>& buffer = this->buffer[mb];
   // The frame is encoded into one reused buffer. The transport may still
   // hold it after a send (Transport::SendShared: until the provider is done,
   // even past a timed-out call); it is rewritten only once this is again
@@ -170,8 +199,21 @@ absl::Status RemoteAttentionBackend::Impl::Send(
   return absl::OkStatus();
 }
 
+void RemoteAttentionBackend::Impl::MarkNotReady(
+    const std::string& fabric_address) {
+  absl::MutexLock lock(&peers_mu);
+  auto it = peers.find(fabric_address);
+  if (it != peers.end()) it->second.ready = false;
+}
+
 absl::StatusOr<PeerId> RemoteAttentionBackend::Impl::EnsurePeer(
     const cluster::KaratPlacement& p) {
+  absl::MutexLock peers_lock(&peers_mu);
+  const uint64_t generation = id_generation.load();
+  if (generation != handshake_generation) {
+    for (auto& [address, peer] : peers) peer.ready = false;
+    handshake_generation = generation;
+  }
   Peer& peer = peers[p.fabric_address()];
   if (peer.ready) return peer.id;
   peer.name = NodeName(p);
@@ -186,7 +228,15 @@ absl::StatusOr<PeerId> RemoteAttentionBackend::Impl::EnsurePeer(
   header.src_node = node_id.load();
   header.step = nonce;
   const std::string address = transport->LocalAddress();
-  absl::Status sent = Send(peer.id, peer.name, header, {address});
+  // The handshake is encoded in a buffer of its own: the other micro-batch
+  // may be sending with its buffer meanwhile.
+  std::string hello;
+  EncodeFrame(header, {address}, &hello);
+  absl::Status sent = transport->Send(peer.id, hello.data(), hello.size());
+  if (!sent.ok()) {
+    sent = absl::UnavailableError(absl::StrCat(
+        "cannot send Hello to KARAT node ", peer.name, ": ", sent.message()));
+  }
   bool acked = false;
   {
     absl::MutexLock lock(&mu);
@@ -213,11 +263,27 @@ absl::StatusOr<PeerId> RemoteAttentionBackend::Impl::EnsurePeer(
 
 RemoteAttentionBackend::RemoteAttentionBackend(
     const AttnShapes& shapes, Transport* transport,
-    const RemoteAttentionOptions& options)
+    const RemoteAttentionOptions& options, bool install_handler)
     : impl_(std::make_unique<Impl>(shapes, transport, options)) {
   Impl* impl = impl_.get();
-  transport->SetReceiveHandler(
-      [impl](std::string_view message) { impl->OnMessage(message); });
+  if (install_handler) {
+    transport->SetReceiveHandler(
+        [impl](std::string_view message) { impl->OnMessage(message); });
+  }
+}
+
+void RemoteAttentionBackend::OnMessage(std::string_view message) {
+  impl_->OnMessage(message);
+}
+
+AttentionBackend* RemoteAttentionBackend::ForMicroBatch(int mb,
+                                                        WaitHooks* hooks) {
+  mb = mb == 1 ? 1 : 0;
+  std::unique_ptr<Impl::View>& view = impl_->views[mb];
+  if (view == nullptr || view->hooks() != hooks) {
+    view = std::make_unique<Impl::View>(impl_.get(), mb, hooks);
+  }
+  return view.get();
 }
 
 RemoteAttentionBackend::~RemoteAttentionBackend() = default;
@@ -238,7 +304,7 @@ void RemoteAttentionBackend::ClearPlacement(uint64_t session) {
 
 void RemoteAttentionBackend::BeginStep() {
   ++impl_->step;
-  impl_->last_layer = -1;
+  impl_->last_layer[0] = impl_->last_layer[1] = -1;
 }
 
 void RemoteAttentionBackend::Abort() {
@@ -259,18 +325,19 @@ uint64_t RemoteAttentionBackend::frames_invalid() const {
 absl::Status RemoteAttentionBackend::RunLayer(int layer,
                                               const std::vector<Segment>& segs,
                                               LayerTraffic* traffic) {
-  Impl& m = *impl_;
+  return impl_->RunLayer(0, nullptr, layer, segs, traffic);
+}
+
+absl::Status RemoteAttentionBackend::Impl::RunLayer(
+    int mb, WaitHooks* hooks, int layer, const std::vector<Segment>& segs,
+    LayerTraffic* traffic) {
+  Impl& m = *this;
   // A layer not after the previous one starts a new step even without
-  // BeginStep(), so that (step, layer, session) never repeats.
-  if (layer <= m.last_layer) ++m.step;
-  m.last_layer = layer;
-  const uint64_t step = m.step;
+  // BeginStep(), so that (micro-batch, step, layer, session) never repeats.
+  if (layer <= m.last_layer[mb]) ++m.step;
+  m.last_layer[mb] = layer;
+  const uint64_t step = m.step.load();
   const AttnShapes& s = m.shapes;
-  const uint64_t generation = m.id_generation.load();
-  if (generation != m.handshake_generation) {
-    for (auto& [address, peer] : m.peers) peer.ready = false;
-    m.handshake_generation = generation;
-  }
   {
     absl::MutexLock lock(&m.mu);
     if (m.aborted)
@@ -289,29 +356,29 @@ absl::Status RemoteAttentionBackend::RunLayer(int layer,
     ASSIGN_OR_RETURN(peers[i], m.EnsurePeer(*homes[i]));
   }
 
+  auto key = [&](size_t i) {
+    return Impl::Key{uint32_t(mb), step, uint32_t(layer), segs[i].session};
+  };
   {
     absl::MutexLock lock(&m.mu);
-    m.pending.clear();
-    m.failed = false;
-    m.outstanding = 0;
+    m.failed[mb] = false;
+    m.outstanding[mb] = 0;
     for (size_t i = 0; i < segs.size(); ++i) {
       Impl::Slot slot;
       slot.out = traffic->OutFor(int(i), s);
       slot.expected_bytes = segs[i].tokens.size() * size_t(s.heads) *
                             size_t(s.out_dim) * sizeof(float);
       slot.node = NodeName(*homes[i]);
-      if (m.pending
-              .emplace(Impl::Key{step, uint32_t(layer), segs[i].session},
-                       std::move(slot))
-              .second) {
-        ++m.outstanding;
+      slot.mb = mb;
+      if (m.pending.emplace(key(i), std::move(slot)).second) {
+        ++m.outstanding[mb];
       }
     }
   }
-  auto clear_pending = [&m] {
+  auto clear_pending = [&] {
     absl::MutexLock lock(&m.mu);
-    m.pending.clear();
-    m.outstanding = 0;
+    for (size_t i = 0; i < segs.size(); ++i) m.pending.erase(key(i));
+    m.outstanding[mb] = 0;
   };
 
   for (size_t i = 0; i < segs.size(); ++i) {
@@ -319,6 +386,7 @@ absl::Status RemoteAttentionBackend::RunLayer(int layer,
     FrameHeader header;
     header.src_node = m.node_id.load();
     header.layer = uint32_t(layer);
+    header.micro_batch = uint32_t(mb);
     header.device = uint32_t(homes[i]->device());
     header.step = step;
     header.session = segs[i].session;
@@ -331,7 +399,7 @@ absl::Status RemoteAttentionBackend::RunLayer(int layer,
       const size_t hi = s.index_heads, di = s.index_dim;
       header.type = static_cast<uint16_t>(FrameType::kIndexQK);
       sent = m.Send(
-          peers[i], node, header,
+          mb, peers[i], node, header,
           {Bytes(in.q_codes, n * hi * di),
            Bytes(in.q_scales, n * hi * sizeof(float)),
            Bytes(in.weights, n * hi * sizeof(float)), Bytes(in.k_codes, n * di),
@@ -350,44 +418,45 @@ absl::Status RemoteAttentionBackend::RunLayer(int layer,
       if (segs[i].ends_prefill && s.kv_heads > 0) {
         sections.push_back(Bytes(&kEndsPrefill, sizeof(kEndsPrefill)));
       }
-      sent = m.Send(peers[i], node, header, sections);
+      sent = m.Send(mb, peers[i], node, header, sections);
     }
     if (!sent.ok()) {
       clear_pending();
-      m.peers[homes[i]->fabric_address()].ready = false;
+      m.MarkNotReady(homes[i]->fabric_address());
       return sent;
     }
   }
 
   absl::Status result;
+  if (hooks != nullptr) hooks->BeforeWait();
   {
     absl::MutexLock lock(&m.mu);
-    auto done = [&m]() ABSL_SHARED_LOCKS_REQUIRED(m.mu) {
-      return m.outstanding == 0 || m.failed || m.aborted;
+    auto done = [&m, mb]() ABSL_SHARED_LOCKS_REQUIRED(m.mu) {
+      return m.outstanding[mb] == 0 || m.failed[mb] || m.aborted;
     };
     m.mu.AwaitWithTimeout(absl::Condition(&done), m.options.timeout);
     if (m.aborted)
       result = absl::UnavailableError("the GPU node is shutting down");
     for (size_t i = 0; i < segs.size() && result.ok(); ++i) {
-      const Impl::Slot& slot =
-          m.pending[Impl::Key{step, uint32_t(layer), segs[i].session}];
+      const Impl::Slot& slot = m.pending[key(i)];
       if (!slot.status.ok()) {
         result = slot.status;
-      } else if (!slot.done && !m.failed) {
+      } else if (!slot.done && !m.failed[mb]) {
         result = absl::UnavailableError(absl::StrCat(
             "no attention output from KARAT node ", slot.node, " for session ",
             segs[i].session, " layer ", layer, " within ",
             absl::ToInt64Milliseconds(m.options.timeout), " ms"));
       }
     }
-    m.pending.clear();
-    m.outstanding = 0;
+    for (size_t i = 0; i < segs.size(); ++i) m.pending.erase(key(i));
+    m.outstanding[mb] = 0;
   }
+  if (hooks != nullptr) hooks->AfterWait();
   if (!result.ok()) {
     // A node that stopped answering gets a fresh handshake next time.
     if (absl::IsUnavailable(result)) {
       for (size_t i = 0; i < segs.size(); ++i) {
-        m.peers[homes[i]->fabric_address()].ready = false;
+        m.MarkNotReady(homes[i]->fabric_address());
       }
     }
     KLOG(Warning, "gpu_node")

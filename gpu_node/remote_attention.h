@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -29,15 +30,18 @@ struct RemoteAttentionOptions {
   absl::Duration timeout = absl::Seconds(30);
 };
 
-// Thread safety: SetPlacement, ClearPlacement, BeginStep and RunLayer are
-// called from one thread (the decode loop); set_node_id and the counters
-// from any thread.
+// Thread safety: SetPlacement, ClearPlacement and BeginStep are called from
+// one thread (the decode loop) between steps; during a step the two
+// micro-batches' backends (ForMicroBatch) may run layers from two threads at
+// once. set_node_id, Abort and the counters: any thread.
 class RemoteAttentionBackend : public StepBackend {
  public:
-  // Installs the receive handler on `transport`, which must be shut down
-  // before the backend is destroyed.
+  // Installs the receive handler on `transport` unless `install_handler`
+  // is false (the owner then passes attention frames to OnMessage). The
+  // transport must be shut down before the backend is destroyed.
   RemoteAttentionBackend(const AttnShapes& shapes, Transport* transport,
-                         const RemoteAttentionOptions& options);
+                         const RemoteAttentionOptions& options,
+                         bool install_handler = true);
   ~RemoteAttentionBackend() override;
 
   // This node's id (from registration), sent as src_node.
@@ -47,8 +51,16 @@ class RemoteAttentionBackend : public StepBackend {
                     const cluster::KaratPlacement& placement) override;
   void ClearPlacement(uint64_t session) override;
   void BeginStep() override;
+  // Micro-batch 0 without wait hooks.
   absl::Status RunLayer(int layer, const std::vector<Segment>& segs,
                         LayerTraffic* traffic) override;
+  // Frames of micro-batch `mb` carry it in their header; `hooks` are called
+  // around the wait for the attention outputs.
+  AttentionBackend* ForMicroBatch(int mb, WaitHooks* hooks) override;
+
+  // The receive path, for a node that demultiplexes its transport's
+  // messages itself (see the constructor).
+  void OnMessage(std::string_view message);
 
   // Makes waits in progress and later calls fail with UNAVAILABLE, so a
   // decode loop blocked on a KARAT node can stop promptly. Any thread.

@@ -1,7 +1,10 @@
 # gpu_node: the GPU-node daemon (decode loop, remote attention, control).
 add_library(karat_gpu_node STATIC
   gpu_node/decode_loop.cc
+  gpu_node/expert_parallel.cc
   gpu_node/remote_attention.cc
+  gpu_node/local_attention.cc
+  gpu_node/worker_token.cc
   gpu_node/gpu_node.cc)
 target_include_directories(karat_gpu_node PUBLIC ${PROJECT_SOURCE_DIR})
 target_link_libraries(karat_gpu_node PUBLIC karat_common karat_proto

@@ -9,6 +9,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
@@ -356,6 +357,154 @@ TEST_CASE("RunTurn validation", "[gpu_node]") {
   CHECK(bad([](cluster::RunTurnRequest* b) { b->clear_placement(); }));
   CHECK(bad([](cluster::RunTurnRequest* b) { b->set_temperature(-1); }));
   CHECK(bad([](cluster::RunTurnRequest* b) { b->set_pos_start(-2); }));
+}
+
+
+// A backend whose layers "wait on a transfer": it calls the micro-batch's
+// wait hooks around the attention, as the data-plane backends do, so the
+// worker token hands the rank to the other micro-batch there.
+class TransferStepBackend : public LocalStepBackend {
+ public:
+  class View : public AttentionBackend {
+   public:
+    View(TransferStepBackend* owner, WaitHooks* hooks)
+        : owner_(owner), hooks_(hooks) {}
+    absl::Status RunLayer(int layer, const std::vector<Segment>& segs,
+                          LayerTraffic* traffic) override {
+      if (hooks_ != nullptr) hooks_->BeforeWait();
+      absl::Status s;
+      {
+        absl::MutexLock lock(&owner_->mu_);
+        s = owner_->LocalStepBackend::RunLayer(layer, segs, traffic);
+      }
+      if (hooks_ != nullptr) hooks_->AfterWait();
+      return s;
+    }
+
+   private:
+    TransferStepBackend* const owner_;
+    WaitHooks* const hooks_;
+  };
+  AttentionBackend* ForMicroBatch(int mb, WaitHooks* hooks) override {
+    views_[mb] = std::make_unique<View>(this, hooks);
+    return views_[mb].get();
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::unique_ptr<View> views_[2];
+};
+
+TEST_CASE("two micro-batches: every request keeps its own tokens",
+          "[gpu_node]") {
+  for (Schedule schedule : {Schedule::kOfms, Schedule::kScms}) {
+    INFO("schedule " << ScheduleName(schedule));
+    TransferStepBackend backend;
+    REQUIRE(backend.init_.ok());
+    DecodeLoopOptions options;
+    options.micro_batches = 2;
+    options.schedule = schedule;
+    options.max_step_tokens = 16;
+    DecodeLoop loop(&Runner(), &backend, options);
+    std::vector<std::vector<Token>> expected;
+    std::vector<std::shared_ptr<TurnStream>> streams;
+    for (int i = 0; i < 4; ++i) {
+      const std::vector<int32_t> feed = Prompt(9 + 7 * i, 20 + i);
+      const float temperature = i % 2 ? 0.8f : 0.0f;
+      expected.push_back(HandRun(40 + i, feed, 6, temperature, 77 + i));
+      TurnRequest turn = MakeTurn(40 + i, feed, 6, temperature, 77 + i);
+      turn.micro_batch = i % 2;
+      auto s = loop.Submit(turn);
+      REQUIRE(s.ok());
+      streams.push_back(*s);
+    }
+    loop.Start();
+    // Once the turns run, one session moves to the other micro-batch (and
+    // an unknown session is ignored).
+    cluster::RunTurnEvent first;
+    while (streams[0]->Pop(absl::Milliseconds(100), &first) !=
+           TurnStream::Next::kEvent) {
+    }
+    loop.SetMicroBatches({{43, 0}, {999, 1}});
+    absl::Status status0;
+    std::vector<Token> got0 = {{first.token_id(), first.position()}};
+    for (const Token& t : Collect(streams[0].get(), &status0)) {
+      got0.push_back(t);
+    }
+    CHECK(got0 == expected[0]);
+    CHECK(status0.ok());
+    for (int i = 1; i < 4; ++i) {
+      absl::Status status;
+      CHECK(Collect(streams[i].get(), &status) == expected[i]);
+      CHECK(status.ok());
+    }
+    const DecodeStats stats = loop.stats();
+    CHECK(stats.two_micro_batch_steps > 0);
+    CHECK(stats.micro_batch_tokens[0] > 0);
+    CHECK(stats.micro_batch_tokens[1] > 0);
+    CHECK(stats.switches > 0);
+    CHECK(stats.busy_seconds > 0);
+  }
+}
+
+TEST_CASE("a turn fed with earlier turns' boundaries cuts its prefill there",
+          "[gpu_node]") {
+  // The rebuild of a two-turn history in one feed gives the same tokens as
+  // running it turn by turn (ends_prefill reaches the backend at each cut).
+  const std::vector<int32_t> feed = Prompt(30, 5);
+  const std::vector<Token> expected = HandRun(60, feed, 4, 0, 0);
+  LocalStepBackend backend;
+  DecodeLoopOptions options;
+  options.max_step_tokens = 64;
+  DecodeLoop loop(&Runner(), &backend, options);
+  loop.Start();
+  TurnRequest turn = MakeTurn(60, feed, 4);
+  turn.prefill_ends = {12, 30};
+  auto s = loop.Submit(turn);
+  REQUIRE(s.ok());
+  absl::Status status;
+  CHECK(Collect(s->get(), &status) == expected);
+  CHECK(status.ok());
+  // 12 + 18 tokens of prefill in two steps, then 3 decode steps.
+  CHECK(loop.stats().steps == 5);
+}
+
+TEST_CASE("worker token: SCMS keeps the static order, OFMS runs who is ready",
+          "[gpu_node]") {
+  for (Schedule schedule : {Schedule::kOfms, Schedule::kScms}) {
+    INFO("schedule " << ScheduleName(schedule));
+    WorkerToken token(schedule);
+    token.BeginStep(2);
+    absl::Mutex mu;
+    std::vector<std::string> order;
+    auto log = [&](const char* what) {
+      absl::MutexLock lock(&mu);
+      order.push_back(what);
+    };
+    // µB0 computes, waits on a transfer, and wants the worker back before
+    // µB1 has even started.
+    token.Begin(0);
+    token.Release(0);
+    std::thread first([&] {
+      token.Acquire(0);
+      log("mb0");
+      token.End(0);
+    });
+    if (schedule == Schedule::kOfms) first.join();  // it needs nobody
+    std::thread second([&] {
+      token.Begin(1);
+      log("mb1");
+      token.End(1);
+    });
+    if (first.joinable()) first.join();
+    second.join();
+    const std::vector<std::string> want =
+        schedule == Schedule::kOfms ? std::vector<std::string>{"mb0", "mb1"}
+                                    : std::vector<std::string>{"mb1", "mb0"};
+    CHECK(order == want);
+    CHECK(ParseSchedule(ScheduleName(schedule)).value() == schedule);
+  }
+  CHECK(!ParseSchedule("fifo").ok());
 }
 
 }  // namespace

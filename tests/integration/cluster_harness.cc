@@ -86,25 +86,97 @@ Cluster::Cluster(const ClusterSpec& spec) : spec_(spec) {
   INFO(out);
   REQUIRE(rc == 0);
 
-  pid_t c = Start("coordinator",
-                  {BinPath("karat-coordinator"), "--listen", "127.0.0.1:0",
-                   "--port-file", dir_ + "/coordinator.addr",
-                   "--max-new-tokens-limit",
-                   std::to_string(spec.max_new_tokens_limit)});
+  const bool scale_out = spec.gpu_nodes != 1 || spec.karat_nodes != 1 ||
+                         !spec.mode.empty() || spec.micro_batches != 0 ||
+                         !spec.schedule.empty() || !spec.balance.empty() ||
+                         spec.gpu_hbm_bytes != 0 || spec.tbt_slo_ms != 0;
+  std::vector<std::string> coordinator = {
+      BinPath("karat-coordinator"), "--listen", "127.0.0.1:0", "--port-file",
+      dir_ + "/coordinator.addr", "--max-new-tokens-limit",
+      std::to_string(spec.max_new_tokens_limit)};
+  if (scale_out) {
+    const std::string config = dir_ + "/cluster.textproto";
+    std::ofstream(config) << ClusterConfigText();
+    coordinator.push_back("--config");
+    coordinator.push_back(config);
+  }
+  pid_t c = Start("coordinator", coordinator);
   coord_addr_ = WaitForPortFile(dir_ + "/coordinator.addr", c);
-  Start("karat0", {BinPath("karat-node"), "--coordinator", coord_addr_,
-                   "--listen", "127.0.0.1:0", "--name", "karat0", "--model",
-                   model_dir_, "--provider", spec.provider, "--devices",
-                   std::to_string(spec.devices), "--device-capacity",
-                   spec.device_capacity, "--cores", "1", "--tokens-per-page",
-                   std::to_string(spec.tokens_per_page), "--port-file",
-                   dir_ + "/karat0.addr"});
-  Start("gpu0", {BinPath("karat-gpu-node"), "--coordinator", coord_addr_,
-                 "--listen", "127.0.0.1:0", "--name", "gpu0", "--model",
-                 model_dir_, "--provider", spec.provider, "--max-step-tokens",
-                 std::to_string(spec.max_step_tokens), "--threads", "1",
-                 "--port-file", dir_ + "/gpu0.addr"});
-  WaitForNodes(2);
+  for (int k = 0; k < spec.karat_nodes; ++k) {
+    const std::string name = "karat" + std::to_string(k);
+    Start(name, {BinPath("karat-node"), "--coordinator", coord_addr_,
+                 "--listen", "127.0.0.1:0", "--name", name, "--model",
+                 model_dir_, "--provider", spec.provider, "--devices",
+                 std::to_string(spec.devices), "--device-capacity",
+                 spec.device_capacity, "--cores", "1", "--tokens-per-page",
+                 std::to_string(spec.tokens_per_page), "--port-file",
+                 dir_ + "/" + name + ".addr"});
+  }
+  for (int g = 0; g < spec.gpu_nodes; ++g) {
+    const std::string name = "gpu" + std::to_string(g);
+    std::vector<std::string> argv = {
+        BinPath("karat-gpu-node"), "--coordinator", coord_addr_, "--listen",
+        "127.0.0.1:0", "--name", name, "--model", model_dir_, "--provider",
+        spec.provider, "--max-step-tokens",
+        std::to_string(spec.max_step_tokens), "--threads", "1", "--port-file",
+        dir_ + "/" + name + ".addr"};
+    if (scale_out) {
+      for (const std::string& a :
+           {std::string("--rank"), std::to_string(g), std::string("--ranks"),
+            std::to_string(spec.gpu_nodes), std::string("--mode"),
+            spec.mode.empty() ? std::string("karat") : spec.mode,
+            std::string("--micro-batches"),
+            std::to_string(spec.micro_batches == 0 ? 2 : spec.micro_batches),
+            std::string("--schedule"),
+            spec.schedule.empty() ? std::string("ofms") : spec.schedule,
+            std::string("--hbm-bytes"), std::to_string(spec.gpu_hbm_bytes)}) {
+        argv.push_back(a);
+      }
+    }
+    Start(name, argv);
+  }
+  WaitForNodes(spec.gpu_nodes +
+               (spec.mode == "gpu_only" ? 0 : spec.karat_nodes));
+}
+
+std::string Cluster::ClusterConfigText() const {
+  const ClusterSpec& spec = spec_;
+  int64_t capacity = std::stoll(spec.device_capacity);
+  switch (spec.device_capacity.back()) {
+    case 'G': capacity <<= 30; break;
+    case 'M': capacity <<= 20; break;
+    case 'K': capacity <<= 10; break;
+    default: break;
+  }
+  std::ostringstream c;
+  c << "model_dir: \"" << model_dir_ << "\"\n"
+    << "provider: \"" << spec.provider << "\"\n"
+    << "coordinator { listen: \"127.0.0.1:0\" max_new_tokens_limit: "
+    << spec.max_new_tokens_limit
+    << " heartbeat_interval_ms: 200 node_timeout_ms: 1500 }\n";
+  if (!spec.mode.empty()) c << "mode: \"" << spec.mode << "\"\n";
+  c << "scheduling {";
+  if (spec.micro_batches != 0) c << " micro_batches: " << spec.micro_batches;
+  if (!spec.schedule.empty()) c << " schedule: \"" << spec.schedule << "\"";
+  if (!spec.balance.empty()) c << " balance: \"" << spec.balance << "\"";
+  if (spec.tbt_slo_ms != 0) c << " tbt_slo_ms: " << spec.tbt_slo_ms;
+  c << " }\n";
+  for (int g = 0; g < spec.gpu_nodes; ++g) {
+    c << "gpu_nodes { name: \"gpu" << g
+      << "\" listen: \"127.0.0.1:0\" max_step_tokens: " << spec.max_step_tokens
+      << " max_batch: 64 threads: 1";
+    if (spec.gpu_hbm_bytes != 0) c << " hbm_bytes: " << spec.gpu_hbm_bytes;
+    c << " }\n";
+  }
+  for (int k = 0; k < spec.karat_nodes; ++k) {
+    c << "karat_nodes { name: \"karat" << k
+      << "\" listen: \"127.0.0.1:0\" tokens_per_page: " << spec.tokens_per_page;
+    for (int d = 0; d < spec.devices; ++d) {
+      c << " devices { capacity_bytes: " << capacity << " cores: 1 }";
+    }
+    c << " }\n";
+  }
+  return c.str();
 }
 
 Cluster::~Cluster() {

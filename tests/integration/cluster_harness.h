@@ -6,6 +6,7 @@
 
 #include <sys/types.h>
 
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
@@ -24,6 +25,18 @@ struct ClusterSpec {
   int tokens_per_page = 16;
   int max_step_tokens = 64;
   int max_new_tokens_limit = 256;
+  // Scale-out (issue 5): GPU ranks and KARAT nodes, and the scheduling
+  // settings. When any of these differs from its default the coordinator
+  // gets a cluster config file (--config) with them, and each GPU node its
+  // rank and the matching flags.
+  int gpu_nodes = 1;
+  int karat_nodes = 1;
+  std::string mode;        // "karat" / "gpu_only"; "" = karat
+  int micro_batches = 0;   // 1 or 2; 0 = the default
+  std::string schedule;    // "ofms" / "scms"
+  std::string balance;     // "cmr" / "count"
+  int64_t gpu_hbm_bytes = 0;
+  double tbt_slo_ms = 0;
 };
 
 class Cluster {
@@ -45,6 +58,8 @@ class Cluster {
   pid_t Start(const std::string& name, const std::vector<std::string>& argv);
   std::string WaitForPortFile(const std::string& path, pid_t pid);
   void WaitForNodes(int expected);
+  // The ClusterConfig (text format) of a scale-out spec.
+  std::string ClusterConfigText() const;
 
   ClusterSpec spec_;
   std::string dir_, model_dir_, coord_addr_;

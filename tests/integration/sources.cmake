@@ -17,3 +17,14 @@ target_compile_definitions(netns_test PRIVATE
   KARAT_BIN_DIR="${PROJECT_BINARY_DIR}/bin")
 add_dependencies(netns_test karat-coordinator karat-node karat-gpu-node
                  karat-weights karatctl)
+# Several GPU ranks (expert-parallel MoE) and KARAT nodes, two micro-batches
+# under OFMS and SCMS, count balancing, and the gpu_only baseline.
+add_unit_test(scale_out_test
+  SOURCES tests/integration/scale_out_test.cc
+          tests/integration/cluster_harness.cc
+  LIBS karat_common karat_proto
+  LABELS integration)
+target_compile_definitions(scale_out_test PRIVATE
+  KARAT_BIN_DIR="${PROJECT_BINARY_DIR}/bin")
+add_dependencies(scale_out_test karat-coordinator karat-node karat-gpu-node
+                 karat-weights)

@@ -1,0 +1,80 @@
+#include "gpu_node/local_attention.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace karat {
+
+GpuLocalAttention::GpuLocalAttention(const ModelConfig& config,
+                                     int tokens_per_page,
+                                     size_t capacity_bytes)
+    : capacity_(capacity_bytes),
+      local_(config, tokens_per_page, capacity_bytes) {}
+
+absl::StatusOr<std::unique_ptr<GpuLocalAttention>> GpuLocalAttention::Create(
+    const ModelConfig& config, const MethodWeights& weights,
+    int tokens_per_page, size_t capacity_bytes) {
+  std::unique_ptr<GpuLocalAttention> a(
+      new GpuLocalAttention(config, tokens_per_page, capacity_bytes));
+  absl::MutexLock lock(&a->mu_);
+  a->local_.SetMethodWeights(weights);
+  RETURN_IF_ERROR(a->local_.Init());
+  return a;
+}
+
+size_t GpuLocalAttention::BytesFor(int tokens) const {
+  const KvLayout& l = local_.layout();
+  const size_t pages = (size_t(tokens) + l.tokens_per_page - 1) /
+                       size_t(l.tokens_per_page);
+  return pages * l.page_bytes * size_t(l.num_layers);
+}
+
+absl::Status GpuLocalAttention::Reserve(uint64_t session, int tokens) {
+  absl::MutexLock lock(&mu_);
+  const bool known = reserved_.contains(session);
+  absl::Status s = local_.Reserve(session, tokens);
+  if (!s.ok()) {
+    if (!known) local_.Drop(session);
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the GPU rank's memory left for KV (", capacity_,
+                     " bytes) cannot hold ", tokens, " more positions: ",
+                     s.message()));
+  }
+  int& r = reserved_[session];
+  r = std::max(r, tokens);
+  return absl::OkStatus();
+}
+
+void GpuLocalAttention::Free(uint64_t session) {
+  absl::MutexLock lock(&mu_);
+  local_.Drop(session);
+  reserved_.erase(session);
+}
+
+bool GpuLocalAttention::HasSession(uint64_t session) const {
+  absl::MutexLock lock(&mu_);
+  return reserved_.contains(session);
+}
+
+size_t GpuLocalAttention::used_bytes() const {
+  absl::MutexLock lock(&mu_);
+  size_t total = 0;
+  for (const auto& [session, tokens] : reserved_) total += BytesFor(tokens);
+  return total;
+}
+
+int GpuLocalAttention::sessions() const {
+  absl::MutexLock lock(&mu_);
+  return int(reserved_.size());
+}
+
+absl::Status GpuLocalAttention::RunLayer(int layer,
+                                         const std::vector<Segment>& segs,
+                                         LayerTraffic* traffic) {
+  absl::MutexLock lock(&mu_);
+  return local_.RunLayer(layer, segs, traffic);
+}
+
+}  // namespace karat

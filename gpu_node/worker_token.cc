@@ -1,0 +1,90 @@
+#include "gpu_node/worker_token.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+namespace karat {
+
+absl::StatusOr<Schedule> ParseSchedule(const std::string& name) {
+  if (name.empty() || name == "ofms") return Schedule::kOfms;
+  if (name == "scms") return Schedule::kScms;
+  return absl::InvalidArgumentError(
+      absl::StrCat("schedule must be \"ofms\" or \"scms\", got \"", name, "\""));
+}
+
+const char* ScheduleName(Schedule s) {
+  return s == Schedule::kScms ? "scms" : "ofms";
+}
+
+void WorkerToken::BeginStep(int n) {
+  absl::MutexLock lock(&mu_);
+  participants_ = n;
+  holder_ = -1;
+  turn_ = 0;
+  finished_[0] = finished_[1] = false;
+  wanting_[0] = wanting_[1] = false;
+  free_since_ = absl::Now();
+}
+
+void WorkerToken::Acquire(int mb) {
+  absl::MutexLock lock(&mu_);
+  wanting_[mb] = true;
+  auto may_take = [this, mb]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    if (holder_ != -1) return false;
+    const int other = 1 - mb;
+    const bool other_active = participants_ == 2 && !finished_[other];
+    if (!other_active || turn_ == mb) return true;
+    // The other micro-batch has the turn. SCMS waits for it; OFMS takes
+    // the token unless the other one is ready to run too.
+    return schedule_ == Schedule::kOfms && !wanting_[other];
+  };
+  mu_.Await(absl::Condition(&may_take));
+  wanting_[mb] = false;
+  holder_ = mb;
+  const absl::Time now = absl::Now();
+  stalled_ += now - free_since_;
+  held_since_ = now;
+  if (last_holder_ != -1 && last_holder_ != mb) ++switches_;
+  last_holder_ = mb;
+}
+
+void WorkerToken::ReleaseLocked(int mb) {
+  if (holder_ != mb) return;
+  const absl::Time now = absl::Now();
+  busy_ += now - held_since_;
+  free_since_ = now;
+  holder_ = -1;
+  // The static order hands the next operation to the other micro-batch.
+  if (participants_ == 2 && !finished_[1 - mb]) turn_ = 1 - mb;
+}
+
+void WorkerToken::Release(int mb) {
+  absl::MutexLock lock(&mu_);
+  ReleaseLocked(mb);
+}
+
+void WorkerToken::End(int mb) {
+  absl::MutexLock lock(&mu_);
+  ReleaseLocked(mb);
+  finished_[mb] = true;
+  if (participants_ == 2 && !finished_[1 - mb]) turn_ = 1 - mb;
+  // After the last micro-batch the step is over: no stall accrues.
+  if (participants_ == 1 || finished_[1 - mb]) free_since_ = absl::Now();
+}
+
+double WorkerToken::busy_seconds() const {
+  absl::MutexLock lock(&mu_);
+  return absl::ToDoubleSeconds(busy_);
+}
+
+double WorkerToken::stalled_seconds() const {
+  absl::MutexLock lock(&mu_);
+  return absl::ToDoubleSeconds(stalled_);
+}
+
+uint64_t WorkerToken::switches() const {
+  absl::MutexLock lock(&mu_);
+  return switches_;
+}
+
+}  // namespace karat
