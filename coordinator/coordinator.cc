@@ -227,6 +227,9 @@ class State {
           r.imbalance_samples++;
           imbalance_sum_ += ratio;
           imbalance_samples_++;
+          // What Algorithm 1 balances: each device's two shares.
+          device_imbalance_sum_ +=
+              double(imb->sum_device_imbalance) / double(total);
         }
       }
     }
@@ -298,6 +301,7 @@ class State {
   int64_t turns_refused_ ABSL_GUARDED_BY(mu_) = 0;
   double imbalance_sum_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t imbalance_samples_ ABSL_GUARDED_BY(mu_) = 0;
+  double device_imbalance_sum_ ABSL_GUARDED_BY(mu_) = 0;
 
  private:
   const Options options_;
@@ -901,6 +905,10 @@ class KaratService final : public v1::Karat::Service {
     m["microbatch_token_imbalance_mean"] =
         s_->imbalance_samples_ > 0 ? s_->imbalance_sum_ / s_->imbalance_samples_
                                    : 0.0;
+    m["microbatch_device_imbalance_mean"] =
+        s_->imbalance_samples_ > 0
+            ? s_->device_imbalance_sum_ / s_->imbalance_samples_
+            : 0;
     m["microbatch_token_imbalance_samples"] = double(s_->imbalance_samples_);
     s_->ttft_ms_.ExportTo("ttft_ms", stats);
     s_->tbt_ms_.ExportTo("tbt_ms", stats);
