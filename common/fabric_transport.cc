@@ -34,31 +34,59 @@
 // without a wait object and polled with fi_cq_read, sleeping on the eventfd
 // with an exponential backoff capped at kMaxPollBackoff between empty polls.
 //
+// RMA. Where the provider offers FI_RMA and remote CQ data, a message of at
+// least FabricOptions::rma_threshold bytes is written with fi_writemsg
+// (FI_DELIVERY_COMPLETE) into a landing zone the receiver registered for this
+// sender, and once the write is complete (at once where the provider orders
+// sends after writes, FI_ORDER_SAW: tcp through ofi_rxm; shm does not) a
+// small notice follows as an ordinary message, so it keeps its place among
+// the sender's other messages (FI_ORDER_SAS); the receiver hands the zone's bytes to the handler in place
+// and then returns the space with a credit. Control messages (zone request,
+// grant, refusal, notice, credit) carry remote CQ data with kControlTag; user
+// messages carry none. The zone is a ring per (sender, receiver) pair: the
+// sender allocates in it (head), credits are the cumulative end of what the
+// receiver has delivered (tail), so a lost or late credit only delays reuse.
+// Credits are batched: one per quarter zone delivered, and whatever is left
+// when the receiver's progress thread runs out of work; whichever thread
+// reads a credit from the CQ applies it (it only moves the tail forward).
+// RMA sends to one peer are serialised, so the ring fills in notice order.
+// Until the receiver has granted a zone, or when a message does not fit in
+// the free part of it, the message goes as a plain message: nothing waits
+// for space. The first large message to a peer asks for the zone; the
+// request carries the sender's address, since the receiver may not know it.
+//
+// Source. With FI_SOURCE the CQ reports each receive's source address,
+// mapped to the PeerId it was added as (kUnknownPeer when not added).
+//
 // Locking. fid_lock_ protects the fids against Shutdown(): every fi_* call
 // on the endpoint, AV or CQ holds it shared, Shutdown() holds it exclusively
 // while closing. When the domain is not FI_THREAD_SAFE every fi_* call holds
 // it exclusively instead, which serialises them; the progress thread never
 // sleeps while holding it (poll() and the backoff sleep are outside).
 #include <poll.h>
-#include <sched.h>
 #include <rdma/fabric.h>
 #include <rdma/fi_cm.h>
 #include <rdma/fi_domain.h>
 #include <rdma/fi_endpoint.h>
 #include <rdma/fi_eq.h>
 #include <rdma/fi_errno.h>
+#include <rdma/fi_rma.h>
+#include <sched.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cstdint>
 #include <cerrno>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <type_traits>
 #include <utility>
@@ -98,6 +126,59 @@ constexpr uint32_t kSpinsPerYield = 64;
 constexpr int kCqBatch = 16;
 // Idle send operations kept for reuse, with their buffers.
 constexpr size_t kMaxCachedSendOps = 8;
+// Remote CQ data of control messages: kControlTag | ControlKind. User
+// messages carry no CQ data.
+constexpr uint64_t kControlTag = 0x4B524D00;  // "KRM" + kind
+constexpr uint64_t kControlTagMask = 0xFFFFFF00;
+enum class ControlKind : uint8_t {
+  kZoneRequest = 1,  // ZoneRequest + the sender's address
+  kZoneGrant = 2,    // ZoneGrant
+  kZoneRefuse = 3,   // ZoneRefuse
+  kRmaNotice = 4,    // RmaNotice: a message landed in the zone
+  kCredit = 5,       // Credit: zone space released
+};
+constexpr uint32_t kRmaProtocolVersion = 1;
+// Landing zones are registered in multiples of this.
+constexpr size_t kZoneAlign = 4096;
+
+// Control message bodies (host byte order: both ends run on hosts of one
+// cluster, and the frame format assumes little-endian already).
+struct ZoneRequest {
+  uint32_t version;
+  int32_t token;  // the receiver's PeerId at the sender, echoed back
+  // followed by the sender's address
+};
+struct ZoneGrant {
+  uint32_t version;
+  int32_t token;
+  uint32_t zone;  // receiver's zone index, named in notices
+  uint32_t reserved;
+  uint64_t remote_addr;  // target address of offset 0
+  uint64_t key;
+  uint64_t size;
+};
+struct ZoneRefuse {
+  uint32_t version;
+  int32_t token;
+};
+struct RmaNotice {
+  uint32_t zone;
+  uint32_t reserved;
+  uint64_t offset;
+  uint64_t len;
+  uint64_t end;  // ring position after this message, credited back
+};
+struct Credit {
+  int32_t token;
+  uint32_t reserved;
+  uint64_t end;
+};
+template <typename T>
+bool ReadBody(std::string_view bytes, T* out) {
+  if (bytes.size() < sizeof(T)) return false;
+  std::memcpy(out, bytes.data(), sizeof(T));
+  return true;
+}
 
 std::string FiError(ssize_t rc) {
   const int code = static_cast<int>(rc < 0 ? -rc : rc);
@@ -192,9 +273,55 @@ struct SendOp {
   absl::Status status;
 };
 
+// The sender's side of the landing zone a peer granted. Guarded by
+// FabricTransport::rma_mu_, except send_lock.
+struct ZoneOut {
+  enum class State { kNone, kRequested, kReady, kRefused };
+  State state = State::kNone;
+  uint64_t remote_addr = 0;
+  uint64_t key = 0;
+  uint64_t size = 0;
+  uint32_t zone = 0;
+  uint64_t head = 0;  // ring bytes allocated, cumulative
+  uint64_t tail = 0;  // ring bytes credited back, cumulative
+  // Serialises RMA sends to the peer (allocation through notice), so the
+  // receiver sees notices in ring order. Never waited for on the progress
+  // thread.
+  absl::Mutex send_lock;
+};
+
+// A landing zone this endpoint registered for one sender. Progress thread
+// only (created and read there), closed by Shutdown().
+struct ZoneIn {
+  std::unique_ptr<char[]> buffer;
+  size_t size = 0;
+  fi_addr_t sender = FI_ADDR_UNSPEC;
+  int32_t token = 0;           // the sender's id for us, echoed in credits
+  PeerId peer = kUnknownPeer;  // the sender, as known here
+  uint64_t delivered_end = 0;  // ring end of the last delivered message
+  uint64_t credited_end = 0;   // last end sent back in a credit
+  FidPtr<fid_mr> mr;
+};
+
 struct Peer {
   std::string name;
   fi_addr_t fi_addr = FI_ADDR_UNSPEC;
+  // Added by the transport itself (an RMA handshake), not by AddPeer().
+  bool learnt = false;
+  std::unique_ptr<ZoneOut> zone_out = std::make_unique<ZoneOut>();
+};
+
+// What SendImpl posts: a message (with remote CQ data when `has_data`) or
+// an RMA write into a peer's landing zone.
+struct WireOp {
+  bool write = false;
+  bool has_data = false;
+  uint64_t data = 0;
+  uint64_t remote_addr = 0;  // write only
+  uint64_t key = 0;          // write only
+  // Write only: a control message posted right after the write, before its
+  // completion (the provider orders sends after writes).
+  std::string_view notice;
 };
 
 class FabricTransport final : public Transport {
@@ -210,8 +337,10 @@ class FabricTransport final : public Transport {
   absl::Status Send(PeerId peer, const void* data, size_t len) override;
   absl::Status SendShared(PeerId peer,
                           std::shared_ptr<const std::string> message) override;
-  void SetReceiveHandler(ReceiveHandler handler) override;
+  void SetPeerReceiveHandler(PeerReceiveHandler handler) override;
+  std::string PeerName(PeerId peer) const override;
   size_t MaxMessageSize() const override { return options_.max_message_size; }
+  std::map<std::string, double> Counters() const override;
   void Shutdown() override;
 
  private:
@@ -239,6 +368,9 @@ class FabricTransport final : public Transport {
     FabricTransport* t_;
   };
 
+  // fi_getinfo with the capabilities this endpoint would like, dropping the
+  // optional ones (FI_RMA, FI_SOURCE) the provider lacks.
+  absl::Status GetInfo();
   absl::Status OpenCq();
   absl::Status PostRecv(RecvSlot* slot);
   void ProgressLoop();
@@ -250,18 +382,49 @@ class FabricTransport final : public Transport {
   // Received messages are queued in received_ for the progress thread. With
   // `try_only`, returns 0 at once when another thread is reading the CQ.
   int DrainCompletions(bool try_only);
-  void HandleCompletion(void* op_context, size_t len);
-  void QueueReceived(RecvSlot* slot, size_t len, bool deliver);
+  void HandleCompletion(const fi_cq_data_entry& entry, fi_addr_t src);
+  void QueueReceived(RecvSlot* slot, size_t len, bool deliver,
+                     fi_addr_t src = FI_ADDR_NOTAVAIL, uint64_t data = 0,
+                     bool wake = true);
   // Progress thread: delivers (or re-posts) the oldest queued receive; false
   // when none is queued.
   bool DeliverOne();
-  void DeliverReceived(RecvSlot* slot, size_t len);
+  void DeliverReceived(RecvSlot* slot, size_t len, fi_addr_t src);
+  void CallHandler(PeerId from, std::string_view message);
+  // Progress thread: a control message (remote CQ data `data`).
+  void HandleControl(RecvSlot* slot, size_t len, fi_addr_t src, uint64_t data);
+  void HandleZoneRequest(std::string_view body);
+  void HandleZoneReply(ControlKind kind, std::string_view body);
+  void DeliverRmaNotice(std::string_view body, fi_addr_t src);
+  // Any thread: applies a credit from a peer's zone (a tail update).
+  void ApplyCredit(std::string_view body, fi_addr_t src);
+  // Progress thread: returns the zone space delivered since the last credit.
+  void SendCredit(ZoneIn* zone);
+  void FlushCredits();
+  // Sends (or RMA-writes) one message; `owned`, when set, holds the bytes
+  // at `data` and lets the provider read them in place.
+  absl::Status SendMessage(PeerId peer, const char* data, size_t len,
+                           std::shared_ptr<const std::string> owned);
+  // The RMA path of SendMessage(): nullopt when the message must go as a
+  // plain message instead (no zone yet, zone full, or a handshake started).
+  std::optional<absl::Status> TrySendRma(
+      PeerId peer, const char* data, size_t len,
+      std::shared_ptr<const std::string>* owned);
+  absl::Status SendControl(PeerId peer, ControlKind kind,
+                           std::string_view body);
   absl::Status SendImpl(PeerId peer, const char* data, size_t len,
-                        std::shared_ptr<const std::string> owned);
+                        std::shared_ptr<const std::string> owned,
+                        const WireOp& wire = WireOp(),
+                        bool* post_failed = nullptr);
   // Messages up to the provider's inject size: the provider copies them at
   // once and reports no completion, so nothing waits.
   absl::Status InjectSend(PeerId peer, fi_addr_t fi_addr, const char* data,
-                          size_t len);
+                          size_t len, const WireOp& wire);
+  // Registers `address` as a peer; `learnt` marks one the transport added on
+  // its own (named after its address until AddPeer() names it).
+  absl::StatusOr<PeerId> InsertPeer(const std::string& name,
+                                    const std::string& address, bool learnt);
+  PeerId PeerByFiAddr(fi_addr_t addr) const;
   // A sender off the progress thread: polls the CQ for its own completion
   // while it spins; false if the spin ended first.
   bool SpinForSend(SendOp* op, size_t len, absl::Time deadline);
@@ -278,13 +441,19 @@ class FabricTransport final : public Transport {
   void RetryPendingReceives();
   void Wake();
   void WaitForWork(absl::Duration poll_backoff);
-  std::string PeerName(PeerId peer);
   SendOp* AcquireSendOp(size_t len);
   void RecycleSendOp(SendOp* op) ABSL_EXCLUSIVE_LOCKS_REQUIRED(send_mu_);
 
   const FabricOptions options_;
   bool serialize_ = false;  // domain is not FI_THREAD_SAFE
   size_t inject_size_ = 0;  // fi_inject() limit; 0: not used
+  bool source_ = false;     // FI_SOURCE: receives report their source
+  bool cq_data_ = false;    // remote CQ data: control messages possible
+  bool rma_ = false;        // FI_RMA granted and wanted
+  bool rma_virt_addr_ = false;  // FI_MR_VIRT_ADDR: targets are addresses
+  // FI_ORDER_SAW: a send posted after a write is not processed before it, so
+  // the notice may follow the write without waiting for its completion.
+  bool send_after_write_ = false;
   std::string provider_;
   std::string local_address_;
 
@@ -295,6 +464,11 @@ class FabricTransport final : public Transport {
   FidPtr<fid_cq> cq_;
   FidPtr<fid_av> av_;
   FidPtr<fid_ep> ep_;
+  // Landing zones granted to senders, by zone index; their MRs close before
+  // the domain. Progress thread only (Shutdown() after it stopped).
+  std::vector<std::unique_ptr<ZoneIn>> zones_in_;
+  bool credits_pending_ = false;  // some zone has space not yet credited
+  absl::flat_hash_map<fi_addr_t, uint32_t> zone_by_sender_;
   int cq_fd_ = -1;  // the CQ's wait fd, or -1 in polling mode
   ScopedFd wake_fd_;
 
@@ -314,6 +488,8 @@ class FabricTransport final : public Transport {
     RecvSlot* slot;
     size_t len;
     bool deliver;
+    fi_addr_t src;
+    uint64_t data;  // remote CQ data; 0 for user messages
   };
   absl::Mutex recv_mu_;
   std::deque<Received> received_ ABSL_GUARDED_BY(recv_mu_);
@@ -325,12 +501,21 @@ class FabricTransport final : public Transport {
   std::atomic<int64_t> last_activity_ns_{0};
 
   absl::Mutex handler_mu_;
-  std::shared_ptr<ReceiveHandler> handler_ ABSL_GUARDED_BY(handler_mu_);
+  std::shared_ptr<PeerReceiveHandler> handler_ ABSL_GUARDED_BY(handler_mu_);
 
-  absl::Mutex peers_mu_;
+  mutable absl::Mutex peers_mu_;
   std::vector<Peer> peers_ ABSL_GUARDED_BY(peers_mu_);
   absl::flat_hash_map<std::string, PeerId> peer_by_address_
       ABSL_GUARDED_BY(peers_mu_);
+  absl::flat_hash_map<fi_addr_t, PeerId> peer_by_fi_addr_
+      ABSL_GUARDED_BY(peers_mu_);
+
+  // Guards every ZoneOut's fields but send_lock; never held across a wait.
+  absl::Mutex rma_mu_;
+  std::atomic<uint64_t> rma_sent_{0}, rma_bytes_sent_{0}, rma_received_{0},
+      rma_fallback_setup_{0}, rma_fallback_full_{0}, rma_fallback_busy_{0},
+      rma_zones_ready_{0}, rma_refused_{0}, zones_granted_{0},
+      control_invalid_{0}, messages_unknown_source_{0};
 
   absl::Mutex send_mu_;
   absl::flat_hash_set<SendOp*> in_flight_ ABSL_GUARDED_BY(send_mu_);
@@ -355,39 +540,15 @@ absl::Status FabricTransport::Open() {
     return absl::InvalidArgumentError(absl::StrCat(
         "send_timeout_ms must be positive, got ", options_.send_timeout_ms));
   }
+  if (options_.use_rma && options_.rma_threshold == 0) {
+    return absl::InvalidArgumentError("rma_threshold must be positive");
+  }
+  if (options_.use_rma && options_.rma_max_zones < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rma_max_zones must be >= 0, got ", options_.rma_max_zones));
+  }
   provider_ = ProviderName(options_.provider);
-
-  InfoPtr hints(fi_allocinfo());
-  if (hints == nullptr)
-    return absl::ResourceExhaustedError("fi_allocinfo failed");
-  hints->ep_attr->type = FI_EP_RDM;
-  hints->caps = FI_MSG;
-  hints->mode =
-      FI_CONTEXT | FI_CONTEXT2;  // every operation passes an fi_context2
-  hints->tx_attr->msg_order = FI_ORDER_SAS;  // in-order delivery per peer
-  hints->domain_attr->threading = FI_THREAD_SAFE;
-  // No FI_MR_LOCAL: buffers are not registered.
-  hints->domain_attr->mr_mode =
-      FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
-  hints->fabric_attr->prov_name = strdup(provider_.c_str());
-
-  const char* node = options_.node.empty() ? nullptr : options_.node.c_str();
-  fi_info* info = nullptr;
-  int rc = fi_getinfo(FI_VERSION(1, 17), node, nullptr,
-                      node != nullptr ? FI_SOURCE : 0, hints.get(), &info);
-  if (rc != 0) {
-    return absl::UnavailableError(absl::StrCat(
-        "no libfabric provider '", provider_,
-        "' offers reliable in-order messages", node != nullptr ? " on " : "",
-        options_.node, ": fi_getinfo: ", FiError(rc)));
-  }
-  info_.reset(info);
-  if (info_->domain_attr->mr_mode & FI_MR_LOCAL) {
-    // Buffers are not registered; a provider that needs local registration
-    // for plain sends and receives is not supported yet.
-    return absl::UnimplementedError(absl::StrCat(
-        "provider '", provider_, "' requires FI_MR_LOCAL, not supported"));
-  }
+  RETURN_IF_ERROR(GetInfo());
   if (options_.max_message_size > info_->ep_attr->max_msg_size) {
     return absl::InvalidArgumentError(absl::StrCat(
         "max_message_size ", options_.max_message_size, " exceeds provider '",
@@ -397,7 +558,7 @@ absl::Status FabricTransport::Open() {
   inject_size_ = options_.use_inject ? info_->tx_attr->inject_size : 0;
 
   fid_fabric* fabric = nullptr;
-  rc = fi_fabric(info_->fabric_attr, &fabric, nullptr);
+  int rc = fi_fabric(info_->fabric_attr, &fabric, nullptr);
   if (rc != 0) return FiStatus("fi_fabric", rc);
   fabric_.reset(fabric);
 
@@ -436,6 +597,20 @@ absl::Status FabricTransport::Open() {
   if (rc != 0) return FiStatus("fi_getname", rc);
   name.resize(name_len);
   local_address_ = std::move(name);
+  if (source_) {
+    // The first AV entry is this endpoint itself, never a PeerId: shm (1.17)
+    // reports fi_addr 0 as the source of a sender that is not in the AV,
+    // which must not alias the first real peer.
+    fi_addr_t self = FI_ADDR_UNSPEC;
+    rc = fi_av_insert(av_.get(), local_address_.data(), 1, &self, 0, nullptr);
+    if (rc != 1) {
+      KLOG(Warning, kLogModule)
+          << "cannot insert the endpoint's own address into its AV ("
+          << (rc < 0 ? FiError(rc) : "not inserted")
+          << "); senders are not identified";
+      source_ = false;
+    }
+  }
 
   wake_fd_.reset(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
   if (wake_fd_.get() < 0) {
@@ -453,15 +628,67 @@ absl::Status FabricTransport::Open() {
   char straddr[256];
   size_t straddr_len = sizeof(straddr);
   fi_av_straddr(av_.get(), local_address_.data(), straddr, &straddr_len);
-  KLOG(Info, kLogModule) << "opened " << info_->fabric_attr->prov_name
-                         << " endpoint " << straddr << " (max message "
-                         << options_.max_message_size << " B, "
-                         << options_.receive_buffers << " receive buffers, "
-                         << "inject up to " << inject_size_ << " B, "
-                         << (cq_fd_ >= 0 ? "fd wait" : "polling")
-                         << (serialize_ ? ", serialised calls" : "") << ")";
+  KLOG(Info, kLogModule)
+      << "opened " << info_->fabric_attr->prov_name << " endpoint " << straddr
+      << " (max message " << options_.max_message_size << " B, "
+      << options_.receive_buffers << " receive buffers, "
+      << "inject up to " << inject_size_ << " B, "
+      << (cq_fd_ >= 0 ? "fd wait" : "polling")
+      << (rma_ ? absl::StrCat(", RMA from ", options_.rma_threshold, " B")
+               : std::string(", no RMA"))
+      << (rma_ && send_after_write_ ? ", notices follow writes at once" : "")
+      << (source_ ? "" : ", no source addresses")
+      << (serialize_ ? ", serialised calls" : "") << ")";
   progress_thread_ = std::thread([this] { ProgressLoop(); });
   return absl::OkStatus();
+}
+
+absl::Status FabricTransport::GetInfo() {
+  const char* node = options_.node.empty() ? nullptr : options_.node.c_str();
+  // Wanted capabilities first, then without the optional ones.
+  std::vector<uint64_t> cap_sets;
+  if (options_.use_rma) cap_sets.push_back(FI_MSG | FI_RMA | FI_SOURCE);
+  cap_sets.push_back(FI_MSG | FI_SOURCE);
+  cap_sets.push_back(FI_MSG);
+  int rc = 0;
+  for (const uint64_t caps : cap_sets) {
+    InfoPtr hints(fi_allocinfo());
+    if (hints == nullptr) {
+      return absl::ResourceExhaustedError("fi_allocinfo failed");
+    }
+    hints->ep_attr->type = FI_EP_RDM;
+    hints->caps = caps;
+    hints->mode =
+        FI_CONTEXT | FI_CONTEXT2;  // every operation passes an fi_context2
+    hints->tx_attr->msg_order = FI_ORDER_SAS;  // in-order delivery per peer
+    hints->domain_attr->threading = FI_THREAD_SAFE;
+    // No FI_MR_LOCAL: buffers are not registered (landing zones are).
+    hints->domain_attr->mr_mode =
+        FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
+    hints->fabric_attr->prov_name = strdup(provider_.c_str());
+    fi_info* info = nullptr;
+    rc = fi_getinfo(FI_VERSION(1, 17), node, nullptr,
+                    node != nullptr ? FI_SOURCE : 0, hints.get(), &info);
+    if (rc != 0) continue;
+    info_.reset(info);
+    if (info_->domain_attr->mr_mode & FI_MR_LOCAL) {
+      // Buffers are not registered; a provider that needs local
+      // registration for plain sends and receives is not supported yet.
+      return absl::UnimplementedError(absl::StrCat(
+          "provider '", provider_, "' requires FI_MR_LOCAL, not supported"));
+    }
+    source_ = (info_->caps & FI_SOURCE) != 0;
+    cq_data_ = info_->domain_attr->cq_data_size >= 4;
+    rma_ = options_.use_rma && (info_->caps & FI_RMA) != 0 && cq_data_ &&
+           (info_->domain_attr->mr_mode & FI_MR_ENDPOINT) == 0;
+    rma_virt_addr_ = (info_->domain_attr->mr_mode & FI_MR_VIRT_ADDR) != 0;
+    send_after_write_ = (info_->tx_attr->msg_order & FI_ORDER_SAW) != 0;
+    return absl::OkStatus();
+  }
+  return absl::UnavailableError(absl::StrCat(
+      "no libfabric provider '", provider_,
+      "' offers reliable in-order messages", node != nullptr ? " on " : "",
+      options_.node, ": fi_getinfo: ", FiError(rc)));
 }
 
 absl::Status FabricTransport::OpenCq() {
@@ -510,20 +737,39 @@ absl::Status FabricTransport::PostRecv(RecvSlot* slot) {
 
 absl::StatusOr<PeerId> FabricTransport::AddPeer(const std::string& name,
                                                 const std::string& address) {
+  return InsertPeer(name, address, /*learnt=*/false);
+}
+
+absl::StatusOr<PeerId> FabricTransport::InsertPeer(const std::string& name,
+                                                   const std::string& address,
+                                                   bool learnt) {
   if (address.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat("peer '", name, "': empty address"));
   }
   absl::MutexLock peers_lock(&peers_mu_);
   if (auto it = peer_by_address_.find(address); it != peer_by_address_.end()) {
+    Peer& peer = peers_[it->second];
+    if (!learnt && peer.learnt) {
+      // Learnt from its RMA handshake first; now it has a name.
+      peer.name = name;
+      peer.learnt = false;
+    }
     return it->second;
   }
   fi_addr_t fi_addr = FI_ADDR_UNSPEC;
   int rc;
+  std::string display = name;
   {
     FidLock lock(this);
     if (closed_) return absl::FailedPreconditionError("transport is shut down");
     rc = fi_av_insert(av_.get(), address.data(), 1, &fi_addr, 0, nullptr);
+    if (rc == 1 && learnt) {
+      char straddr[256] = "";
+      size_t straddr_len = sizeof(straddr);
+      fi_av_straddr(av_.get(), address.data(), straddr, &straddr_len);
+      display = absl::StrCat("unnamed peer ", straddr);
+    }
   }
   if (rc != 1) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -531,16 +777,42 @@ absl::StatusOr<PeerId> FabricTransport::AddPeer(const std::string& name,
         " failed: ", rc < 0 ? FiError(rc) : "not inserted"));
   }
   const PeerId id = static_cast<PeerId>(peers_.size());
-  peers_.push_back(Peer{name, fi_addr});
+  peers_.push_back(Peer{display, fi_addr, learnt});
   peer_by_address_.emplace(address, id);
+  peer_by_fi_addr_.emplace(fi_addr, id);
   return id;
 }
 
-std::string FabricTransport::PeerName(PeerId peer) {
+std::string FabricTransport::PeerName(PeerId peer) const {
+  if (peer == kUnknownPeer) return "unknown peer";
   absl::MutexLock lock(&peers_mu_);
   if (peer < 0 || static_cast<size_t>(peer) >= peers_.size())
-    return absl::StrCat("#", peer);
+    return absl::StrCat("peer #", peer);
   return peers_[peer].name;
+}
+
+PeerId FabricTransport::PeerByFiAddr(fi_addr_t addr) const {
+  if (addr == FI_ADDR_NOTAVAIL || addr == FI_ADDR_UNSPEC) return kUnknownPeer;
+  absl::MutexLock lock(&peers_mu_);
+  auto it = peer_by_fi_addr_.find(addr);
+  return it == peer_by_fi_addr_.end() ? kUnknownPeer : it->second;
+}
+
+std::map<std::string, double> FabricTransport::Counters() const {
+  std::map<std::string, double> c;
+  c["rma_messages_sent"] = double(rma_sent_.load());
+  c["rma_bytes_sent"] = double(rma_bytes_sent_.load());
+  c["rma_messages_received"] = double(rma_received_.load());
+  c["rma_fallback_setup"] = double(rma_fallback_setup_.load());
+  c["rma_fallback_zone_full"] = double(rma_fallback_full_.load());
+  c["rma_fallback_busy"] = double(rma_fallback_busy_.load());
+  c["rma_zones_ready"] = double(rma_zones_ready_.load());
+  c["rma_zones_refused"] = double(rma_refused_.load());
+  c["rma_zones_granted"] = double(zones_granted_.load());
+  c["control_invalid"] = double(control_invalid_.load());
+  c["messages_unknown_source"] = double(messages_unknown_source_.load());
+  c["rma_enabled"] = rma_ ? 1 : 0;
+  return c;
 }
 
 SendOp* FabricTransport::AcquireSendOp(size_t len) {
@@ -575,7 +847,7 @@ void FabricTransport::RecycleSendOp(SendOp* op) {
 }
 
 absl::Status FabricTransport::Send(PeerId peer, const void* data, size_t len) {
-  return SendImpl(peer, static_cast<const char*>(data), len, nullptr);
+  return SendMessage(peer, static_cast<const char*>(data), len, nullptr);
 }
 
 absl::Status FabricTransport::SendShared(
@@ -586,13 +858,142 @@ absl::Status FabricTransport::SendShared(
   const char* data = message->data();
   const size_t len = message->size();
   if (options_.zero_copy_threshold == 0 || len < options_.zero_copy_threshold) {
-    return SendImpl(peer, data, len, nullptr);
+    return SendMessage(peer, data, len, nullptr);
   }
-  return SendImpl(peer, data, len, std::move(message));
+  return SendMessage(peer, data, len, std::move(message));
+}
+
+absl::Status FabricTransport::SendMessage(
+    PeerId peer, const char* data, size_t len,
+    std::shared_ptr<const std::string> owned) {
+  if (rma_ && len >= options_.rma_threshold &&
+      len <= options_.max_message_size) {
+    std::optional<absl::Status> sent = TrySendRma(peer, data, len, &owned);
+    if (sent.has_value()) return *std::move(sent);
+  }
+  return SendImpl(peer, data, len, std::move(owned));
+}
+
+std::optional<absl::Status> FabricTransport::TrySendRma(
+    PeerId peer, const char* data, size_t len,
+    std::shared_ptr<const std::string>* owned) {
+  ZoneOut* zone;
+  {
+    absl::MutexLock lock(&peers_mu_);
+    if (peer < 0 || static_cast<size_t>(peer) >= peers_.size()) {
+      return std::nullopt;  // SendImpl reports the bad id
+    }
+    zone = peers_[peer].zone_out.get();
+  }
+  // The progress thread must not wait for another sender: it may be the one
+  // that has to read that sender's completion.
+  if (OnProgressThread()) {
+    if (!zone->send_lock.TryLock()) {
+      rma_fallback_busy_.fetch_add(1, std::memory_order_relaxed);
+      return std::nullopt;
+    }
+  } else {
+    zone->send_lock.Lock();
+  }
+  // Ring space is allocated in multiples of 64 bytes, so every message
+  // starts 64-byte aligned in the zone (frames need 8).
+  const uint64_t alloc = (uint64_t{len} + 63) & ~uint64_t{63};
+  bool request = false;
+  bool fits = false;
+  bool ready = false;
+  WireOp wire;
+  RmaNotice notice{};
+  {
+    absl::MutexLock lock(&rma_mu_);
+    switch (zone->state) {
+      case ZoneOut::State::kNone:
+        zone->state = ZoneOut::State::kRequested;
+        request = true;
+        break;
+      case ZoneOut::State::kRequested:
+      case ZoneOut::State::kRefused:
+        break;
+      case ZoneOut::State::kReady: {
+        ready = true;
+        const uint64_t pos = zone->head % zone->size;
+        const uint64_t skip = pos + alloc > zone->size ? zone->size - pos : 0;
+        if (alloc <= zone->size &&
+            zone->head + skip + alloc - zone->tail <= zone->size) {
+          fits = true;
+          const uint64_t offset = skip > 0 ? 0 : pos;
+          zone->head += skip + alloc;
+          notice = RmaNotice{zone->zone, 0, offset, len, zone->head};
+          wire.write = true;
+          wire.remote_addr = zone->remote_addr + offset;
+          wire.key = zone->key;
+        }
+        break;
+      }
+    }
+  }
+  if (!fits) {
+    zone->send_lock.Unlock();
+    if (request) {
+      std::string body(sizeof(ZoneRequest), '\0');
+      const ZoneRequest req{kRmaProtocolVersion, peer};
+      std::memcpy(body.data(), &req, sizeof(req));
+      body += local_address_;
+      const absl::Status status =
+          SendControl(peer, ControlKind::kZoneRequest, body);
+      if (!status.ok()) {
+        KLOG(Warning, kLogModule) << "RMA zone request to peer '"
+                                  << PeerName(peer) << "': " << status;
+        absl::MutexLock lock(&rma_mu_);
+        zone->state = ZoneOut::State::kNone;  // ask again next time
+      }
+    }
+    if (!ready) {
+      rma_fallback_setup_.fetch_add(1, std::memory_order_relaxed);
+    } else {
+      rma_fallback_full_.fetch_add(1, std::memory_order_relaxed);
+    }
+    return std::nullopt;
+  }
+  bool post_failed = false;
+  const std::string_view notice_body(reinterpret_cast<const char*>(&notice),
+                                     sizeof(notice));
+  if (send_after_write_) wire.notice = notice_body;
+  absl::Status status = SendImpl(peer, data, len, *owned, wire, &post_failed);
+  if (status.ok() && !send_after_write_) {
+    status = SendControl(peer, ControlKind::kRmaNotice, notice_body);
+  }
+  zone->send_lock.Unlock();
+  if (status.ok()) {
+    rma_sent_.fetch_add(1, std::memory_order_relaxed);
+    rma_bytes_sent_.fetch_add(len, std::memory_order_relaxed);
+    return status;
+  }
+  if (post_failed) {
+    // The provider refused the write itself (not the peer): send plainly
+    // from now on. The ring space stays allocated, which is harmless.
+    KLOG(Warning, kLogModule)
+        << "RMA write to peer '" << PeerName(peer) << "' refused ("
+        << status.message() << "); sending plain messages to it";
+    {
+      absl::MutexLock lock(&rma_mu_);
+      zone->state = ZoneOut::State::kRefused;
+    }
+    return SendImpl(peer, data, len, std::move(*owned));
+  }
+  return status;
+}
+
+absl::Status FabricTransport::SendControl(PeerId peer, ControlKind kind,
+                                          std::string_view body) {
+  WireOp wire;
+  wire.has_data = true;
+  wire.data = kControlTag | static_cast<uint64_t>(kind);
+  return SendImpl(peer, body.data(), body.size(), nullptr, wire);
 }
 
 absl::Status FabricTransport::InjectSend(PeerId peer, fi_addr_t fi_addr,
-                                         const char* data, size_t len) {
+                                         const char* data, size_t len,
+                                         const WireOp& wire) {
   absl::Duration backoff = kMinPollBackoff;
   // Set at the first full transmit queue (the common case never reads the
   // clock).
@@ -603,7 +1004,13 @@ absl::Status FabricTransport::InjectSend(PeerId peer, fi_addr_t fi_addr,
     {
       FidLock lock(this);
       closed = closed_;
-      rc = closed ? 0 : fi_inject(ep_.get(), data, len, fi_addr);
+      if (closed) {
+        rc = 0;
+      } else if (wire.has_data) {
+        rc = fi_injectdata(ep_.get(), data, len, wire.data, fi_addr);
+      } else {
+        rc = fi_inject(ep_.get(), data, len, fi_addr);
+      }
     }
     // Not under fid_lock_: AddPeer() takes peers_mu_ before it.
     if (closed) {
@@ -644,9 +1051,10 @@ absl::Status FabricTransport::InjectSend(PeerId peer, fi_addr_t fi_addr,
   return absl::OkStatus();
 }
 
-absl::Status FabricTransport::SendImpl(
-    PeerId peer, const char* data, size_t len,
-    std::shared_ptr<const std::string> owned) {
+absl::Status FabricTransport::SendImpl(PeerId peer, const char* data,
+                                       size_t len,
+                                       std::shared_ptr<const std::string> owned,
+                                       const WireOp& wire, bool* post_failed) {
   if (len > options_.max_message_size) {
     return absl::InvalidArgumentError(
         absl::StrCat("message of ", len, " bytes exceeds the maximum of ",
@@ -660,8 +1068,8 @@ absl::Status FabricTransport::SendImpl(
     }
     fi_addr = peers_[peer].fi_addr;
   }
-  if (len > 0 && len <= inject_size_) {
-    return InjectSend(peer, fi_addr, data, len);
+  if (len > 0 && len <= inject_size_ && !wire.write) {
+    return InjectSend(peer, fi_addr, data, len, wire);
   }
   const std::string name = PeerName(peer);
   const absl::Time deadline =
@@ -692,13 +1100,34 @@ absl::Status FabricTransport::SendImpl(
             absl::StrCat("send to peer '", name, "': transport is shut down"));
         break;
       }
-      rc = fi_send(ep_.get(), payload, len, nullptr, fi_addr,
-                   &op->op.context);
+      if (wire.write) {
+        iovec iov{const_cast<char*>(payload), len};
+        fi_rma_iov rma_iov{wire.remote_addr, len, wire.key};
+        fi_msg_rma msg{};
+        msg.msg_iov = &iov;
+        msg.iov_count = 1;
+        msg.addr = fi_addr;
+        msg.rma_iov = &rma_iov;
+        msg.rma_iov_count = 1;
+        msg.context = &op->op.context;
+        // Complete only once the bytes are in the target's memory: the
+        // notice that follows must not overtake them (shm does not order
+        // sends after writes).
+        rc = fi_writemsg(ep_.get(), &msg, FI_COMPLETION | FI_DELIVERY_COMPLETE);
+      } else if (wire.has_data) {
+        rc = fi_senddata(ep_.get(), payload, len, nullptr, wire.data, fi_addr,
+                         &op->op.context);
+      } else {
+        rc =
+            fi_send(ep_.get(), payload, len, nullptr, fi_addr, &op->op.context);
+      }
     }
     if (rc == 0) break;
     if (rc != -FI_EAGAIN) {
+      if (post_failed != nullptr) *post_failed = true;
       post_status = absl::UnavailableError(absl::StrCat(
-          "send to peer '", name, "': fi_send failed: ", FiError(rc)));
+          "send to peer '", name, "': ", wire.write ? "fi_writemsg" : "fi_send",
+          " failed: ", FiError(rc)));
       break;
     }
     // The transmit queue is full: reap completions to free it.
@@ -722,6 +1151,18 @@ absl::Status FabricTransport::SendImpl(
     return post_status;
   }
   last_activity_ns_.store(NowNs(), std::memory_order_relaxed);
+  absl::Status notice_status;
+  if (wire.write && !wire.notice.empty()) {
+    // Ordered after the write by the provider (FI_ORDER_SAW).
+    WireOp control;
+    control.has_data = true;
+    control.data = kControlTag | static_cast<uint64_t>(ControlKind::kRmaNotice);
+    notice_status = wire.notice.size() <= inject_size_
+                        ? InjectSend(peer, fi_addr, wire.notice.data(),
+                                     wire.notice.size(), control)
+                        : SendImpl(peer, wire.notice.data(), wire.notice.size(),
+                                   nullptr, control);
+  }
   if (OnProgressThread()) {
     AwaitSendOnProgressThread(op, len, deadline);
   } else if (!SpinForSend(op, len, deadline)) {
@@ -742,6 +1183,7 @@ absl::Status FabricTransport::SendImpl(
   }
   absl::Status status = std::move(op->status);
   RecycleSendOp(op);
+  if (status.ok()) status = notice_status;
   return status;
 }
 
@@ -790,8 +1232,8 @@ void FabricTransport::AwaitSendOnProgressThread(SendOp* op, size_t len,
   }
 }
 
-void FabricTransport::SetReceiveHandler(ReceiveHandler handler) {
-  auto shared = std::make_shared<ReceiveHandler>(std::move(handler));
+void FabricTransport::SetPeerReceiveHandler(PeerReceiveHandler handler) {
+  auto shared = std::make_shared<PeerReceiveHandler>(std::move(handler));
   absl::MutexLock lock(&handler_mu_);
   handler_ = std::move(shared);
 }
@@ -850,6 +1292,8 @@ void FabricTransport::ProgressLoop() {
       }
       continue;
     }
+    // About to sleep: return the landing-zone space delivered meanwhile.
+    FlushCredits();
     if (cq_fd_ >= 0) {
       fid* fids[1] = {&cq_->fid};
       int rc;
@@ -911,10 +1355,17 @@ int FabricTransport::DrainCompletions(bool try_only) {
   int handled = 0;
   for (;;) {
     fi_cq_data_entry entries[kCqBatch];
+    fi_addr_t sources[kCqBatch];
     ssize_t n;
     {
       FidLock lock(this);
-      n = closed_ ? -FI_EAGAIN : fi_cq_read(cq_.get(), entries, kCqBatch);
+      if (closed_) {
+        n = -FI_EAGAIN;
+      } else if (source_) {
+        n = fi_cq_readfrom(cq_.get(), entries, kCqBatch, sources);
+      } else {
+        n = fi_cq_read(cq_.get(), entries, kCqBatch);
+      }
     }
     if (n == -FI_EAGAIN) break;
     if (n == -FI_EAVAIL) {
@@ -927,7 +1378,7 @@ int FabricTransport::DrainCompletions(bool try_only) {
       break;
     }
     for (ssize_t i = 0; i < n; ++i) {
-      HandleCompletion(entries[i].op_context, entries[i].len);
+      HandleCompletion(entries[i], source_ ? sources[i] : FI_ADDR_NOTAVAIL);
     }
     handled += static_cast<int>(n);
   }
@@ -936,13 +1387,14 @@ int FabricTransport::DrainCompletions(bool try_only) {
   return handled;
 }
 
-void FabricTransport::QueueReceived(RecvSlot* slot, size_t len, bool deliver) {
+void FabricTransport::QueueReceived(RecvSlot* slot, size_t len, bool deliver,
+                                    fi_addr_t src, uint64_t data, bool wake) {
   {
     absl::MutexLock lock(&recv_mu_);
-    received_.push_back(Received{slot, len, deliver});
+    received_.push_back(Received{slot, len, deliver, src, data});
     received_count_.fetch_add(1, std::memory_order_release);
   }
-  if (!OnProgressThread() &&
+  if (wake && !OnProgressThread() &&
       progress_sleeping_.load(std::memory_order_seq_cst)) {
     Wake();
   }
@@ -958,8 +1410,10 @@ bool FabricTransport::DeliverOne() {
     received_.pop_front();
     received_count_.fetch_sub(1, std::memory_order_release);
   }
-  if (r.deliver) {
-    DeliverReceived(r.slot, r.len);
+  if (r.deliver && r.data != 0) {
+    HandleControl(r.slot, r.len, r.src, r.data);
+  } else if (r.deliver) {
+    DeliverReceived(r.slot, r.len, r.src);
   } else {
     const absl::Status status = PostRecv(r.slot);
     if (!status.ok()) {
@@ -969,31 +1423,319 @@ bool FabricTransport::DeliverOne() {
   return true;
 }
 
-void FabricTransport::HandleCompletion(void* op_context, size_t len) {
-  if (op_context == nullptr) return;
-  const OpContext* op = static_cast<const OpContext*>(op_context);
+void FabricTransport::HandleCompletion(const fi_cq_data_entry& entry,
+                                       fi_addr_t src) {
+  if (entry.op_context == nullptr) return;
+  const OpContext* op = static_cast<const OpContext*>(entry.op_context);
   if (op->kind == OpKind::kSend) {
     CompleteSend(static_cast<SendOp*>(op->owner), absl::OkStatus());
     return;
   }
-  QueueReceived(static_cast<RecvSlot*>(op->owner), len, /*deliver=*/true);
+  uint64_t data = 0;
+  if ((entry.flags & FI_REMOTE_CQ_DATA) != 0 &&
+      (entry.data & kControlTagMask) == kControlTag) {
+    data = entry.data;
+  }
+  RecvSlot* slot = static_cast<RecvSlot*>(op->owner);
+  if (data == (kControlTag | static_cast<uint64_t>(ControlKind::kCredit))) {
+    // Applied by whichever thread reads the CQ (order does not matter for
+    // credits); only the buffer goes back to the progress thread, without
+    // waking it: a waiting sender need not hand each credit over.
+    ApplyCredit(std::string_view(slot->buffer.get(), entry.len), src);
+    QueueReceived(slot, 0, /*deliver=*/false, src, 0, /*wake=*/false);
+    return;
+  }
+  QueueReceived(slot, entry.len, /*deliver=*/true, src, data);
 }
 
-void FabricTransport::DeliverReceived(RecvSlot* slot, size_t len) {
-  std::shared_ptr<ReceiveHandler> handler;
+void FabricTransport::CallHandler(PeerId from, std::string_view message) {
+  std::shared_ptr<PeerReceiveHandler> handler;
   {
     absl::MutexLock lock(&handler_mu_);
     handler = handler_;
   }
   if (handler != nullptr && *handler) {
-    (*handler)(std::string_view(slot->buffer.get(), len));
+    (*handler)(from, message);
   } else {
-    KLOG(Warning, kLogModule)
-        << "dropped a " << len << "-byte message: no receive handler";
+    KLOG(Warning, kLogModule) << "dropped a " << message.size()
+                              << "-byte message: no receive handler";
+  }
+}
+
+void FabricTransport::DeliverReceived(RecvSlot* slot, size_t len,
+                                      fi_addr_t src) {
+  const PeerId from = PeerByFiAddr(src);
+  if (from == kUnknownPeer && source_) {
+    messages_unknown_source_.fetch_add(1, std::memory_order_relaxed);
+  }
+  CallHandler(from, std::string_view(slot->buffer.get(), len));
+  const absl::Status status = PostRecv(slot);
+  if (!status.ok()) {
+    KLOG(Error, kLogModule) << "re-posting a receive buffer: " << status;
+  }
+}
+
+void FabricTransport::HandleControl(RecvSlot* slot, size_t len, fi_addr_t src,
+                                    uint64_t data) {
+  const std::string_view body(slot->buffer.get(), len);
+  const auto kind = static_cast<ControlKind>(data & 0xFF);
+  switch (kind) {
+    case ControlKind::kZoneRequest:
+      HandleZoneRequest(body);
+      break;
+    case ControlKind::kZoneGrant:
+    case ControlKind::kZoneRefuse:
+      HandleZoneReply(kind, body);
+      break;
+    case ControlKind::kRmaNotice:
+      DeliverRmaNotice(body, src);
+      break;
+    case ControlKind::kCredit:
+      ApplyCredit(body, src);
+      break;
+    default:
+      control_invalid_.fetch_add(1, std::memory_order_relaxed);
+      KLOG(Warning, kLogModule)
+          << "dropped a control message of unknown kind " << (data & 0xFF)
+          << " from " << PeerName(PeerByFiAddr(src));
+      break;
   }
   const absl::Status status = PostRecv(slot);
   if (!status.ok()) {
     KLOG(Error, kLogModule) << "re-posting a receive buffer: " << status;
+  }
+}
+
+void FabricTransport::ApplyCredit(std::string_view body, fi_addr_t src) {
+  Credit credit;
+  ZoneOut* zone = nullptr;
+  if (ReadBody(body, &credit)) {
+    absl::MutexLock lock(&peers_mu_);
+    if (credit.token >= 0 &&
+        static_cast<size_t>(credit.token) < peers_.size()) {
+      zone = peers_[credit.token].zone_out.get();
+    }
+  }
+  bool valid = false;
+  if (zone != nullptr) {
+    absl::MutexLock lock(&rma_mu_);
+    if (zone->state == ZoneOut::State::kReady && credit.end <= zone->head) {
+      zone->tail = std::max(zone->tail, credit.end);
+      valid = true;
+    }
+  }
+  if (!valid) {
+    control_invalid_.fetch_add(1, std::memory_order_relaxed);
+    KLOG(Warning, kLogModule)
+        << "dropped an invalid RMA credit of " << body.size() << " bytes from "
+        << PeerName(PeerByFiAddr(src));
+  }
+}
+
+void FabricTransport::SendCredit(ZoneIn* zone) {
+  if (zone->credited_end == zone->delivered_end) return;
+  zone->credited_end = zone->delivered_end;
+  const Credit credit{zone->token, 0, zone->delivered_end};
+  const absl::Status status = SendControl(
+      zone->peer, ControlKind::kCredit,
+      std::string_view(reinterpret_cast<const char*>(&credit), sizeof(credit)));
+  if (!status.ok() && !stop_.load(std::memory_order_relaxed)) {
+    KLOG(Warning, kLogModule)
+        << "RMA credit to peer '" << PeerName(zone->peer) << "': " << status;
+  }
+}
+
+void FabricTransport::FlushCredits() {
+  if (!credits_pending_) return;
+  credits_pending_ = false;
+  for (auto& zone : zones_in_) SendCredit(zone.get());
+}
+
+void FabricTransport::HandleZoneRequest(std::string_view body) {
+  ZoneRequest request;
+  if (!ReadBody(body, &request) || body.size() == sizeof(request)) {
+    control_invalid_.fetch_add(1, std::memory_order_relaxed);
+    KLOG(Warning, kLogModule)
+        << "dropped an invalid RMA zone request of " << body.size() << " bytes";
+    return;
+  }
+  const std::string address(body.substr(sizeof(request)));
+  absl::StatusOr<PeerId> peer = InsertPeer("", address, /*learnt=*/true);
+  if (!peer.ok()) {
+    control_invalid_.fetch_add(1, std::memory_order_relaxed);
+    KLOG(Warning, kLogModule)
+        << "RMA zone request from an unusable address: " << peer.status();
+    return;
+  }
+  fi_addr_t sender;
+  {
+    absl::MutexLock lock(&peers_mu_);
+    sender = peers_[*peer].fi_addr;
+  }
+  const std::string name = PeerName(*peer);
+  auto refuse = [&](const std::string& why) {
+    KLOG(Info, kLogModule) << "refusing an RMA landing zone to peer '" << name
+                           << "': " << why;
+    const ZoneRefuse reply{kRmaProtocolVersion, request.token};
+    const absl::Status status = SendControl(
+        *peer, ControlKind::kZoneRefuse,
+        std::string_view(reinterpret_cast<const char*>(&reply), sizeof(reply)));
+    if (!status.ok()) {
+      KLOG(Warning, kLogModule)
+          << "RMA zone refusal to peer '" << name << "': " << status;
+    }
+  };
+  if (request.version != kRmaProtocolVersion) {
+    refuse(absl::StrCat("protocol version ", request.version, ", expected ",
+                        kRmaProtocolVersion));
+    return;
+  }
+  if (!rma_) {
+    refuse("RMA is off on this endpoint");
+    return;
+  }
+  uint32_t index;
+  if (auto it = zone_by_sender_.find(sender); it != zone_by_sender_.end()) {
+    index = it->second;  // asked again (e.g. after a failed grant)
+  } else {
+    if (zones_in_.size() >= static_cast<size_t>(options_.rma_max_zones)) {
+      refuse(absl::StrCat("all ", options_.rma_max_zones, " zones granted"));
+      return;
+    }
+    auto zone = std::make_unique<ZoneIn>();
+    zone->size = (std::max(options_.rma_zone_bytes, options_.max_message_size) +
+                  kZoneAlign - 1) &
+                 ~(kZoneAlign - 1);
+    zone->buffer.reset(new (std::nothrow) char[zone->size]);
+    if (zone->buffer == nullptr) {
+      refuse(absl::StrCat("cannot allocate ", zone->size, " bytes"));
+      return;
+    }
+    zone->sender = sender;
+    fid_mr* mr = nullptr;
+    int rc;
+    {
+      FidLock lock(this);
+      if (closed_) return;
+      rc = fi_mr_reg(domain_.get(), zone->buffer.get(), zone->size,
+                     FI_REMOTE_WRITE, 0, zones_in_.size() + 1, 0, &mr, nullptr);
+    }
+    if (rc != 0) {
+      refuse(absl::StrCat("fi_mr_reg failed: ", FiError(rc)));
+      return;
+    }
+    zone->mr.reset(mr);
+    index = static_cast<uint32_t>(zones_in_.size());
+    zones_in_.push_back(std::move(zone));
+    zone_by_sender_.emplace(sender, index);
+    zones_granted_.fetch_add(1, std::memory_order_relaxed);
+  }
+  ZoneIn* zone = zones_in_[index].get();
+  zone->token = request.token;
+  zone->peer = *peer;
+  ZoneGrant grant{};
+  grant.version = kRmaProtocolVersion;
+  grant.token = request.token;
+  grant.zone = index;
+  grant.remote_addr =
+      rma_virt_addr_ ? reinterpret_cast<uintptr_t>(zone->buffer.get()) : 0;
+  grant.key = fi_mr_key(zone->mr.get());
+  grant.size = zone->size;
+  if (grant.key == FI_KEY_NOTAVAIL) {
+    refuse("the provider gives no key for the zone");
+    return;
+  }
+  const absl::Status status = SendControl(
+      *peer, ControlKind::kZoneGrant,
+      std::string_view(reinterpret_cast<const char*>(&grant), sizeof(grant)));
+  if (!status.ok()) {
+    KLOG(Warning, kLogModule)
+        << "RMA zone grant to peer '" << name << "': " << status;
+    return;
+  }
+  KLOG(Info, kLogModule) << "granted a " << zone->size
+                         << "-byte RMA landing zone to peer '" << name << "'";
+}
+
+void FabricTransport::HandleZoneReply(ControlKind kind, std::string_view body) {
+  ZoneGrant grant{};
+  bool valid;
+  if (kind == ControlKind::kZoneGrant) {
+    valid = ReadBody(body, &grant) && grant.size > 0;
+  } else {
+    ZoneRefuse refuse{};
+    valid = ReadBody(body, &refuse);
+    grant.version = refuse.version;
+    grant.token = refuse.token;
+  }
+  ZoneOut* zone = nullptr;
+  if (valid && grant.version == kRmaProtocolVersion) {
+    absl::MutexLock lock(&peers_mu_);
+    if (grant.token >= 0 && static_cast<size_t>(grant.token) < peers_.size()) {
+      zone = peers_[grant.token].zone_out.get();
+    }
+  }
+  if (zone == nullptr) {
+    control_invalid_.fetch_add(1, std::memory_order_relaxed);
+    KLOG(Warning, kLogModule)
+        << "dropped an invalid RMA zone reply of " << body.size() << " bytes";
+    return;
+  }
+  const std::string name = PeerName(grant.token);
+  absl::MutexLock lock(&rma_mu_);
+  if (zone->state != ZoneOut::State::kRequested) return;  // a duplicate
+  if (kind == ControlKind::kZoneRefuse) {
+    zone->state = ZoneOut::State::kRefused;
+    rma_refused_.fetch_add(1, std::memory_order_relaxed);
+    KLOG(Info, kLogModule) << "peer '" << name
+                           << "' refused an RMA landing zone; sending it "
+                              "plain messages";
+    return;
+  }
+  zone->remote_addr = grant.remote_addr;
+  zone->key = grant.key;
+  zone->size = grant.size;
+  zone->zone = grant.zone;
+  zone->head = 0;
+  zone->tail = 0;
+  zone->state = ZoneOut::State::kReady;
+  rma_zones_ready_.fetch_add(1, std::memory_order_relaxed);
+  KLOG(Info, kLogModule) << "peer '" << name << "' granted a " << grant.size
+                         << "-byte RMA landing zone";
+}
+
+void FabricTransport::DeliverRmaNotice(std::string_view body, fi_addr_t src) {
+  RmaNotice notice;
+  ZoneIn* zone = nullptr;
+  if (ReadBody(body, &notice) && notice.zone < zones_in_.size()) {
+    zone = zones_in_[notice.zone].get();
+    // A notice must name its sender's own zone. Only a source the AV maps
+    // to another peer counts against it: an unresolved source is not proof.
+    const bool other_sender =
+        source_ && src != zone->sender && PeerByFiAddr(src) != kUnknownPeer;
+    if (notice.offset > zone->size || notice.len > zone->size - notice.offset ||
+        other_sender) {
+      zone = nullptr;
+    }
+  }
+  if (zone == nullptr) {
+    control_invalid_.fetch_add(1, std::memory_order_relaxed);
+    KLOG(Warning, kLogModule)
+        << "dropped an invalid RMA notice of " << body.size() << " bytes from "
+        << PeerName(PeerByFiAddr(src));
+    return;
+  }
+  rma_received_.fetch_add(1, std::memory_order_relaxed);
+  CallHandler(zone->peer,
+              std::string_view(zone->buffer.get() + notice.offset, notice.len));
+  // Credits go back once a quarter of the zone is free to reuse, and
+  // whenever the progress thread runs out of work (FlushCredits), so a
+  // stream costs one credit per quarter zone rather than one per message.
+  zone->delivered_end = std::max(zone->delivered_end, notice.end);
+  if (zone->delivered_end - zone->credited_end >= zone->size / 4) {
+    SendCredit(zone);
+  } else {
+    credits_pending_ = true;
   }
 }
 
@@ -1076,6 +1818,7 @@ void FabricTransport::Shutdown() {
     // Reverse order of opening. Closing the endpoint discards every posted
     // operation, so no completion refers to our buffers afterwards.
     ep_.reset();
+    for (auto& zone : zones_in_) zone->mr.reset();
     av_.reset();
     cq_.reset();
     domain_.reset();

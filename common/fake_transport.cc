@@ -4,8 +4,10 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -25,6 +27,16 @@ constexpr const char* kLogModule = "fake_fabric";
 // Same default as FabricOptions::max_message_size.
 constexpr size_t kFakeMaxMessageSize = 8 << 20;
 
+// A queued message and the address of the endpoint that sent it.
+struct Envelope {
+  std::string from;
+  std::shared_ptr<const std::string> message;
+};
+
+// Receiver-side handler: the sender's address and the bytes.
+using MailboxHandler =
+    std::function<void(const std::string& from, std::string_view message)>;
+
 // The receiving side of one endpoint: a queue drained by its own thread.
 class Mailbox : public std::enable_shared_from_this<Mailbox> {
  public:
@@ -42,14 +54,14 @@ class Mailbox : public std::enable_shared_from_this<Mailbox> {
 
   // False once the mailbox is closed. The bytes are read when the handler
   // runs, as a provider reads a zero-copy send's buffer in place.
-  bool Deliver(std::shared_ptr<const std::string> message) {
+  bool Deliver(std::string from, std::shared_ptr<const std::string> message) {
     absl::MutexLock lock(&mu_);
     if (closed_) return false;
-    queue_.push_back(std::move(message));
+    queue_.push_back(Envelope{std::move(from), std::move(message)});
     return true;
   }
 
-  void SetHandler(Transport::ReceiveHandler handler) {
+  void SetHandler(MailboxHandler handler) {
     absl::MutexLock lock(&handler_mu_);
     handler_ = std::move(handler);
   }
@@ -76,34 +88,35 @@ class Mailbox : public std::enable_shared_from_this<Mailbox> {
 
   void DeliveryLoop() {
     for (;;) {
-      std::shared_ptr<const std::string> message;
+      Envelope envelope;
       {
         absl::MutexLock lock(&mu_);
         mu_.Await(absl::Condition(this, &Mailbox::HasWork));
         // Messages queued before Close() are dropped, as a closed libfabric
         // endpoint drops its posted receives.
         if (closed_) return;
-        message = std::move(queue_.front());
+        envelope = std::move(queue_.front());
         queue_.pop_front();
       }
       absl::MutexLock lock(&handler_mu_);
       if (handler_) {
-        handler_(*message);
+        handler_(envelope.from, *envelope.message);
       } else {
-        KLOG(Warning, kLogModule) << name_ << ": dropped a " << message->size()
-                                  << "-byte message: no receive handler";
+        KLOG(Warning, kLogModule)
+            << name_ << ": dropped a " << envelope.message->size()
+            << "-byte message: no receive handler";
       }
     }
   }
 
   const std::string name_;
   absl::Mutex mu_;
-  std::deque<std::shared_ptr<const std::string>> queue_ ABSL_GUARDED_BY(mu_);
+  std::deque<Envelope> queue_ ABSL_GUARDED_BY(mu_);
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
   // Held while the handler runs; SetHandler() from inside a handler would
   // deadlock, which the Transport contract does not allow anyway.
   absl::Mutex handler_mu_;
-  Transport::ReceiveHandler handler_ ABSL_GUARDED_BY(handler_mu_);
+  MailboxHandler handler_ ABSL_GUARDED_BY(handler_mu_);
   std::thread thread_;
 };
 
@@ -118,6 +131,24 @@ struct FakeRegistry {
     absl::MutexLock lock(&mu);
     auto it = mailboxes.find(address);
     return it == mailboxes.end() ? nullptr : it->second;
+  }
+};
+
+// One endpoint's peers. Shared with its mailbox's handler, which maps a
+// sender's address to its PeerId and may outlive the endpoint briefly.
+struct PeerTable {
+  struct Peer {
+    std::string name;
+    std::string address;
+  };
+  mutable absl::Mutex mu;
+  std::vector<Peer> peers ABSL_GUARDED_BY(mu);
+  absl::flat_hash_map<std::string, PeerId> by_address ABSL_GUARDED_BY(mu);
+
+  PeerId Find(const std::string& address) const {
+    absl::MutexLock lock(&mu);
+    auto it = by_address.find(address);
+    return it == by_address.end() ? kUnknownPeer : it->second;
   }
 };
 
@@ -138,15 +169,24 @@ class FakeTransport final : public Transport {
       return absl::InvalidArgumentError(
           absl::StrCat("peer '", name, "': empty address"));
     }
-    absl::MutexLock lock(&mu_);
-    if (auto it = peer_by_address_.find(address);
-        it != peer_by_address_.end()) {
+    absl::MutexLock lock(&table_->mu);
+    if (auto it = table_->by_address.find(address);
+        it != table_->by_address.end()) {
       return it->second;
     }
-    const PeerId id = static_cast<PeerId>(peers_.size());
-    peers_.push_back(Peer{name, address});
-    peer_by_address_.emplace(address, id);
+    const PeerId id = static_cast<PeerId>(table_->peers.size());
+    table_->peers.push_back(PeerTable::Peer{name, address});
+    table_->by_address.emplace(address, id);
     return id;
+  }
+
+  std::string PeerName(PeerId peer) const override {
+    if (peer == kUnknownPeer) return "unknown peer";
+    absl::MutexLock lock(&table_->mu);
+    if (peer < 0 || static_cast<size_t>(peer) >= table_->peers.size()) {
+      return absl::StrCat("peer #", peer);
+    }
+    return table_->peers[peer].name;
   }
 
   absl::Status Send(PeerId peer, const void* data, size_t len) override {
@@ -166,8 +206,16 @@ class FakeTransport final : public Transport {
     return Post(peer, std::move(message));
   }
 
-  void SetReceiveHandler(ReceiveHandler handler) override {
-    mailbox_->SetHandler(std::move(handler));
+  void SetPeerReceiveHandler(PeerReceiveHandler handler) override {
+    if (!handler) {
+      mailbox_->SetHandler(nullptr);
+      return;
+    }
+    mailbox_->SetHandler(
+        [table = table_, handler = std::move(handler)](
+            const std::string& from, std::string_view message) {
+          handler(table->Find(from), message);
+        });
   }
 
   size_t MaxMessageSize() const override { return kFakeMaxMessageSize; }
@@ -186,11 +234,6 @@ class FakeTransport final : public Transport {
   }
 
  private:
-  struct Peer {
-    std::string name;
-    std::string address;
-  };
-
   static absl::Status TooLarge(size_t len) {
     return absl::InvalidArgumentError(
         absl::StrCat("message of ", len, " bytes exceeds the maximum of ",
@@ -198,21 +241,24 @@ class FakeTransport final : public Transport {
   }
 
   absl::Status Post(PeerId peer, std::shared_ptr<const std::string> message) {
-    Peer target;
     {
       absl::MutexLock lock(&mu_);
       if (shut_down_) {
         return absl::UnavailableError(absl::StrCat(
             address_, " is shut down; cannot send to peer ", peer));
       }
-      if (peer < 0 || static_cast<size_t>(peer) >= peers_.size()) {
+    }
+    PeerTable::Peer target;
+    {
+      absl::MutexLock lock(&table_->mu);
+      if (peer < 0 || static_cast<size_t>(peer) >= table_->peers.size()) {
         return absl::InvalidArgumentError(
             absl::StrCat("unknown peer id ", peer));
       }
-      target = peers_[peer];
+      target = table_->peers[peer];
     }
     std::shared_ptr<Mailbox> mailbox = fabric_->Find(target.address);
-    if (mailbox == nullptr || !mailbox->Deliver(std::move(message))) {
+    if (mailbox == nullptr || !mailbox->Deliver(address_, std::move(message))) {
       return absl::UnavailableError(absl::StrCat(
           "peer '", target.name, "' (", target.address, ") is not reachable"));
     }
@@ -224,9 +270,7 @@ class FakeTransport final : public Transport {
   const std::shared_ptr<Mailbox> mailbox_;
   absl::Mutex mu_;
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
-  std::vector<Peer> peers_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, PeerId> peer_by_address_
-      ABSL_GUARDED_BY(mu_);
+  const std::shared_ptr<PeerTable> table_ = std::make_shared<PeerTable>();
 };
 
 }  // namespace

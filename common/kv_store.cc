@@ -320,6 +320,54 @@ absl::Status SessionCache::WriteIndexKey(int layer, int pos,
   return absl::OkStatus();
 }
 
+absl::Status SessionCache::WriteKvRun(int layer, int pos, int n,
+                                      const uint16_t* kv) {
+  if (pos < 0 || n < 0 || pos + n > reserved_tokens_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "positions [", pos, ", ", pos + n, ") are beyond the ",
+        reserved_tokens_, " reserved tokens"));
+  }
+  const int tpp = layout_->tokens_per_page;
+  const size_t row = size_t(layout_->kv_dim) * 2;
+  const auto* src = reinterpret_cast<const uint8_t*>(kv);
+  for (int i = 0; i < n;) {
+    const int p = pos + i;
+    const int run = std::min(n - i, tpp - p % tpp);
+    uint8_t* page = page_data_[layer][p / tpp];
+    std::memcpy(page + layout_->kv_offset + size_t(p % tpp) * row,
+                src + size_t(i) * row, size_t(run) * row);
+    i += run;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SessionCache::WriteIndexKeyRun(int layer, int pos, int n,
+                                            const uint8_t* codes,
+                                            const float* scales) {
+  if (pos < 0 || n < 0 || pos + n > reserved_tokens_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "positions [", pos, ", ", pos + n, ") are beyond the ",
+        reserved_tokens_, " reserved tokens"));
+  }
+  if (layout_->index_dim == 0) {
+    return absl::FailedPreconditionError("this layout has no index keys");
+  }
+  const int tpp = layout_->tokens_per_page;
+  const size_t row = size_t(layout_->index_dim);
+  for (int i = 0; i < n;) {
+    const int p = pos + i;
+    const int run = std::min(n - i, tpp - p % tpp);
+    uint8_t* page = page_data_[layer][p / tpp];
+    std::memcpy(page + layout_->ikey_offset + size_t(p % tpp) * row,
+                codes + size_t(i) * row, size_t(run) * row);
+    std::memcpy(reinterpret_cast<float*>(page + layout_->iscale_offset) +
+                    p % tpp,
+                scales + i, size_t(run) * sizeof(float));
+    i += run;
+  }
+  return absl::OkStatus();
+}
+
 void SessionCache::SetLength(int layer, int length) {
   lengths_[layer] = std::clamp(length, 0, reserved_tokens_);
 }

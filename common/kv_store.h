@@ -144,6 +144,12 @@ class SessionCache {
   absl::Status WriteKv(int layer, int pos, const uint16_t* kv);
   absl::Status WriteIndexKey(int layer, int pos, const uint8_t* codes,
                              float scale);
+  // The same for `n` consecutive positions from `pos` (token-major input:
+  // kv n x kv_dim, codes n x index_dim, scales n), one copy per page run;
+  // nothing is written unless every position is reserved.
+  absl::Status WriteKvRun(int layer, int pos, int n, const uint16_t* kv);
+  absl::Status WriteIndexKeyRun(int layer, int pos, int n,
+                                const uint8_t* codes, const float* scales);
   // Sets the number of valid positions of `layer` (<= reserved_tokens()).
   void SetLength(int layer, int length);
   LayerView View(int layer) const;

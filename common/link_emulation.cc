@@ -458,17 +458,26 @@ absl::Status LinkEmulator::SendMessage(
   return status;
 }
 
-void LinkEmulator::SetReceiveHandler(ReceiveHandler handler) {
+void LinkEmulator::SetPeerReceiveHandler(PeerReceiveHandler handler) {
   std::shared_ptr<LinkStats> stats = impl_->options.stats;
-  impl_->inner->SetReceiveHandler(
-      [stats, handler = std::move(handler)](std::string_view message) {
+  impl_->inner->SetPeerReceiveHandler(
+      [stats, handler = std::move(handler)](PeerId from,
+                                            std::string_view message) {
         stats->RecordReceived(message.size());
-        if (handler) handler(message);
+        if (handler) handler(from, message);
       });
+}
+
+std::string LinkEmulator::PeerName(PeerId peer) const {
+  return impl_->inner->PeerName(peer);
 }
 
 size_t LinkEmulator::MaxMessageSize() const {
   return impl_->inner->MaxMessageSize();
+}
+
+std::map<std::string, double> LinkEmulator::Counters() const {
+  return impl_->inner->Counters();
 }
 
 void LinkEmulator::Shutdown() {

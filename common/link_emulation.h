@@ -122,8 +122,11 @@ class LinkEmulator final : public Transport {
   // link queues the reference instead of a copy.
   absl::Status SendShared(PeerId peer,
                           std::shared_ptr<const std::string> message) override;
-  void SetReceiveHandler(ReceiveHandler handler) override;
+  // The wrapped transport's sender ids, names and counters, passed through.
+  void SetPeerReceiveHandler(PeerReceiveHandler handler) override;
+  std::string PeerName(PeerId peer) const override;
   size_t MaxMessageSize() const override;
+  std::map<std::string, double> Counters() const override;
   // Stops every link thread (queued messages are discarded), then shuts the
   // wrapped transport down. Idempotent.
   void Shutdown() override;

@@ -6,9 +6,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -26,6 +28,11 @@ constexpr PeerId kUnknownPeer = -1;
 class Transport {
  public:
   using ReceiveHandler = std::function<void(std::string_view message)>;
+  // `from`: the sender's id when its address was added with AddPeer() (or
+  // learnt by the transport itself, see PeerName()), kUnknownPeer when the
+  // transport cannot tell. The view is valid only during the call.
+  using PeerReceiveHandler =
+      std::function<void(PeerId from, std::string_view message)>;
   virtual ~Transport() = default;
 
   // This endpoint's address, opaque bytes to hand to a peer's AddPeer().
@@ -49,8 +56,30 @@ class Transport {
     return Send(peer, message->data(), message->size());
   }
   // Set before the first message can arrive (before publishing the address).
-  virtual void SetReceiveHandler(ReceiveHandler handler) = 0;
+  // Replaces any handler set before with either call.
+  virtual void SetPeerReceiveHandler(PeerReceiveHandler handler) = 0;
+  // As SetPeerReceiveHandler(), for handlers that need not know the sender.
+  void SetReceiveHandler(ReceiveHandler handler) {
+    if (!handler) {
+      SetPeerReceiveHandler(nullptr);
+      return;
+    }
+    SetPeerReceiveHandler(
+        [handler = std::move(handler)](PeerId, std::string_view message) {
+          handler(message);
+        });
+  }
+  // The name `peer` was added with, for logs; "unknown peer" for
+  // kUnknownPeer and "peer #<id>" for an id this endpoint never issued. A
+  // sender the transport learnt on its own (an RMA handshake from an
+  // address not yet added) is named after its address until AddPeer()
+  // names it.
+  virtual std::string PeerName(PeerId peer) const = 0;
   virtual size_t MaxMessageSize() const = 0;
+  // Transport counters for logs, tests and benchmarks (the libfabric
+  // transport: "rma_messages_sent", "rma_fallback_zone_full", ...); empty
+  // when the implementation keeps none.
+  virtual std::map<std::string, double> Counters() const { return {}; }
   // Stops the progress thread and closes every resource. Idempotent.
   virtual void Shutdown() = 0;
 };
@@ -84,6 +113,21 @@ struct FabricOptions {
   // transfer time of a message in flight) before backing off to sleeps; an
   // idle endpoint costs no CPU. 0 disables spinning.
   int spin_us = 200;
+  // Bulk transfers by RMA write (fi_write into a landing zone the receiver
+  // registered), where the provider offers FI_RMA: a message of at least
+  // rma_threshold bytes is written straight into the receiver's zone and
+  // announced by a small notice that travels in order with the other
+  // messages; the receiver's handler reads the bytes in place and the space
+  // returns to the sender (credits) after the handler. A message goes as a
+  // plain message instead while the zone is being set up, when it does not
+  // fit in the zone's free space, or when either side has RMA off.
+  bool use_rma = true;
+  size_t rma_threshold = 64 << 10;
+  // Bytes of the landing zone this endpoint registers for each peer that
+  // asks for one (rounded up to 4 KiB; at least max_message_size, so the
+  // largest message fits), and how many such zones it grants at most.
+  size_t rma_zone_bytes = 32 << 20;
+  int rma_max_zones = 64;
 };
 
 // Opens a libfabric RDM endpoint with its progress thread. The thread blocks

@@ -46,8 +46,10 @@ absl::StatusOr<std::unique_ptr<DataPlaneHandler>> DataPlaneHandler::Create(
   }
   if (transport != nullptr) {
     DataPlaneHandler* h = handler.get();
-    transport->SetReceiveHandler(
-        [h](std::string_view message) { h->OnMessage(message); });
+    transport->SetPeerReceiveHandler(
+        [h](PeerId from, std::string_view message) {
+          h->OnMessage(from, message);
+        });
   }
   return handler;
 }
@@ -107,6 +109,12 @@ std::map<std::string, double> DataPlaneHandler::Counters() const {
   c["frames_invalid"] = double(frames_invalid_.load());
   c["errors"] = double(errors_.load());
   c["kv_bytes_ingested"] = double(kv_bytes_ingested_.load());
+  {
+    absl::MutexLock lock(&invalid_mu_);
+    for (const auto& [peer, n] : invalid_by_peer_) {
+      c[absl::StrCat("frames_invalid.", peer)] = double(n);
+    }
+  }
   double sessions = 0, used = 0, capacity = 0;
   for (const auto& d : devices_) {
     sessions += d->sessions();
@@ -120,15 +128,25 @@ std::map<std::string, double> DataPlaneHandler::Counters() const {
   return c;
 }
 
-void DataPlaneHandler::OnMessage(std::string_view message) {
+std::string DataPlaneHandler::SenderName(PeerId from) const {
+  return transport_ != nullptr ? transport_->PeerName(from)
+                               : std::string("unknown peer");
+}
+
+void DataPlaneHandler::OnMessage(PeerId from, std::string_view message) {
   if (stopped_.load()) return;
   frames_received_.fetch_add(1);
   absl::StatusOr<FrameView> frame = DecodeFrame(message);
   if (!frame.ok()) {
     frames_invalid_.fetch_add(1);
+    const std::string peer = SenderName(from);
+    {
+      absl::MutexLock lock(&invalid_mu_);
+      ++invalid_by_peer_[peer];
+    }
     KLOG(Warning, "karat_node")
         << "dropping an invalid frame of " << message.size()
-        << " bytes: " << frame.status().message();
+        << " bytes from peer '" << peer << "': " << frame.status().message();
     return;
   }
   const FrameHeader& h = frame->header;
@@ -140,24 +158,29 @@ void DataPlaneHandler::OnMessage(std::string_view message) {
     case FrameType::kAttnQKV: {
       if (h.device >= uint32_t(num_devices())) {
         const FrameHeader header = h;
-        control_.Post([this, header] {
-          ReplyError(header, absl::InvalidArgumentError(
-                                 absl::StrCat("device ", header.device,
-                                              " does not exist on this node")));
+        control_.Post([this, header, from] {
+          ReplyError(
+              header,
+              absl::InvalidArgumentError(absl::StrCat(
+                  "device ", header.device, " does not exist on this node")),
+              from);
         });
         return;
       }
       KaratDevice* device = devices_[h.device].get();
-      device->Post(
-          [this, device, m = std::string(message)] { HandleData(device, m); });
+      device->Post([this, device, from, m = std::string(message)] {
+        HandleData(device, from, m);
+      });
       return;
     }
     default: {
       const FrameHeader header = h;
-      control_.Post([this, header] {
-        ReplyError(header, absl::InvalidArgumentError(absl::StrCat(
-                               "a KARAT node does not take ",
-                               FrameTypeName(header.type), " frames")));
+      control_.Post([this, header, from] {
+        ReplyError(header,
+                   absl::InvalidArgumentError(
+                       absl::StrCat("a KARAT node does not take ",
+                                    FrameTypeName(header.type), " frames")),
+                   from);
       });
       return;
     }
@@ -191,7 +214,7 @@ void DataPlaneHandler::HandleHello(const std::string& message) {
   Reply(h, FrameType::kHelloAck, {}, 0);
 }
 
-void DataPlaneHandler::HandleData(KaratDevice* device,
+void DataPlaneHandler::HandleData(KaratDevice* device, PeerId from,
                                   const std::string& message) {
   absl::StatusOr<FrameView> frame = DecodeFrame(message);
   if (!frame.ok()) return;  // validated on arrival
@@ -201,7 +224,7 @@ void DataPlaneHandler::HandleData(KaratDevice* device,
   absl::Status status = device->Process(*frame, &out, &ingested);
   kv_bytes_ingested_.fetch_add(ingested);
   if (!status.ok()) {
-    ReplyError(h, status);
+    ReplyError(h, status, from);
     return;
   }
   if (static_cast<FrameType>(h.type) == FrameType::kAttnQKV) {
@@ -212,12 +235,13 @@ void DataPlaneHandler::HandleData(KaratDevice* device,
 }
 
 void DataPlaneHandler::ReplyError(const FrameHeader& request,
-                                  const absl::Status& status) {
+                                  const absl::Status& status, PeerId from) {
   errors_.fetch_add(1);
   KLOG(Warning, "karat_node")
       << "session=" << request.session << " device=" << request.device
-      << " layer=" << request.layer << " from node " << request.src_node << ": "
-      << FrameTypeName(request.type) << " failed: " << status;
+      << " layer=" << request.layer << " from node " << request.src_node
+      << " (peer '" << SenderName(from) << "'): " << FrameTypeName(request.type)
+      << " failed: " << status;
   const std::string text(status.message());
   Reply(request, FrameType::kError, {text},
         static_cast<uint32_t>(status.code()));

@@ -19,10 +19,13 @@
 // MagicPIG's hyperplanes (`model.lsh_hyperplanes`) are the only weights a
 // KARAT node holds: Create() reads them from DataPlaneOptions.model_dir.
 //
-// A frame that fails DecodeFrame is dropped and counted (frames_invalid).
-// A frame naming an unknown session or device, or with a section of the
-// wrong length, is answered with kError (status code + message) and
-// counted (errors). Replies carry this node's id as src_node.
+// A frame that fails DecodeFrame is dropped, counted (frames_invalid, and
+// per sending peer frames_invalid.<peer name>) and logged with the name of
+// the peer the transport says sent it. A frame naming an unknown session or
+// device, or with a section of the wrong length, is answered with kError
+// (status code + message) and counted (errors); one from a node that sent no
+// kHello cannot be answered and is counted and logged with the transport's
+// name for its sender. Replies carry this node's id as src_node.
 #pragma once
 
 #include <atomic>
@@ -81,8 +84,8 @@ class DataPlaneHandler {
   int num_devices() const { return static_cast<int>(devices_.size()); }
   KaratDevice* device(int i) const { return devices_[i].get(); }
   std::vector<cluster::DeviceInfo> Devices() const;
-  // frames_received, frames_invalid, errors, kv_bytes_ingested, sessions,
-  // used_bytes, capacity_bytes.
+  // frames_received, frames_invalid, frames_invalid.<peer> (per sender
+  // name), errors, kv_bytes_ingested, sessions, used_bytes, capacity_bytes.
   std::map<std::string, double> Counters() const;
 
   // Stops accepting frames and joins the workers after their queued work.
@@ -90,14 +93,17 @@ class DataPlaneHandler {
 
  private:
   DataPlaneHandler(const ModelConfig& config, Transport* transport);
-  void OnMessage(std::string_view message);
+  void OnMessage(PeerId from, std::string_view message);
   void HandleHello(const std::string& message);
-  void HandleData(KaratDevice* device, const std::string& message);
+  void HandleData(KaratDevice* device, PeerId from, const std::string& message);
   // Replies to the frame's sender; counts and logs when that fails.
   void Reply(const FrameHeader& request, FrameType type,
              const std::vector<std::string_view>& sections,
              uint32_t status_code);
-  void ReplyError(const FrameHeader& request, const absl::Status& status);
+  void ReplyError(const FrameHeader& request, const absl::Status& status,
+                  PeerId from = kUnknownPeer);
+  // The transport's name for a sender, for logs.
+  std::string SenderName(PeerId from) const;
 
   const ModelConfig config_;
   Transport* const transport_;
@@ -109,6 +115,9 @@ class DataPlaneHandler {
   std::atomic<uint64_t> frames_invalid_{0};
   std::atomic<uint64_t> errors_{0};
   std::atomic<uint64_t> kv_bytes_ingested_{0};
+  // Invalid frames per sender name (only touched for invalid frames).
+  mutable absl::Mutex invalid_mu_;
+  std::map<std::string, uint64_t> invalid_by_peer_ ABSL_GUARDED_BY(invalid_mu_);
 
   // Sender node id -> transport peer, learnt from kHello.
   mutable absl::Mutex peers_mu_;

@@ -4,7 +4,8 @@
 //
 //   karat-bench-fabric [--providers shm,tcp] [--sizes 64,4096,...]
 //                      [--quick] [--no-fi-pingpong] [--repeat N]
-//                      [--receive-buffers N]
+//                      [--receive-buffers N] [--no-table] [--no-ingest]
+//                      [--ingest-tokens N] [--ingest-chunk N] [--spin-us N]
 //
 // For every provider and message size, two processes (this one and a forked
 // child):
@@ -14,14 +15,32 @@
 //     (as fi_pingpong's usec/xfer).
 //   * bandwidth: one-way stream of messages from the parent's main thread;
 //     the child acknowledges the last one. MB/s = 1e6 bytes per second.
-//     "MB/s" sends with SendShared() (large messages without a copy), "copy"
-//     with Send(), which copies each message into a transport buffer.
+//     "MB/s" sends with SendShared() (large messages without a copy; from
+//     FabricOptions::rma_threshold on, written by RMA into the receiver's
+//     landing zone where the provider offers FI_RMA), "msg" the same with
+//     RMA off (plain messages), "copy" with Send() and RMA on, which copies
+//     each message into a transport buffer first.
 //   * fi_pingpong: `fi_pingpong -e rdm -p PROVIDER -S SIZE -I ITERS` server
 //     and client on localhost; its usec/xfer and MB/sec columns.
 // Ratios: our bandwidth / fi_pingpong's MB/sec, our latency / its usec/xfer.
 // With --repeat N every measurement is taken N times and the best kept.
 // --receive-buffers sets FabricOptions::receive_buffers (default 16): large
 // messages land in that many rotating buffers, fi_pingpong reuses one.
+//
+// KV ingestion (after the table; --no-ingest skips it, --no-table runs only
+// it): the KV entries and DSA index keys of one turn of --ingest-tokens new
+// tokens (default 4096) of dsa-tiny, all layers, sent as frames of
+// --ingest-chunk tokens (default 512) per layer, [kv bf16 | index-key codes
+// | scales], with SendShared(), as a prefill's frames go. The child decodes
+// each frame (DecodeFrame) and writes its entries into a session's pages
+// (common/kv_store.h: PageArena + SessionCache, the store a KARAT device
+// uses) on the transport's receive thread; the clock runs from the first
+// frame to the child's acknowledgement after the last one. Pages are
+// reserved before the clock starts, as admission does. The child then checks
+// every stored byte; "store ms" is the child's own decode + store time within
+// the timed turn. "its bytes / stream" is the time the same bytes take at
+// the streaming bandwidth measured in this run for the frame size (same
+// provider, same RMA setting), and the ratio must stay <= 2.
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -45,7 +64,10 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/frame.h"
+#include "common/kv_store.h"
 #include "common/log.h"
+#include "common/model_config.h"
 #include "common/transport.h"
 
 namespace karat {
@@ -98,20 +120,25 @@ std::optional<std::string> ReadString(int fd) {
 }
 
 int g_receive_buffers = FabricOptions().receive_buffers;
+int g_spin_us = FabricOptions().spin_us;
 
-FabricOptions Options(const std::string& provider, size_t size) {
+FabricOptions Options(const std::string& provider, size_t size,
+                      bool rma = true) {
   FabricOptions o;
   o.provider = provider;
   if (provider == "tcp") o.node = "127.0.0.1";
   o.max_message_size = std::max<size_t>(size, 4096);
   o.receive_buffers = g_receive_buffers;
+  o.use_rma = rma;
+  o.spin_us = g_spin_us;
   return o;
 }
 
 // The forked peer: echoes (latency) or counts and acknowledges (bandwidth).
 [[noreturn]] void RunChild(const std::string& provider, Mode mode, size_t size,
-                           int iters, int to_parent, int from_parent) {
-  auto t = OpenFabricTransport(Options(provider, size));
+                           int iters, bool rma, int to_parent,
+                           int from_parent) {
+  auto t = OpenFabricTransport(Options(provider, size, rma));
   if (!t.ok()) {
     std::fprintf(stderr, "child: %s\n", t.status().ToString().c_str());
     _exit(1);
@@ -145,7 +172,8 @@ FabricOptions Options(const std::string& provider, size_t size) {
 
 // One measurement of the project's transport with a forked peer.
 std::optional<Result> MeasureOurs(const std::string& provider, Mode mode,
-                                  size_t size, int iters, int warmup) {
+                                  size_t size, int iters, int warmup,
+                                  bool rma = true) {
   int c2p[2], p2c[2];
   if (pipe(c2p) != 0 || pipe(p2c) != 0) return std::nullopt;
   const int total = iters + warmup;
@@ -154,14 +182,14 @@ std::optional<Result> MeasureOurs(const std::string& provider, Mode mode,
   if (pid == 0) {
     close(c2p[0]);
     close(p2c[1]);
-    RunChild(provider, mode, size, mode == Mode::kLatency ? total : iters,
+    RunChild(provider, mode, size, mode == Mode::kLatency ? total : iters, rma,
              c2p[1], p2c[0]);
   }
   close(c2p[1]);
   close(p2c[0]);
   std::optional<Result> result;
   {
-    auto t = OpenFabricTransport(Options(provider, size));
+    auto t = OpenFabricTransport(Options(provider, size, rma));
     if (!t.ok()) {
       std::fprintf(stderr, "%s\n", t.status().ToString().c_str());
     } else {
@@ -299,11 +327,377 @@ int Iterations(size_t size, bool quick) {
                                      quick ? 20.0 : 50.0, 20000.0));
 }
 
+// --- KV ingestion -----------------------------------------------------------
+
+constexpr int kIngestTokensPerPage = 64;
+
+// Deterministic contents of position `pos` of `layer`, so the child can
+// check what it stored.
+uint16_t KvValue(int layer, int pos, int i) {
+  return static_cast<uint16_t>((layer * 7919 + pos * 131 + i * 17) & 0x7fff);
+}
+uint8_t CodeValue(int layer, int pos, int i) {
+  return static_cast<uint8_t>(layer * 31 + pos * 7 + i);
+}
+float ScaleValue(int layer, int pos) { return float(pos) + 0.25f * layer; }
+
+struct IngestPlan {
+  ModelConfig config;
+  KvLayout layout;
+  int tokens = 0;
+  int chunk = 0;
+  uint64_t kv_bytes = 0;  // KV entries and index keys: "its bytes"
+  size_t max_frame = 0;
+  std::vector<std::shared_ptr<const std::string>> frames;
+};
+
+absl::StatusOr<IngestPlan> MakeIngestPlan(int tokens, int chunk) {
+  IngestPlan plan;
+  auto config = PresetConfig("dsa-tiny");
+  if (!config.ok()) return config.status();
+  plan.config = *config;
+  plan.layout = MakeKvLayout(plan.config, kIngestTokensPerPage);
+  plan.tokens = tokens;
+  plan.chunk = chunk;
+  const KvLayout& l = plan.layout;
+  for (int layer = 0; layer < l.num_layers; ++layer) {
+    const bool keys = plan.config.HasIndexer(layer) && l.index_dim > 0;
+    for (int start = 0; start < tokens; start += chunk) {
+      const int n = std::min(chunk, tokens - start);
+      std::vector<uint16_t> kv(size_t(n) * l.kv_dim);
+      std::vector<uint8_t> codes(keys ? size_t(n) * l.index_dim : 0);
+      std::vector<float> scales(keys ? n : 0);
+      for (int t = 0; t < n; ++t) {
+        for (int i = 0; i < l.kv_dim; ++i) {
+          kv[size_t(t) * l.kv_dim + i] = KvValue(layer, start + t, i);
+        }
+        if (!keys) continue;
+        for (int i = 0; i < l.index_dim; ++i) {
+          codes[size_t(t) * l.index_dim + i] = CodeValue(layer, start + t, i);
+        }
+        scales[t] = ScaleValue(layer, start + t);
+      }
+      FrameHeader h;
+      h.type = static_cast<uint16_t>(FrameType::kAttnQKV);
+      h.layer = uint32_t(layer);
+      h.session = 1;
+      h.pos_start = uint32_t(start);
+      h.n_tokens = uint32_t(n);
+      std::vector<std::string_view> sections = {std::string_view(
+          reinterpret_cast<const char*>(kv.data()), kv.size() * 2)};
+      if (keys) {
+        sections.emplace_back(reinterpret_cast<const char*>(codes.data()),
+                              codes.size());
+        sections.emplace_back(reinterpret_cast<const char*>(scales.data()),
+                              scales.size() * 4);
+      }
+      auto frame = std::make_shared<std::string>();
+      EncodeFrame(h, sections, frame.get());
+      plan.max_frame = std::max(plan.max_frame, frame->size());
+      plan.kv_bytes += kv.size() * 2 + codes.size() + scales.size() * 4;
+      plan.frames.push_back(std::move(frame));
+    }
+  }
+  return plan;
+}
+
+// The KARAT side: writes each frame's entries into a session's pages, from
+// the transport's receive thread. Messages: "B" reserves a fresh session
+// (answers "b"), a frame is stored, "E" answers "k" at once and then
+// "v:<ns>" when every stored byte is as sent ("x:<ns>" otherwise), <ns> being
+// the time spent decoding and storing the turn's frames.
+class IngestStore {
+ public:
+  IngestStore(const IngestPlan& plan, std::unique_ptr<PageArena> arena)
+      : plan_(plan), arena_(std::move(arena)) {}
+
+  // Returns the reply to send, if any, and whether a check must follow.
+  std::string OnMessage(std::string_view m, bool* check) {
+    *check = false;
+    if (m == "B") {
+      cache_.reset();
+      cache_ = std::make_unique<SessionCache>(&plan_.layout, arena_.get());
+      failed_ = !cache_->Reserve(plan_.tokens).ok();
+      store_ns_ = 0;
+      return "b";
+    }
+    if (m == "E") {
+      *check = true;
+      return "k";
+    }
+    const Clock::time_point start = Clock::now();
+    if (!Store(m)) failed_ = true;
+    store_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                     Clock::now() - start)
+                     .count();
+    return "";
+  }
+
+  int64_t store_ns() const { return store_ns_; }
+
+  bool Check() const {
+    if (failed_ || cache_ == nullptr) return false;
+    const KvLayout& l = plan_.layout;
+    for (int layer = 0; layer < l.num_layers; ++layer) {
+      const bool keys = plan_.config.HasIndexer(layer) && l.index_dim > 0;
+      if (cache_->length(layer) != plan_.tokens) return false;
+      const LayerView v = cache_->View(layer);
+      for (int pos = 0; pos < plan_.tokens; ++pos) {
+        const uint16_t* kv = v.Kv(pos);
+        for (int i = 0; i < l.kv_dim; ++i) {
+          if (kv[i] != KvValue(layer, pos, i)) return false;
+        }
+        if (!keys) continue;
+        const uint8_t* codes = v.IndexKey(pos);
+        for (int i = 0; i < l.index_dim; ++i) {
+          if (codes[i] != CodeValue(layer, pos, i)) return false;
+        }
+        if (v.IndexScale(pos) != ScaleValue(layer, pos)) return false;
+      }
+    }
+    return true;
+  }
+
+ private:
+  bool Store(std::string_view m) {
+    if (cache_ == nullptr) return false;
+    absl::StatusOr<FrameView> f = DecodeFrame(m);
+    if (!f.ok()) return false;
+    const FrameHeader& h = f->header;
+    const KvLayout& l = plan_.layout;
+    const int layer = int(h.layer);
+    const int n = int(h.n_tokens);
+    const int start = int(h.pos_start);
+    if (layer >= l.num_layers || start + n > plan_.tokens) return false;
+    const bool keys = plan_.config.HasIndexer(layer) && l.index_dim > 0;
+    if (h.n_sections != (keys ? 3u : 1u) ||
+        f->sections[0].size() != size_t(n) * l.kv_dim * 2) {
+      return false;
+    }
+    if (keys && (f->sections[1].size() != size_t(n) * l.index_dim ||
+                 f->sections[2].size() != size_t(n) * 4)) {
+      return false;
+    }
+    const auto* kv = reinterpret_cast<const uint16_t*>(f->sections[0].data());
+    if (!cache_->WriteKvRun(layer, start, n, kv).ok()) return false;
+    if (keys &&
+        !cache_
+             ->WriteIndexKeyRun(
+                 layer, start, n,
+                 reinterpret_cast<const uint8_t*>(f->sections[1].data()),
+                 reinterpret_cast<const float*>(f->sections[2].data()))
+             .ok()) {
+      return false;
+    }
+    cache_->SetLength(layer, std::max(cache_->length(layer), start + n));
+    return true;
+  }
+
+  const IngestPlan& plan_;
+  std::unique_ptr<PageArena> arena_;
+  std::unique_ptr<SessionCache> cache_;
+  bool failed_ = false;
+  int64_t store_ns_ = 0;
+};
+
+[[noreturn]] void RunIngestChild(const std::string& provider, bool rma,
+                                 const IngestPlan& plan, int to_parent,
+                                 int from_parent) {
+  auto t = OpenFabricTransport(Options(provider, plan.max_frame, rma));
+  if (!t.ok()) {
+    std::fprintf(stderr, "child: %s\n", t.status().ToString().c_str());
+    _exit(1);
+  }
+  Transport* transport = t->get();
+  const size_t pages_per_layer =
+      (plan.tokens + kIngestTokensPerPage - 1) / kIngestTokensPerPage;
+  auto arena = PageArena::Create(
+      2 * pages_per_layer * plan.layout.num_layers * plan.layout.page_bytes,
+      plan.layout.page_bytes);
+  if (!arena.ok()) _exit(1);
+  IngestStore store(plan, std::move(arena).value());
+  std::atomic<PeerId> parent{kUnknownPeer};
+  transport->SetReceiveHandler([&](std::string_view m) {
+    bool check = false;
+    const std::string reply = store.OnMessage(m, &check);
+    const PeerId p = parent.load(std::memory_order_acquire);
+    if (!reply.empty()) (void)transport->Send(p, reply.data(), reply.size());
+    if (check) {
+      const std::string verdict =
+          absl::StrCat(store.Check() ? "v:" : "x:", store.store_ns());
+      (void)transport->Send(p, verdict.data(), verdict.size());
+    }
+  });
+  if (!WriteString(to_parent, transport->LocalAddress())) _exit(1);
+  auto address = ReadString(from_parent);
+  if (!address) _exit(1);
+  auto id = transport->AddPeer("parent", *address);
+  if (!id.ok()) _exit(1);
+  parent.store(*id, std::memory_order_release);
+  const char ready = 'r';
+  if (!WriteAll(to_parent, &ready, 1)) _exit(1);
+  char done;
+  (void)ReadAll(from_parent, &done, 1);
+  transport->Shutdown();
+  _exit(0);
+}
+
+struct IngestResult {
+  double seconds = 0;        // best of the timed turns
+  double store_seconds = 0;  // the child's decode + store time in that turn
+  bool verified = false;
+  double rma_messages = 0;
+};
+
+// One warm-up turn, then `turns` timed ones; nullopt on failure.
+std::optional<IngestResult> MeasureIngest(const std::string& provider, bool rma,
+                                          const IngestPlan& plan, int turns) {
+  int c2p[2], p2c[2];
+  if (pipe(c2p) != 0 || pipe(p2c) != 0) return std::nullopt;
+  const pid_t pid = fork();
+  if (pid < 0) return std::nullopt;
+  if (pid == 0) {
+    close(c2p[0]);
+    close(p2c[1]);
+    RunIngestChild(provider, rma, plan, c2p[1], p2c[0]);
+  }
+  close(c2p[1]);
+  close(p2c[0]);
+  std::optional<IngestResult> result;
+  {
+    auto t = OpenFabricTransport(Options(provider, plan.max_frame, rma));
+    if (!t.ok()) {
+      std::fprintf(stderr, "%s\n", t.status().ToString().c_str());
+    } else {
+      Transport* transport = t->get();
+      absl::Mutex mu;
+      std::string replies;  // guarded by mu
+      Clock::time_point acked;
+      transport->SetReceiveHandler([&](std::string_view m) {
+        absl::MutexLock lock(&mu);
+        if (m == "k") acked = Clock::now();
+        replies.append(m);
+      });
+      auto address = ReadString(c2p[0]);
+      char ready;
+      if (address && WriteString(p2c[1], transport->LocalAddress()) &&
+          ReadAll(c2p[0], &ready, 1)) {
+        auto id = transport->AddPeer("child", *address);
+        bool ok = id.ok();
+        auto await = [&](const std::string& want) {
+          absl::MutexLock lock(&mu);
+          auto got = [&]() { return replies.size() >= want.size(); };
+          if (!mu.AwaitWithTimeout(absl::Condition(&got), absl::Seconds(120)) ||
+              replies != want) {
+            return false;
+          }
+          replies.clear();
+          return true;
+        };
+        IngestResult r;
+        r.verified = true;
+        for (int turn = 0; turn <= turns && ok; ++turn) {
+          ok = transport->Send(*id, "B", 1).ok() && await("b");
+          const Clock::time_point start = Clock::now();
+          for (const auto& frame : plan.frames) {
+            if (!ok) break;
+            ok = transport->SendShared(*id, frame).ok();
+          }
+          ok = ok && transport->Send(*id, "E", 1).ok();
+          // "k", then the verdict with the child's store time.
+          int64_t store_ns = -1;
+          if (ok) {
+            absl::MutexLock lock(&mu);
+            auto got = [&]() {
+              return replies.size() > 3 &&
+                     replies.find(':') != std::string::npos;
+            };
+            ok = mu.AwaitWithTimeout(absl::Condition(&got),
+                                     absl::Seconds(120)) &&
+                 replies.rfind("kv:", 0) == 0 &&
+                 absl::SimpleAtoi(replies.substr(3), &store_ns);
+            r.verified = replies.rfind("kx:", 0) != 0;
+            replies.clear();
+          }
+          if (!ok) break;
+          const double s = std::chrono::duration<double>(acked - start).count();
+          if (turn > 0 && (r.seconds == 0 || s < r.seconds)) {
+            r.seconds = s;
+            r.store_seconds = store_ns * 1e-9;
+          }
+        }
+        if (ok) {
+          r.rma_messages = transport->Counters()["rma_messages_sent"];
+          result = r;
+        } else if (!r.verified) {
+          std::fprintf(stderr, "ingest: the child stored wrong bytes\n");
+        }
+      }
+      transport->Shutdown();
+    }
+  }
+  close(p2c[1]);
+  close(c2p[0]);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return result;
+}
+
+void RunIngestion(const std::vector<std::string>& providers, int tokens,
+                  int chunk, bool quick, int repeat) {
+  absl::StatusOr<IngestPlan> plan = MakeIngestPlan(tokens, chunk);
+  if (!plan.ok()) {
+    std::fprintf(stderr, "ingest: %s\n", plan.status().ToString().c_str());
+    return;
+  }
+  const size_t frame = plan->frames.front()->size();
+  std::printf(
+      "\nKV ingestion: dsa-tiny, %d new tokens, %d layers: %.3f MB of KV and "
+      "index keys in %zu frames of %d tokens (%s B each)\n",
+      tokens, plan->layout.num_layers, plan->kv_bytes / 1e6,
+      plan->frames.size(), chunk, SizeName(frame).c_str());
+  std::printf("%-4s %4s | %10s %10s %9s | %10s %14s | %6s | %s\n", "prov",
+              "rma", "ingest ms", "MB/s", "store ms", "stream MB/s",
+              "bytes/stream ms", "ratio", "rma msgs");
+  const int turns = quick ? 2 : 5;
+  for (const std::string& provider : providers) {
+    for (bool rma : {true, false}) {
+      std::optional<IngestResult> best;
+      std::optional<Result> stream;
+      for (int r = 0; r < repeat; ++r) {
+        auto i = MeasureIngest(provider, rma, *plan, turns);
+        if (i && (!best || i->seconds < best->seconds)) best = i;
+        // The streaming bandwidth at the frame size, same setting.
+        auto b = MeasureOurs(provider, Mode::kBandwidth, frame,
+                             Iterations(frame, quick), 0, rma);
+        if (b && (!stream || b->mbps > stream->mbps)) stream = b;
+      }
+      if (!best || !stream) {
+        std::printf("%-4s %4s | failed\n", provider.c_str(),
+                    rma ? "on" : "off");
+        continue;
+      }
+      const double ms = best->seconds * 1e3;
+      const double bound_ms = plan->kv_bytes / (stream->mbps * 1e6) * 1e3;
+      std::printf(
+          "%-4s %4s | %10.3f %10.1f %9.3f | %10.1f %14.3f | %6.2f | %.0f\n",
+          provider.c_str(), rma ? "on" : "off", ms,
+          plan->kv_bytes / best->seconds / 1e6, best->store_seconds * 1e3,
+          stream->mbps, bound_ms, ms / bound_ms, best->rma_messages);
+      std::fflush(stdout);
+    }
+  }
+}
+
 int Main(int argc, char** argv) {
   std::vector<std::string> providers = {"shm", "tcp"};
   std::vector<size_t> sizes = {64, 1024, 4096, 65536, 1 << 20, 4 << 20};
   bool quick = false;
   bool fi = true;
+  bool table = true;
+  bool ingest = true;
+  int ingest_tokens = 4096;
+  int ingest_chunk = 512;
   int repeat = 1;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
@@ -335,13 +729,29 @@ int Main(int argc, char** argv) {
           g_receive_buffers < 1) {
         return 2;
       }
+    } else if (flag == "--spin-us") {
+      if (!absl::SimpleAtoi(value(), &g_spin_us) || g_spin_us < 0) return 2;
+    } else if (flag == "--no-table") {
+      table = false;
+    } else if (flag == "--no-ingest") {
+      ingest = false;
+    } else if (flag == "--ingest-tokens") {
+      if (!absl::SimpleAtoi(value(), &ingest_tokens) || ingest_tokens < 1) {
+        return 2;
+      }
+    } else if (flag == "--ingest-chunk") {
+      if (!absl::SimpleAtoi(value(), &ingest_chunk) || ingest_chunk < 1) {
+        return 2;
+      }
     } else if (flag == "--repeat") {
       if (!absl::SimpleAtoi(value(), &repeat) || repeat < 1) return 2;
     } else {
       std::fprintf(stderr,
                    "usage: karat-bench-fabric [--providers shm,tcp] "
                    "[--sizes N,...] [--quick] [--no-fi-pingpong] "
-                   "[--repeat N] [--receive-buffers N]\n");
+                   "[--repeat N] [--receive-buffers N] [--no-table] "
+                   "[--no-ingest] [--ingest-tokens N] [--ingest-chunk N] "
+                   "[--spin-us N]\n");
       return 2;
     }
   }
@@ -349,56 +759,66 @@ int Main(int argc, char** argv) {
   // As the daemons do: Debian's abseil is built without NDEBUG, so every
   // Mutex lock would also update a global lock-order graph.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
-  std::printf(
-      "%-4s %6s | %10s %10s %6s | %10s %10s %6s | %10s %6s\n", "prov",
-      "size", "lat us", "fi lat us", "ratio", "MB/s", "fi MB/s", "ratio",
-      "copy MB/s", "ratio");
-  int port = 47700 + static_cast<int>(getpid() % 1000);
-  for (const std::string& provider : providers) {
-    for (size_t size : sizes) {
-      const int iters = Iterations(size, quick);
-      const int lat_iters = std::max(20, iters / 4);
-      std::optional<Result> lat, bw, bw_copy, theirs;
-      for (int r = 0; r < repeat; ++r) {
-        auto l = MeasureOurs(provider, Mode::kLatency, size, lat_iters,
-                             std::max(10, lat_iters / 10));
-        if (l && (!lat || l->latency_us < lat->latency_us)) lat = l;
-        auto b = MeasureOurs(provider, Mode::kBandwidth, size, iters, 0);
-        if (b && (!bw || b->mbps > bw->mbps)) bw = b;
-        auto c = MeasureOurs(provider, Mode::kBandwidthCopy, size, iters, 0);
-        if (c && (!bw_copy || c->mbps > bw_copy->mbps)) bw_copy = c;
-        if (fi) {
-          auto f = MeasureFiPingpong(provider, size, lat_iters, ++port);
-          if (f && !theirs) theirs = f;
-          if (f && theirs) {
-            theirs->latency_us = std::min(theirs->latency_us, f->latency_us);
-            theirs->mbps = std::max(theirs->mbps, f->mbps);
+  if (table) {
+    std::printf(
+        "%-4s %6s | %10s %10s %6s | %10s %10s %6s | %10s %6s | %10s %6s\n",
+        "prov", "size", "lat us", "fi lat us", "ratio", "MB/s", "fi MB/s",
+        "ratio", "msg MB/s", "ratio", "copy MB/s", "ratio");
+    int port = 47700 + static_cast<int>(getpid() % 1000);
+    for (const std::string& provider : providers) {
+      for (size_t size : sizes) {
+        const int iters = Iterations(size, quick);
+        const int lat_iters = std::max(20, iters / 4);
+        std::optional<Result> lat, bw, bw_msg, bw_copy, theirs;
+        for (int r = 0; r < repeat; ++r) {
+          auto l = MeasureOurs(provider, Mode::kLatency, size, lat_iters,
+                               std::max(10, lat_iters / 10));
+          if (l && (!lat || l->latency_us < lat->latency_us)) lat = l;
+          auto b = MeasureOurs(provider, Mode::kBandwidth, size, iters, 0);
+          if (b && (!bw || b->mbps > bw->mbps)) bw = b;
+          auto m = MeasureOurs(provider, Mode::kBandwidth, size, iters, 0,
+                               /*rma=*/false);
+          if (m && (!bw_msg || m->mbps > bw_msg->mbps)) bw_msg = m;
+          auto c = MeasureOurs(provider, Mode::kBandwidthCopy, size, iters, 0);
+          if (c && (!bw_copy || c->mbps > bw_copy->mbps)) bw_copy = c;
+          if (fi) {
+            auto f = MeasureFiPingpong(provider, size, lat_iters, ++port);
+            if (f && !theirs) theirs = f;
+            if (f && theirs) {
+              theirs->latency_us = std::min(theirs->latency_us, f->latency_us);
+              theirs->mbps = std::max(theirs->mbps, f->mbps);
+            }
           }
         }
+        auto fmt = [](std::optional<double> v) {
+          return v ? absl::StrFormat("%10.2f", *v) : std::string("       n/a");
+        };
+        auto ratio = [](std::optional<double> a, std::optional<double> b) {
+          return a && b && *b > 0 ? absl::StrFormat("%6.2f", *a / *b)
+                                  : std::string("   n/a");
+        };
+        std::optional<double> our_lat, fi_lat, our_bw, msg_bw, copy_bw, fi_bw;
+        if (lat) our_lat = lat->latency_us;
+        if (bw) our_bw = bw->mbps;
+        if (bw_msg) msg_bw = bw_msg->mbps;
+        if (bw_copy) copy_bw = bw_copy->mbps;
+        if (theirs) {
+          fi_lat = theirs->latency_us;
+          fi_bw = theirs->mbps;
+        }
+        std::printf("%-4s %6s | %s %s %s | %s %s %s | %s %s | %s %s\n",
+                    provider.c_str(), SizeName(size).c_str(),
+                    fmt(our_lat).c_str(), fmt(fi_lat).c_str(),
+                    ratio(our_lat, fi_lat).c_str(), fmt(our_bw).c_str(),
+                    fmt(fi_bw).c_str(), ratio(our_bw, fi_bw).c_str(),
+                    fmt(msg_bw).c_str(), ratio(msg_bw, fi_bw).c_str(),
+                    fmt(copy_bw).c_str(), ratio(copy_bw, fi_bw).c_str());
+        std::fflush(stdout);
       }
-      auto fmt = [](std::optional<double> v) {
-        return v ? absl::StrFormat("%10.2f", *v) : std::string("       n/a");
-      };
-      auto ratio = [](std::optional<double> a, std::optional<double> b) {
-        return a && b && *b > 0 ? absl::StrFormat("%6.2f", *a / *b)
-                                : std::string("   n/a");
-      };
-      std::optional<double> our_lat, fi_lat, our_bw, copy_bw, fi_bw;
-      if (lat) our_lat = lat->latency_us;
-      if (bw) our_bw = bw->mbps;
-      if (bw_copy) copy_bw = bw_copy->mbps;
-      if (theirs) {
-        fi_lat = theirs->latency_us;
-        fi_bw = theirs->mbps;
-      }
-      std::printf("%-4s %6s | %s %s %s | %s %s %s | %s %s\n",
-                  provider.c_str(), SizeName(size).c_str(),
-                  fmt(our_lat).c_str(), fmt(fi_lat).c_str(),
-                  ratio(our_lat, fi_lat).c_str(), fmt(our_bw).c_str(),
-                  fmt(fi_bw).c_str(), ratio(our_bw, fi_bw).c_str(),
-                  fmt(copy_bw).c_str(), ratio(copy_bw, fi_bw).c_str());
-      std::fflush(stdout);
     }
+  }
+  if (ingest) {
+    RunIngestion(providers, ingest_tokens, ingest_chunk, quick, repeat);
   }
   return 0;
 }

@@ -1,8 +1,10 @@
+#include <algorithm>
 #include <atomic>
 #include <catch2/catch.hpp>
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -196,6 +198,45 @@ TEST_CASE("fake transport handlers may send", "[fake_transport]") {
   const auto got = inbox.Messages();
   for (int i = 0; i < 100; ++i) CHECK(got[i] == absl::StrCat("echo:", i));
   server->Shutdown();
+}
+
+TEST_CASE("fake endpoints name the sender of each message",
+          "[fake_transport]") {
+  absl::Mutex mu;
+  std::vector<std::pair<PeerId, std::string>> got;
+  FakeFabric fabric;
+  auto a = fabric.NewEndpoint("a");
+  auto b = fabric.NewEndpoint("b");
+  auto c = fabric.NewEndpoint("c");
+  b->SetPeerReceiveHandler([&](PeerId from, std::string_view m) {
+    absl::MutexLock lock(&mu);
+    got.emplace_back(from, std::string(m));
+  });
+  auto a_at_b = b->AddPeer("a", a->LocalAddress());
+  REQUIRE(a_at_b.ok());
+  auto b_at_a = a->AddPeer("b", b->LocalAddress());
+  auto b_at_c = c->AddPeer("b", b->LocalAddress());
+  REQUIRE(b_at_a.ok());
+  REQUIRE(b_at_c.ok());
+  REQUIRE(a->Send(*b_at_a, "from a", 6).ok());
+  REQUIRE(c->Send(*b_at_c, "from c", 6).ok());
+  {
+    absl::MutexLock lock(&mu);
+    auto two = [&]() { return got.size() >= 2; };
+    REQUIRE(mu.AwaitWithTimeout(absl::Condition(&two), kDeliveryBound));
+  }
+  // Each sender has its own delivery order only; sort by text.
+  std::sort(got.begin(), got.end(),
+            [](const auto& x, const auto& y) { return x.second < y.second; });
+  CHECK(got[0].first == *a_at_b);
+  CHECK(got[1].first == kUnknownPeer);  // c was never added at b
+  CHECK(b->PeerName(*a_at_b) == "a");
+  CHECK(b->PeerName(kUnknownPeer) == "unknown peer");
+  CHECK(b->PeerName(42) == "peer #42");
+  CHECK(b->Counters().empty());
+  a->Shutdown();
+  b->Shutdown();
+  c->Shutdown();
 }
 
 }  // namespace

@@ -156,6 +156,13 @@ TEST_CASE("SendShared passes through plain and delayed links", "[link]") {
     REQUIRE(p.Send("m").ok());
     REQUIRE(p.inbox.WaitFor(3));
     CHECK(p.inbox.Messages() == std::vector<std::string>{*large, "s", "m"});
+    // A delayed link counts a message after its send returned, which may be
+    // after the receiver got it.
+    const absl::Time bound = absl::Now() + absl::Seconds(60);
+    while (p.a->stats()->Snapshot().at("b").messages < 3 &&
+           absl::Now() < bound) {
+      absl::SleepFor(absl::Milliseconds(1));
+    }
     CHECK(p.a->stats()->Snapshot().at("b").messages == 3);
     CHECK(absl::IsInvalidArgument(p.a->SendShared(p.peer, nullptr)));
   }
@@ -329,6 +336,36 @@ TEST_CASE("the seed decides which messages are lost", "[link]") {
   CHECK(first == run(5));
   // 40 fair coin flips agree for two seeds with probability 2^-40.
   CHECK(first != run(6));
+}
+
+TEST_CASE("the emulator passes sender ids and peer names through", "[link]") {
+  absl::Mutex mu;
+  std::vector<PeerId> senders;
+  FakeFabric fabric;
+  LinkEmulatorOptions o;
+  o.local_name = "b";
+  LinkEmulator b(fabric.NewEndpoint("b"), o);
+  auto a = fabric.NewEndpoint("a");
+  b.SetPeerReceiveHandler([&](PeerId from, std::string_view) {
+    absl::MutexLock lock(&mu);
+    senders.push_back(from);
+  });
+  auto a_at_b = b.AddPeer("a", a->LocalAddress());
+  REQUIRE(a_at_b.ok());
+  auto b_at_a = a->AddPeer("b", b.LocalAddress());
+  REQUIRE(b_at_a.ok());
+  REQUIRE(a->Send(*b_at_a, "x", 1).ok());
+  {
+    absl::MutexLock lock(&mu);
+    auto one = [&]() { return !senders.empty(); };
+    REQUIRE(mu.AwaitWithTimeout(absl::Condition(&one), absl::Seconds(60)));
+    CHECK(senders[0] == *a_at_b);
+  }
+  CHECK(b.PeerName(*a_at_b) == "a");
+  CHECK(b.PeerName(kUnknownPeer) == "unknown peer");
+  CHECK(b.stats()->received_messages() == 1);
+  b.Shutdown();
+  a->Shutdown();
 }
 
 }  // namespace

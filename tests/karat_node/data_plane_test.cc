@@ -11,7 +11,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/frame.h"
 #include "common/model_config.h"
@@ -317,7 +319,31 @@ TEST_CASE("KARAT data plane answers bad frames with kError", "[karat_node]") {
     h.session = 999;
     fx.gpu->Send(h, FrameType::kAttnQKV, {});
     expect_error(absl::StatusCode::kNotFound);
-    CHECK(fx.handler->Counters().at("frames_invalid") == 1);
+    const auto c = fx.handler->Counters();
+    CHECK(c.at("frames_invalid") == 1);
+    // Counted under the name the kHello gave the sender.
+    REQUIRE(c.count(absl::StrCat("frames_invalid.node-", kGpuId)) == 1);
+    CHECK(c.at(absl::StrCat("frames_invalid.node-", kGpuId)) == 1);
+  }
+  SECTION("undecodable frames from a node that sent no kHello") {
+    GpuFake stranger(&fx.fabric);
+    stranger.Connect(fx.karat_ep.get());
+    stranger.SendRaw("garbage");
+    stranger.SendRaw("more garbage");
+    // Delivered in order with the stranger's later frame, which no one can
+    // answer: wait for the counter instead of a reply.
+    for (int i = 0; i < 1000; ++i) {
+      if (fx.handler->Counters().at("frames_invalid") == 2) break;
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    const auto c = fx.handler->Counters();
+    CHECK(c.at("frames_invalid") == 2);
+    REQUIRE(c.count("frames_invalid.unknown peer") == 1);
+    CHECK(c.at("frames_invalid.unknown peer") == 2);
+    // A frame from a known sender afterwards still works.
+    h.session = 999;
+    fx.gpu->Send(h, FrameType::kAttnQKV, {});
+    expect_error(absl::StatusCode::kNotFound);
   }
   CHECK(fx.handler->Counters().at("errors") >= 1);
   CHECK(fx.gpu->pending() == 0);
