@@ -390,16 +390,19 @@ absl::StatusOr<std::unique_ptr<GpuNodeDaemon>> GpuNodeDaemon::Start(
   }
   // One receive handler for the node: attention frames to the remote
   // attention backend, MoE frames to the expert-parallel service.
-  impl->transport->SetReceiveHandler([impl](std::string_view message) {
+  impl->transport->SetPeerReceiveHandler([impl](PeerId from,
+                                                std::string_view message) {
     const uint16_t type = PeekFrameType(message);
     if (type == static_cast<uint16_t>(FrameType::kMoeDispatch) ||
         type == static_cast<uint16_t>(FrameType::kMoeCombine)) {
       impl->OnMoeMessage(message);
     } else if (impl->backend != nullptr) {
-      impl->backend->OnMessage(message);
+      impl->backend->OnMessage(message, impl->transport->PeerName(from));
     } else {
-      KLOG(Warning, "gpu_node") << "dropping a " << FrameTypeName(type)
-                                << " frame: attention runs on this rank";
+      KLOG(Warning, "gpu_node")
+          << "dropping a " << FrameTypeName(type) << " frame from "
+          << impl->transport->PeerName(from)
+          << ": attention runs on this rank";
     }
   });
 

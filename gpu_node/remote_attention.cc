@@ -41,7 +41,7 @@ struct RemoteAttentionBackend::Impl {
   Impl(const AttnShapes& s, Transport* t, const RemoteAttentionOptions& o)
       : shapes(s), transport(t), options(o) {}
 
-  void OnMessage(std::string_view message);
+  void OnMessage(std::string_view message, const std::string& from);
   absl::StatusOr<PeerId> EnsurePeer(const cluster::KaratPlacement& p);
   void MarkNotReady(const std::string& fabric_address);
   absl::Status Send(int mb, PeerId peer, const std::string& node,
@@ -118,14 +118,16 @@ struct RemoteAttentionBackend::Impl {
   absl::flat_hash_set<uint64_t> hello_acked ABSL_GUARDED_BY(mu);
 };
 
-void RemoteAttentionBackend::Impl::OnMessage(std::string_view message) {
+void RemoteAttentionBackend::Impl::OnMessage(std::string_view message,
+                                             const std::string& from) {
   bytes_received.fetch_add(message.size());
   absl::StatusOr<FrameView> frame = DecodeFrame(message);
   if (!frame.ok()) {
     frames_invalid.fetch_add(1);
     KLOG(Warning, "gpu_node")
-        << "dropping an invalid frame of " << message.size()
-        << " bytes: " << frame.status().message();
+        << "dropping an invalid frame of " << message.size() << " bytes from "
+        << (from.empty() ? std::string("an unnamed peer") : from) << ": "
+        << frame.status().message();
     return;
   }
   const FrameHeader& h = frame->header;
@@ -138,7 +140,9 @@ void RemoteAttentionBackend::Impl::OnMessage(std::string_view message) {
   if (type != FrameType::kAttnOut && type != FrameType::kError) {
     frames_invalid.fetch_add(1);
     KLOG(Warning, "gpu_node") << "unexpected " << FrameTypeName(h.type)
-                              << " frame from node " << h.src_node;
+                              << " frame from node " << h.src_node
+                              << (from.empty() ? "" : " (") << from
+                              << (from.empty() ? "" : ")");
     return;
   }
   auto it = pending.find(Key{h.micro_batch, h.step, h.layer, h.session});
@@ -267,13 +271,16 @@ RemoteAttentionBackend::RemoteAttentionBackend(
     : impl_(std::make_unique<Impl>(shapes, transport, options)) {
   Impl* impl = impl_.get();
   if (install_handler) {
-    transport->SetReceiveHandler(
-        [impl](std::string_view message) { impl->OnMessage(message); });
+    transport->SetPeerReceiveHandler(
+        [impl, transport](PeerId from, std::string_view message) {
+          impl->OnMessage(message, transport->PeerName(from));
+        });
   }
 }
 
-void RemoteAttentionBackend::OnMessage(std::string_view message) {
-  impl_->OnMessage(message);
+void RemoteAttentionBackend::OnMessage(std::string_view message,
+                                       const std::string& from) {
+  impl_->OnMessage(message, from);
 }
 
 AttentionBackend* RemoteAttentionBackend::ForMicroBatch(int mb,
