@@ -40,20 +40,21 @@
 // sender, and once the write is complete (at once where the provider orders
 // sends after writes, FI_ORDER_SAW: tcp through ofi_rxm; shm does not) a
 // small notice follows as an ordinary message, so it keeps its place among
-// the sender's other messages (FI_ORDER_SAS); the receiver hands the zone's bytes to the handler in place
-// and then returns the space with a credit. Control messages (zone request,
-// grant, refusal, notice, credit) carry remote CQ data with kControlTag; user
-// messages carry none. The zone is a ring per (sender, receiver) pair: the
-// sender allocates in it (head), credits are the cumulative end of what the
-// receiver has delivered (tail), so a lost or late credit only delays reuse.
-// Credits are batched: one per quarter zone delivered, and whatever is left
-// when the receiver's progress thread runs out of work; whichever thread
-// reads a credit from the CQ applies it (it only moves the tail forward).
-// RMA sends to one peer are serialised, so the ring fills in notice order.
-// Until the receiver has granted a zone, or when a message does not fit in
-// the free part of it, the message goes as a plain message: nothing waits
-// for space. The first large message to a peer asks for the zone; the
-// request carries the sender's address, since the receiver may not know it.
+// the sender's other messages (FI_ORDER_SAS); the receiver hands the zone's
+// bytes to the handler in place and then returns the space with a credit.
+// Control messages (zone request, grant, refusal, notice, credit) carry remote
+// CQ data with kControlTag; user messages carry none. The zone is a ring per
+// (sender, receiver) pair: the sender allocates in it (head), credits are the
+// cumulative end of what the receiver has delivered (tail), so a lost or late
+// credit only delays reuse. Credits are batched: one per quarter zone
+// delivered, and whatever is left when the receiver's progress thread runs out
+// of work; whichever thread reads a credit from the CQ applies it (it only
+// moves the tail forward). RMA sends to one peer are serialised, so the ring
+// fills in notice order. Until the receiver has granted a zone, or when a
+// message does not fit in the free part of it, the message goes as a plain
+// message: nothing waits for space. The first large message to a peer asks for
+// the zone; the request carries the sender's address, since the receiver may
+// not know it.
 //
 // Source. With FI_SOURCE the CQ reports each receive's source address,
 // mapped to the PeerId it was added as (kUnknownPeer when not added).
@@ -445,11 +446,11 @@ class FabricTransport final : public Transport {
   void RecycleSendOp(SendOp* op) ABSL_EXCLUSIVE_LOCKS_REQUIRED(send_mu_);
 
   const FabricOptions options_;
-  bool serialize_ = false;  // domain is not FI_THREAD_SAFE
-  size_t inject_size_ = 0;  // fi_inject() limit; 0: not used
-  bool source_ = false;     // FI_SOURCE: receives report their source
-  bool cq_data_ = false;    // remote CQ data: control messages possible
-  bool rma_ = false;        // FI_RMA granted and wanted
+  bool serialize_ = false;      // domain is not FI_THREAD_SAFE
+  size_t inject_size_ = 0;      // fi_inject() limit; 0: not used
+  bool source_ = false;         // FI_SOURCE: receives report their source
+  bool cq_data_ = false;        // remote CQ data: control messages possible
+  bool rma_ = false;            // FI_RMA granted and wanted
   bool rma_virt_addr_ = false;  // FI_MR_VIRT_ADDR: targets are addresses
   // FI_ORDER_SAW: a send posted after a write is not processed before it, so
   // the notice may follow the write without waiting for its completion.
@@ -1019,10 +1020,9 @@ absl::Status FabricTransport::InjectSend(PeerId peer, fi_addr_t fi_addr,
     }
     if (rc == 0) break;
     if (rc != -FI_EAGAIN) {
-      return absl::UnavailableError(absl::StrCat("send to peer '",
-                                                 PeerName(peer),
-                                                 "': fi_inject failed: ",
-                                                 FiError(rc)));
+      return absl::UnavailableError(
+          absl::StrCat("send to peer '", PeerName(peer),
+                       "': fi_inject failed: ", FiError(rc)));
     }
     if (deadline == absl::InfiniteFuture()) {
       deadline = absl::Now() + absl::Milliseconds(options_.send_timeout_ms);
@@ -1034,9 +1034,10 @@ absl::Status FabricTransport::InjectSend(PeerId peer, fi_addr_t fi_addr,
     }
     if (!OnProgressThread()) Wake();
     if (absl::Now() >= deadline) {
-      return absl::UnavailableError(absl::StrCat(
-          "send to peer '", PeerName(peer), "': transmit queue stayed full for ",
-          options_.send_timeout_ms, " ms"));
+      return absl::UnavailableError(
+          absl::StrCat("send to peer '", PeerName(peer),
+                       "': transmit queue stayed full for ",
+                       options_.send_timeout_ms, " ms"));
     }
     absl::SleepFor(backoff);
     backoff = std::min(backoff * 2, kMaxPollBackoff);
@@ -1187,8 +1188,7 @@ absl::Status FabricTransport::SendImpl(PeerId peer, const char* data,
   return status;
 }
 
-bool FabricTransport::SpinForSend(SendOp* op, size_t len,
-                                  absl::Time deadline) {
+bool FabricTransport::SpinForSend(SendOp* op, size_t len, absl::Time deadline) {
   const int64_t spin_ns = SpinNs(len);
   if (spin_ns <= 0) return false;
   const int64_t deadline_ns = absl::ToUnixNanos(deadline);

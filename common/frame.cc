@@ -206,6 +206,13 @@ absl::StatusOr<FrameView> DecodeFrame(std::string_view message) {
   return view;
 }
 
+absl::StatusCode StatusCodeFromWire(uint32_t code) {
+  if (code == 0 || code > uint32_t(absl::StatusCode::kUnauthenticated)) {
+    return absl::StatusCode::kUnknown;
+  }
+  return static_cast<absl::StatusCode>(code);
+}
+
 const char* FrameTypeName(uint16_t type) {
   switch (static_cast<FrameType>(type)) {
     case FrameType::kHello:

@@ -20,12 +20,12 @@ constexpr uint16_t kFrameVersion = 1;
 constexpr int kMaxSections = 8;
 
 enum class FrameType : uint16_t {
-  kHello = 1,        // GPU node -> KARAT node: sections[0] = sender address
-  kHelloAck = 2,     // KARAT node -> GPU node
-  kIndexQK = 3,      // indexer Q/K of a segment for one layer
-  kAttnQKV = 4,      // attention Q and new KV entries of a segment
-  kAttnOut = 5,      // attention output of a segment
-  kError = 6,        // sections[0] = message text; `status` = absl code
+  kHello = 1,     // GPU node -> KARAT node: sections[0] = sender address
+  kHelloAck = 2,  // KARAT node -> GPU node
+  kIndexQK = 3,   // indexer Q/K of a segment for one layer
+  kAttnQKV = 4,   // attention Q and new KV entries of a segment
+  kAttnOut = 5,   // attention output of a segment
+  kError = 6,     // sections[0] = message text; `status` = absl code
   // GPU rank -> GPU rank (expert-parallel MoE, gpu_node/expert_parallel.h):
   kMoeDispatch = 7,  // rows of one layer for experts the receiver owns
   kMoeCombine = 8,   // the experts' outputs for a kMoeDispatch
@@ -35,15 +35,15 @@ struct FrameHeader {
   uint32_t magic = kFrameMagic;
   uint16_t version = kFrameVersion;
   uint16_t type = 0;
-  uint32_t src_node = 0;     // sender's node id (from registration)
+  uint32_t src_node = 0;  // sender's node id (from registration)
   uint32_t layer = 0;
   uint32_t micro_batch = 0;
-  uint32_t device = 0;       // KARAT device on the receiving node
-  uint64_t step = 0;         // sender's step counter
-  uint64_t session = 0;      // numeric session key
-  uint32_t pos_start = 0;    // first position of the segment
-  uint32_t n_tokens = 0;     // tokens in the segment
-  uint32_t status = 0;       // kError: absl::StatusCode
+  uint32_t device = 0;     // KARAT device on the receiving node
+  uint64_t step = 0;       // sender's step counter
+  uint64_t session = 0;    // numeric session key
+  uint32_t pos_start = 0;  // first position of the segment
+  uint32_t n_tokens = 0;   // tokens in the segment
+  uint32_t status = 0;     // kError: absl::StatusCode
   uint32_t n_sections = 0;
   std::array<uint64_t, kMaxSections> section_len{};
 };
@@ -66,5 +66,14 @@ size_t EncodedFrameSize(const std::vector<size_t>& section_lens);
 absl::StatusOr<FrameView> DecodeFrame(std::string_view message);
 
 const char* FrameTypeName(uint16_t type);
+
+// `len` bytes at `data` as a frame section.
+inline std::string_view SectionBytes(const void* data, size_t len) {
+  return std::string_view(static_cast<const char*>(data), len);
+}
+
+// A kError frame's `status` as an absl code (kUnknown for 0 or a value
+// absl does not define).
+absl::StatusCode StatusCodeFromWire(uint32_t code);
 
 }  // namespace karat

@@ -44,8 +44,7 @@ KvLayout MakeKvLayout(const ModelConfig& config, int tokens_per_page) {
   l.kv_offset = 0;
   l.ikey_offset = AlignUp(tpp * l.kv_dim * 2, 64);
   l.iscale_offset = AlignUp(l.ikey_offset + tpp * l.index_dim, 64);
-  l.page_bytes =
-      AlignUp(l.iscale_offset + (l.index_dim > 0 ? tpp * 4 : 0), 64);
+  l.page_bytes = AlignUp(l.iscale_offset + (l.index_dim > 0 ? tpp * 4 : 0), 64);
   return l;
 }
 
@@ -215,8 +214,8 @@ absl::Status SessionCache::Reserve(int tokens) {
   std::vector<PageRef> fresh;
   absl::Status st = TakePages(more * layout_->num_layers, &fresh);
   if (!st.ok()) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "cannot reserve ", tokens, " tokens: ", st.message()));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot reserve ", tokens, " tokens: ", st.message()));
   }
   // Layer by layer, so that the home's pages go to the first layers.
   size_t k = 0;
@@ -259,8 +258,7 @@ void SessionCache::Truncate(int layer, int length) {
 }
 
 absl::Status SessionCache::Append(int layer, const uint16_t* kv,
-                                  const uint8_t* index_key,
-                                  float index_scale) {
+                                  const uint8_t* index_key, float index_scale) {
   const int pos = lengths_[layer];
   if (pos >= reserved_tokens_) {
     return absl::ResourceExhaustedError(
@@ -274,12 +272,14 @@ absl::Status SessionCache::Append(int layer, const uint16_t* kv,
               kv, size_t(layout_->kv_dim) * 2);
   if (layout_->index_dim > 0) {
     if (index_key == nullptr) {
-      std::memset(page + layout_->ikey_offset + size_t(slot) * layout_->index_dim,
-                  0, layout_->index_dim);
+      std::memset(
+          page + layout_->ikey_offset + size_t(slot) * layout_->index_dim, 0,
+          layout_->index_dim);
       index_scale = 0.0f;
     } else {
-      std::memcpy(page + layout_->ikey_offset + size_t(slot) * layout_->index_dim,
-                  index_key, layout_->index_dim);
+      std::memcpy(
+          page + layout_->ikey_offset + size_t(slot) * layout_->index_dim,
+          index_key, layout_->index_dim);
     }
     reinterpret_cast<float*>(page + layout_->iscale_offset)[slot] = index_scale;
   }
@@ -289,33 +289,33 @@ absl::Status SessionCache::Append(int layer, const uint16_t* kv,
 
 absl::Status SessionCache::WriteKv(int layer, int pos, const uint16_t* kv) {
   if (pos < 0 || pos >= reserved_tokens_) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "position ", pos, " is beyond the ", reserved_tokens_,
-        " reserved tokens"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("position ", pos, " is beyond the ", reserved_tokens_,
+                     " reserved tokens"));
   }
   const int tpp = layout_->tokens_per_page;
   uint8_t* page = page_data_[layer][pos / tpp];
-  std::memcpy(page + layout_->kv_offset +
-                  size_t(pos % tpp) * layout_->kv_dim * 2,
-              kv, size_t(layout_->kv_dim) * 2);
+  std::memcpy(
+      page + layout_->kv_offset + size_t(pos % tpp) * layout_->kv_dim * 2, kv,
+      size_t(layout_->kv_dim) * 2);
   return absl::OkStatus();
 }
 
 absl::Status SessionCache::WriteIndexKey(int layer, int pos,
                                          const uint8_t* codes, float scale) {
   if (pos < 0 || pos >= reserved_tokens_) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "position ", pos, " is beyond the ", reserved_tokens_,
-        " reserved tokens"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("position ", pos, " is beyond the ", reserved_tokens_,
+                     " reserved tokens"));
   }
   if (layout_->index_dim == 0) {
     return absl::FailedPreconditionError("this layout has no index keys");
   }
   const int tpp = layout_->tokens_per_page;
   uint8_t* page = page_data_[layer][pos / tpp];
-  std::memcpy(page + layout_->ikey_offset +
-                  size_t(pos % tpp) * layout_->index_dim,
-              codes, layout_->index_dim);
+  std::memcpy(
+      page + layout_->ikey_offset + size_t(pos % tpp) * layout_->index_dim,
+      codes, layout_->index_dim);
   reinterpret_cast<float*>(page + layout_->iscale_offset)[pos % tpp] = scale;
   return absl::OkStatus();
 }
@@ -323,9 +323,9 @@ absl::Status SessionCache::WriteIndexKey(int layer, int pos,
 absl::Status SessionCache::WriteKvRun(int layer, int pos, int n,
                                       const uint16_t* kv) {
   if (pos < 0 || n < 0 || pos + n > reserved_tokens_) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "positions [", pos, ", ", pos + n, ") are beyond the ",
-        reserved_tokens_, " reserved tokens"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("positions [", pos, ", ", pos + n, ") are beyond the ",
+                     reserved_tokens_, " reserved tokens"));
   }
   const int tpp = layout_->tokens_per_page;
   const size_t row = size_t(layout_->kv_dim) * 2;
@@ -345,9 +345,9 @@ absl::Status SessionCache::WriteIndexKeyRun(int layer, int pos, int n,
                                             const uint8_t* codes,
                                             const float* scales) {
   if (pos < 0 || n < 0 || pos + n > reserved_tokens_) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "positions [", pos, ", ", pos + n, ") are beyond the ",
-        reserved_tokens_, " reserved tokens"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("positions [", pos, ", ", pos + n, ") are beyond the ",
+                     reserved_tokens_, " reserved tokens"));
   }
   if (layout_->index_dim == 0) {
     return absl::FailedPreconditionError("this layout has no index keys");
@@ -360,9 +360,9 @@ absl::Status SessionCache::WriteIndexKeyRun(int layer, int pos, int n,
     uint8_t* page = page_data_[layer][p / tpp];
     std::memcpy(page + layout_->ikey_offset + size_t(p % tpp) * row,
                 codes + size_t(i) * row, size_t(run) * row);
-    std::memcpy(reinterpret_cast<float*>(page + layout_->iscale_offset) +
-                    p % tpp,
-                scales + i, size_t(run) * sizeof(float));
+    std::memcpy(
+        reinterpret_cast<float*>(page + layout_->iscale_offset) + p % tpp,
+        scales + i, size_t(run) * sizeof(float));
     i += run;
   }
   return absl::OkStatus();

@@ -100,8 +100,8 @@ struct LayerView {
   }
   float IndexScale(int pos) const {
     const uint8_t* p = pages[pos / layout->tokens_per_page];
-    return reinterpret_cast<const float*>(p + layout->iscale_offset)
-        [pos % layout->tokens_per_page];
+    return reinterpret_cast<const float*>(
+        p + layout->iscale_offset)[pos % layout->tokens_per_page];
   }
 };
 
@@ -148,8 +148,8 @@ class SessionCache {
   // kv n x kv_dim, codes n x index_dim, scales n), one copy per page run;
   // nothing is written unless every position is reserved.
   absl::Status WriteKvRun(int layer, int pos, int n, const uint16_t* kv);
-  absl::Status WriteIndexKeyRun(int layer, int pos, int n,
-                                const uint8_t* codes, const float* scales);
+  absl::Status WriteIndexKeyRun(int layer, int pos, int n, const uint8_t* codes,
+                                const float* scales);
   // Sets the number of valid positions of `layer` (<= reserved_tokens()).
   void SetLength(int layer, int length);
   LayerView View(int layer) const;

@@ -51,8 +51,8 @@ struct Pending {
 }  // namespace
 
 absl::Status ValidateLinkRule(const LinkRule& r) {
-  const std::string name = absl::StrCat("link ", r.source, " -> ",
-                                        r.destination);
+  const std::string name =
+      absl::StrCat("link ", r.source, " -> ", r.destination);
   if (r.source.empty() || r.destination.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat(name, ": source and destination must be node names or *"));
@@ -129,8 +129,10 @@ absl::StatusOr<std::vector<LinkRule>> LinkRulesFromProto(
 std::string DescribeLink(const LinkSettings& s) {
   if (!s.Active()) return "-";
   std::vector<std::string> parts;
-  if (s.latency_us > 0) parts.push_back(absl::StrCat("latency ", s.latency_us, "us"));
-  if (s.jitter_us > 0) parts.push_back(absl::StrCat("jitter ", s.jitter_us, "us"));
+  if (s.latency_us > 0)
+    parts.push_back(absl::StrCat("latency ", s.latency_us, "us"));
+  if (s.jitter_us > 0)
+    parts.push_back(absl::StrCat("jitter ", s.jitter_us, "us"));
   if (s.bandwidth_mbps > 0) {
     parts.push_back(absl::StrFormat("bandwidth %gMb/s", s.bandwidth_mbps));
   }
@@ -205,10 +207,9 @@ void LinkEmulator::Impl::DeliveryLoop(Link* link) {
     }
     if (link->settings.down) {
       // Disconnected: what was in flight is lost.
-      KLOG(Warning, kLogModule)
-          << "link " << options.local_name << " -> " << link->name
-          << " is down: discarding " << link->queue.size()
-          << " queued messages";
+      KLOG(Warning, kLogModule) << "link " << options.local_name << " -> "
+                                << link->name << " is down: discarding "
+                                << link->queue.size() << " queued messages";
       for (size_t i = 0; i < link->queue.size(); ++i) {
         stats.RecordFailed(link->name);
       }
@@ -389,29 +390,26 @@ absl::Status LinkEmulator::SendMessage(
     const LinkSettings s = link->settings;
     if (s.down) {
       stats.RecordFailed(link->name);
-      return absl::UnavailableError(
-          absl::StrCat("send to peer '", link->name, "': link ",
-                       impl_->options.local_name, " -> ", link->name,
-                       " is down"));
+      return absl::UnavailableError(absl::StrCat(
+          "send to peer '", link->name, "': link ", impl_->options.local_name,
+          " -> ", link->name, " is down"));
     }
     if (link->stop) {
-      return absl::UnavailableError(absl::StrCat(
-          "send to peer '", link->name, "': transport is shut down"));
+      return absl::UnavailableError(absl::StrCat("send to peer '", link->name,
+                                                 "': transport is shut down"));
     }
     if (s.Active() || !link->queue.empty()) {
-      if (s.loss > 0 &&
-          std::uniform_real_distribution<double>(0.0, 1.0)(link->rng) <
-              s.loss) {
+      if (s.loss > 0 && std::uniform_real_distribution<double>(
+                            0.0, 1.0)(link->rng) < s.loss) {
         stats.RecordDropped(link->name);
         return absl::OkStatus();
       }
       const size_t max_queued = impl_->options.max_queued_bytes;
       // Runs under link->mu (absl::Condition evaluates it with the lock).
-      auto has_room = [link, len, max_queued]()
-                          ABSL_NO_THREAD_SAFETY_ANALYSIS {
-                            return link->stop || link->queue.empty() ||
-                                   link->queued_bytes + len <= max_queued;
-                          };
+      auto has_room = [link, len, max_queued]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        return link->stop || link->queue.empty() ||
+               link->queued_bytes + len <= max_queued;
+      };
       link->mu.Await(absl::Condition(&has_room));
       if (link->stop) {
         return absl::UnavailableError(absl::StrCat(
@@ -427,8 +425,8 @@ absl::Status LinkEmulator::SendMessage(
       }
       int64_t delay_us = s.latency_us;
       if (s.jitter_us > 0) {
-        delay_us += std::uniform_int_distribution<int64_t>(0, s.jitter_us)(
-            link->rng);
+        delay_us +=
+            std::uniform_int_distribution<int64_t>(0, s.jitter_us)(link->rng);
       }
       const absl::Time deliver_at =
           std::max(ready + absl::Microseconds(delay_us), link->last_delivery);
@@ -440,8 +438,7 @@ absl::Status LinkEmulator::SendMessage(
       link->queued_bytes += len;
       if (!link->thread_started) {
         link->thread_started = true;
-        link->thread =
-            std::thread([this, link] { impl_->DeliveryLoop(link); });
+        link->thread = std::thread([this, link] { impl_->DeliveryLoop(link); });
       }
       link->cv.Signal();
       return absl::OkStatus();

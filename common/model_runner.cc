@@ -169,8 +169,7 @@ absl::Status GqaAttentionImpl(const ModelConfig& c, const AttnShapes& s,
       float* dst = &t->q[(size_t(r) * H + h) * s.q_dim];
       std::memcpy(dst, qh, sizeof(float) * d);
       if (di > 0) {
-        std::memcpy(dst + d, &qi[(size_t(r) * H + h) * di],
-                    sizeof(float) * di);
+        std::memcpy(dst + d, &qi[(size_t(r) * H + h) * di], sizeof(float) * di);
       }
     }
     uint16_t* kv = &t->kv[size_t(r) * s.kv_dim];
@@ -265,7 +264,8 @@ absl::Status ModelRunner::ApplyExpert(int layer, int expert, const float* in,
         ", not to rank ", m.rank, " of ", m.ranks));
   }
   if (rows < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("negative row count ", rows));
+    return absl::InvalidArgumentError(
+        absl::StrCat("negative row count ", rows));
   }
   if (rows == 0) return absl::OkStatus();
   std::vector<float> g, u;
@@ -400,8 +400,8 @@ absl::StatusOr<std::vector<std::vector<float>>> ModelRunner::Step(
       for (size_t i = 0; i < seg.tokens.size(); ++i, ++r) {
         const int32_t id = seg.tokens[i];
         if (id < 0 || id >= c.vocab_size) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("token id ", id, " outside [0, ", c.vocab_size, ")"));
+          return absl::InvalidArgumentError(absl::StrCat(
+              "token id ", id, " outside [0, ", c.vocab_size, ")"));
         }
         pos[r] = seg.pos_start + int64_t(i);
         std::memcpy(&x[size_t(r) * D], &m.embed[size_t(id) * D],
@@ -418,8 +418,8 @@ absl::StatusOr<std::vector<std::vector<float>>> ModelRunner::Step(
               &rs[size_t(r) * (rope / 2)]);
   }
 
-  std::vector<float> xn(size_t(N) * D), qa, qr, q, kva, qi, ki, iw, o, attn,
-      g, u, ffn_out;
+  std::vector<float> xn(size_t(N) * D), qa, qr, q, kva, qi, ki, iw, o, attn, g,
+      u, ffn_out;
   t.q.resize(size_t(N) * H * s.q_dim);
   t.kv.resize(size_t(N) * s.kv_dim);
   t.out.resize(size_t(N) * H * s.out_dim);
@@ -432,8 +432,8 @@ absl::StatusOr<std::vector<std::vector<float>>> ModelRunner::Step(
     }
     if (gqa) {
       attn.resize(size_t(N) * D);
-      RETURN_IF_ERROR(GqaAttentionImpl(c, s, L, segs, pos, xn, backend, l, &t,
-                                       &attn));
+      RETURN_IF_ERROR(
+          GqaAttentionImpl(c, s, L, segs, pos, xn, backend, l, &t, &attn));
     } else {
       // Queries: q_a -> RMSNorm -> q_b, per head [nope | rope].
       const int ql = L.q_a.out();
@@ -575,10 +575,10 @@ absl::StatusOr<std::vector<std::vector<float>>> ModelRunner::Step(
         }
         for (int e = 0; e < E; ++e) {
           if (eout[e].size() != rows_of[e].size() * D) {
-            return absl::InternalError(absl::StrCat(
-                "expert backend returned ", eout[e].size(),
-                " floats for expert ", e, " of layer ", l, "; expected ",
-                rows_of[e].size() * D));
+            return absl::InternalError(
+                absl::StrCat("expert backend returned ", eout[e].size(),
+                             " floats for expert ", e, " of layer ", l,
+                             "; expected ", rows_of[e].size() * D));
           }
         }
       } else {
@@ -587,10 +587,10 @@ absl::StatusOr<std::vector<std::vector<float>>> ModelRunner::Step(
           const auto& rows = rows_of[e];
           if (rows.empty()) continue;
           if (!OwnsExpert(e)) {
-            return absl::FailedPreconditionError(absl::StrCat(
-                "layer ", l, " routes to expert ", e, " of rank ",
-                ExpertOwner(e), " but rank ", m.rank, " of ", m.ranks,
-                " has no expert backend"));
+            return absl::FailedPreconditionError(
+                absl::StrCat("layer ", l, " routes to expert ", e, " of rank ",
+                             ExpertOwner(e), " but rank ", m.rank, " of ",
+                             m.ranks, " has no expert backend"));
           }
           ein.resize(rows.size() * D);
           for (size_t i = 0; i < rows.size(); ++i) {
@@ -625,7 +625,8 @@ absl::StatusOr<std::vector<std::vector<float>>> ModelRunner::Step(
   std::vector<float> last(size_t(S) * D);
   for (int i = 0; i < S; ++i) {
     const int r = t.offsets[i] + int(segs[i].tokens.size()) - 1;
-    RmsNorm(&x[size_t(r) * D], D, m.final_norm.data(), eps, &last[size_t(i) * D]);
+    RmsNorm(&x[size_t(r) * D], D, m.final_norm.data(), eps,
+            &last[size_t(i) * D]);
   }
   std::vector<float> logits(size_t(S) * c.vocab_size);
   m.lm_head.Apply(last.data(), S, logits.data());
@@ -676,8 +677,8 @@ void LocalAttentionBackend::SetMethodWeights(MethodWeights weights) {
 }
 
 absl::Status LocalAttentionBackend::Init() {
-  ASSIGN_OR_RETURN(impl_->arena,
-                   PageArena::Create(impl_->capacity, impl_->layout.page_bytes));
+  ASSIGN_OR_RETURN(impl_->arena, PageArena::Create(impl_->capacity,
+                                                   impl_->layout.page_bytes));
   if (impl_->cfg.attention.type != AttentionType::kMlaDsa) {
     ASSIGN_OR_RETURN(impl_->method,
                      NewSparseAttention(impl_->cfg, impl_->method_weights));
@@ -688,7 +689,8 @@ absl::Status LocalAttentionBackend::Init() {
 absl::Status LocalAttentionBackend::Reserve(uint64_t session, int tokens) {
   auto& s = impl_->sessions[session];
   if (!s.cache) {
-    s.cache = std::make_unique<SessionCache>(&impl_->layout, impl_->arena.get());
+    s.cache =
+        std::make_unique<SessionCache>(&impl_->layout, impl_->arena.get());
     if (impl_->method != nullptr) {
       s.method_state = NewAttentionSessionState(*impl_->method,
                                                 impl_->cfg.num_hidden_layers);

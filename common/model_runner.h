@@ -37,14 +37,14 @@ struct Segment {
 struct LayerTraffic {
   bool has_indexer = false;
   std::vector<int> offsets;
-  std::vector<uint8_t> index_q_codes;   // N x Hi x Di
-  std::vector<float> index_q_scales;    // N x Hi
-  std::vector<float> index_weights;     // N x Hi
-  std::vector<uint8_t> index_k_codes;   // N x Di
-  std::vector<float> index_k_scales;    // N
-  std::vector<float> q;                 // N x H x q_dim
-  std::vector<uint16_t> kv;             // N x kv_dim
-  std::vector<float> out;               // N x H x out_dim (backend fills)
+  std::vector<uint8_t> index_q_codes;  // N x Hi x Di
+  std::vector<float> index_q_scales;   // N x Hi
+  std::vector<float> index_weights;    // N x Hi
+  std::vector<uint8_t> index_k_codes;  // N x Di
+  std::vector<float> index_k_scales;   // N
+  std::vector<float> q;                // N x H x q_dim
+  std::vector<uint16_t> kv;            // N x kv_dim
+  std::vector<float> out;              // N x H x out_dim (backend fills)
 
   IndexInputs IndexFor(int seg, const AttnShapes& s) const;
   AttnInputs AttnFor(int seg, const AttnShapes& s) const;

@@ -58,8 +58,7 @@ std::map<std::string, Tensor> GenerateWeights(const ModelConfig& config,
                                               uint64_t seed);
 
 // Writes DIR/config.json and DIR/model.safetensors (creating DIR).
-absl::Status WriteModel(const std::string& model_dir,
-                        const ModelConfig& config,
+absl::Status WriteModel(const std::string& model_dir, const ModelConfig& config,
                         const std::map<std::string, Tensor>& tensors,
                         DType dtype);
 

@@ -1,8 +1,7 @@
 #include "coordinator/cluster_config.h"
 
-#include <cmath>
-
 #include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -90,8 +89,8 @@ absl::Status ValidateClusterConfig(const cluster::ClusterConfig& config) {
     std::string f = absl::StrCat("gpu_nodes[", i, "]");
     if (g.name().empty()) return Invalid(f + ".name", "must not be empty");
     if (!names.insert(g.name()).second)
-      return Invalid(f + ".name", absl::StrCat("duplicate node name \"",
-                                               g.name(), "\""));
+      return Invalid(f + ".name",
+                     absl::StrCat("duplicate node name \"", g.name(), "\""));
     if (g.max_step_tokens() < 0)
       return Invalid(f + ".max_step_tokens", "must be >= 0");
     if (g.max_batch() < 0) return Invalid(f + ".max_batch", "must be >= 0");
@@ -102,8 +101,8 @@ absl::Status ValidateClusterConfig(const cluster::ClusterConfig& config) {
     std::string f = absl::StrCat("karat_nodes[", i, "]");
     if (k.name().empty()) return Invalid(f + ".name", "must not be empty");
     if (!names.insert(k.name()).second)
-      return Invalid(f + ".name", absl::StrCat("duplicate node name \"",
-                                               k.name(), "\""));
+      return Invalid(f + ".name",
+                     absl::StrCat("duplicate node name \"", k.name(), "\""));
     if (k.tokens_per_page() < 0)
       return Invalid(f + ".tokens_per_page", "must be >= 0");
     if (k.devices_size() == 0)
@@ -112,7 +111,8 @@ absl::Status ValidateClusterConfig(const cluster::ClusterConfig& config) {
       std::string df = absl::StrCat(f, ".devices[", d, "]");
       if (k.devices(d).capacity_bytes() <= 0)
         return Invalid(df + ".capacity_bytes", "must be > 0");
-      if (k.devices(d).cores() < 0) return Invalid(df + ".cores", "must be >= 0");
+      if (k.devices(d).cores() < 0)
+        return Invalid(df + ".cores", "must be >= 0");
     }
   }
   for (int i = 0; i < config.links_size(); ++i) {
@@ -122,14 +122,17 @@ absl::Status ValidateClusterConfig(const cluster::ClusterConfig& config) {
   }
   const std::string& mode = config.mode();
   if (!mode.empty() && mode != "karat" && mode != "gpu_only")
-    return Invalid("mode", absl::StrCat("must be \"karat\" or \"gpu_only\", got \"",
-                                        mode, "\""));
+    return Invalid(
+        "mode",
+        absl::StrCat("must be \"karat\" or \"gpu_only\", got \"", mode, "\""));
   const bool gpu_only = mode == "gpu_only";
   const auto& sc = config.scheduling();
   if (sc.micro_batches() < 0 || sc.micro_batches() > 2)
-    return Invalid("scheduling.micro_batches",
-                   absl::StrCat("must be 1 or 2 (0: 2), got ", sc.micro_batches()));
-  if (!sc.schedule().empty() && sc.schedule() != "ofms" && sc.schedule() != "scms")
+    return Invalid(
+        "scheduling.micro_batches",
+        absl::StrCat("must be 1 or 2 (0: 2), got ", sc.micro_batches()));
+  if (!sc.schedule().empty() && sc.schedule() != "ofms" &&
+      sc.schedule() != "scms")
     return Invalid("scheduling.schedule",
                    absl::StrCat("must be \"ofms\" or \"scms\", got \"",
                                 sc.schedule(), "\""));
@@ -146,16 +149,20 @@ absl::Status ValidateClusterConfig(const cluster::ClusterConfig& config) {
     std::string f = absl::StrCat("gpu_nodes[", i, "].hbm_bytes");
     if (g.hbm_bytes() < 0) return Invalid(f, "must be >= 0");
     if (gpu_only && g.hbm_bytes() == 0)
-      return Invalid(f, "must be > 0 in gpu_only mode (the rank's KV lives in it)");
+      return Invalid(
+          f, "must be > 0 in gpu_only mode (the rank's KV lives in it)");
   }
   if (!gpu_only && config.karat_nodes_size() > 0) {
     for (int i = 0; i < config.gpu_nodes_size(); ++i) {
       const std::string& g = config.gpu_nodes(i).name();
       bool reachable = false;
       for (const auto& k : config.karat_nodes()) {
-        const cluster::LinkConfig* to = EffectiveLink(config.links(), g, k.name());
-        const cluster::LinkConfig* from = EffectiveLink(config.links(), k.name(), g);
-        if ((to == nullptr || !to->down()) && (from == nullptr || !from->down()))
+        const cluster::LinkConfig* to =
+            EffectiveLink(config.links(), g, k.name());
+        const cluster::LinkConfig* from =
+            EffectiveLink(config.links(), k.name(), g);
+        if ((to == nullptr || !to->down()) &&
+            (from == nullptr || !from->down()))
           reachable = true;
       }
       if (!reachable)
@@ -182,14 +189,14 @@ absl::Status ValidateClusterConfigForModel(const cluster::ClusterConfig& config,
     const int64_t weights = RankWeightBytes(model, i, ranks);
     if (hbm < weights)
       return Invalid(absl::StrCat("gpu_nodes[", i, "].hbm_bytes"),
-                     absl::StrCat(hbm, " bytes cannot hold the rank's ", weights,
-                                  " bytes of weights"));
+                     absl::StrCat(hbm, " bytes cannot hold the rank's ",
+                                  weights, " bytes of weights"));
   }
   return absl::OkStatus();
 }
 
-absl::Status CheckClusterConfigAgainstModel(const cluster::ClusterConfig& config,
-                                            const std::string& model_dir) {
+absl::Status CheckClusterConfigAgainstModel(
+    const cluster::ClusterConfig& config, const std::string& model_dir) {
   std::ifstream probe(model_dir + "/config.json");
   if (!probe)
     return absl::NotFoundError(

@@ -43,8 +43,8 @@ absl::Status ValidateClusterConfigForModel(const cluster::ClusterConfig& config,
 // Reads `model_dir`/config.json (LoadModelConfig) and runs
 // ValidateClusterConfigForModel. NOT_FOUND when the model config cannot be
 // read, INVALID_ARGUMENT when it is malformed or the checks fail.
-absl::Status CheckClusterConfigAgainstModel(const cluster::ClusterConfig& config,
-                                            const std::string& model_dir);
+absl::Status CheckClusterConfigAgainstModel(
+    const cluster::ClusterConfig& config, const std::string& model_dir);
 
 // The effective link rule from `source` to `destination` among `links`
 // (the most specific one, as cluster.proto's LinkConfig describes), or

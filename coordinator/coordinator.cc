@@ -112,7 +112,8 @@ class MsHistogram {
     uint64_t cumulative = 0;
     for (size_t i = 0; i < std::size(kBounds); ++i) {
       cumulative += counts_[i];
-      (*stats)[absl::StrCat(name, "_bucket_le_", kBounds[i])] = double(cumulative);
+      (*stats)[absl::StrCat(name, "_bucket_le_", kBounds[i])] =
+          double(cumulative);
     }
     (*stats)[name + "_bucket_le_inf"] = double(count_);
     (*stats)[name + "_count"] = double(count_);
@@ -125,7 +126,9 @@ class MsHistogram {
   double sum_ = 0;
 };
 
-const char* RoleName(NodeRole r) { return r == NodeRole::kGpu ? "gpu" : "karat"; }
+const char* RoleName(NodeRole r) {
+  return r == NodeRole::kGpu ? "gpu" : "karat";
+}
 
 grpc::Status ToGrpc(const absl::Status& s) {
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()),
@@ -156,14 +159,16 @@ class State {
   int RankCountLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     int ranks = 1;
     for (const auto& [id, n] : nodes_)
-      if (n.role == NodeRole::kGpu && AliveLocked(n)) ranks = std::max(ranks, n.ranks);
+      if (n.role == NodeRole::kGpu && AliveLocked(n))
+        ranks = std::max(ranks, n.ranks);
     return ranks;
   }
 
   // The alive GPU node serving `rank`, or nullptr.
   Node* RankNodeLocked(int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     for (auto& [id, n] : nodes_)
-      if (n.role == NodeRole::kGpu && n.rank == rank && AliveLocked(n)) return &n;
+      if (n.role == NodeRole::kGpu && n.rank == rank && AliveLocked(n))
+        return &n;
     return nullptr;
   }
 
@@ -173,7 +178,8 @@ class State {
   int RankCapLocked(int rank, int64_t extra_context)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     int cap = kUnboundedBatch;
-    if (rank >= 0 && rank < static_cast<int>(options_.max_batch_by_rank.size()) &&
+    if (rank >= 0 &&
+        rank < static_cast<int>(options_.max_batch_by_rank.size()) &&
         options_.max_batch_by_rank[rank] > 0)
       cap = options_.max_batch_by_rank[rank];
     const double slo = options_.scheduling.tbt_slo_ms();
@@ -186,7 +192,8 @@ class State {
           ++n;
         }
       }
-      absl::StatusOr<int> slo_cap = MaxBatchForSlo(slo, options_.step_cost, sum / n);
+      absl::StatusOr<int> slo_cap =
+          MaxBatchForSlo(slo, options_.step_cost, sum / n);
       if (slo_cap.ok()) {
         cap = std::min(cap, *slo_cap);
       } else {
@@ -199,28 +206,32 @@ class State {
   // Recomputes `rank`'s micro-batches (CMR or count balancing over its
   // running turns) and records the token imbalance. Returns true when a
   // started turn's micro-batch differs from what its GPU node knows.
-  bool RecomputeMicroBatchesLocked(int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  bool RecomputeMicroBatchesLocked(int rank)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     Rank& r = ranks_[rank];
     std::vector<RankRequest> requests;
     for (const auto& [key, t] : r.running)
       requests.push_back({key, t.home, t.context_tokens});
     MicroBatchPlan plan;
     if (micro_batches() == 1) {
-      for (const auto& q : requests) plan.assignments.push_back({q.request_id, MicroBatch::k0});
+      for (const auto& q : requests)
+        plan.assignments.push_back({q.request_id, MicroBatch::k0});
     } else {
       const MicroBatchMode mode = options_.scheduling.balance() == "count"
                                       ? MicroBatchMode::kRequestCount
                                       : MicroBatchMode::kContextLength;
-      absl::StatusOr<MicroBatchPlan> p = AssignMicroBatches(mode, requests, r.plan);
+      absl::StatusOr<MicroBatchPlan> p =
+          AssignMicroBatches(mode, requests, r.plan);
       if (!p.ok()) {
-        KLOG(Warning, "coordinator") << "micro-batches of rank " << rank << ": "
-                                     << p.status();
+        KLOG(Warning, "coordinator")
+            << "micro-batches of rank " << rank << ": " << p.status();
         return false;
       }
       plan = *std::move(p);
       absl::StatusOr<MicroBatchImbalance> imb = Imbalance(requests, plan);
       if (imb.ok()) {
-        const int64_t total = imb->rank_context_tokens[0] + imb->rank_context_tokens[1];
+        const int64_t total =
+            imb->rank_context_tokens[0] + imb->rank_context_tokens[1];
         if (total > 0) {
           const double ratio = double(imb->token_imbalance) / double(total);
           r.imbalance_sum += ratio;
@@ -381,7 +392,9 @@ void PushPeers(State* s) {
     }
   }
   std::sort(req.mutable_peers()->begin(), req.mutable_peers()->end(),
-            [](const cl::GpuPeer& a, const cl::GpuPeer& b) { return a.rank() < b.rank(); });
+            [](const cl::GpuPeer& a, const cl::GpuPeer& b) {
+              return a.rank() < b.rank();
+            });
   for (const auto& [name, channel] : targets) {
     grpc::ClientContext ctx;
     ctx.set_deadline(Deadline(s));
@@ -415,7 +428,8 @@ void PushMicroBatches(State* s, int rank) {
   grpc::ClientContext ctx;
   ctx.set_deadline(Deadline(s));
   cl::SetMicroBatchesResponse resp;
-  grpc::Status st = cl::GpuNode::NewStub(channel)->SetMicroBatches(&ctx, req, &resp);
+  grpc::Status st =
+      cl::GpuNode::NewStub(channel)->SetMicroBatches(&ctx, req, &resp);
   if (!st.ok()) {
     KLOG(Warning, kLog) << "cannot push micro-batches to " << name << " (rank "
                         << rank << "): " << st.error_message();
@@ -441,7 +455,8 @@ struct LinkPushTarget {
 };
 
 // Builds the request and the alive targets. Requires s->mu_.
-cl::SetLinksRequest LinkPushLocked(State* s, std::vector<LinkPushTarget>* targets)
+cl::SetLinksRequest LinkPushLocked(State* s,
+                                   std::vector<LinkPushTarget>* targets)
     ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu_) {
   cl::SetLinksRequest req;
   for (const auto& l : s->links_) *req.add_links() = l;
@@ -460,8 +475,8 @@ std::vector<std::string> PushLinks(const cl::SetLinksRequest& req,
   std::vector<std::string> failed;
   for (const LinkPushTarget& t : targets) {
     grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() +
-                                        absl::Milliseconds(timeout_ms)));
+    ctx.set_deadline(
+        absl::ToChronoTime(absl::Now() + absl::Milliseconds(timeout_ms)));
     cl::SetLinksResponse resp;
     grpc::Status st;
     if (t.role == NodeRole::kGpu) {
@@ -552,10 +567,9 @@ class AdminService final : public cl::Admin::Service {
       });
       if (req->remove()) {
         if (it == links.end()) {
-          return grpc::Status(
-              grpc::StatusCode::NOT_FOUND,
-              absl::StrCat("no link rule ", link.source(), " -> ",
-                           link.destination()));
+          return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                              absl::StrCat("no link rule ", link.source(),
+                                           " -> ", link.destination()));
         }
         links.erase(it);
       } else if (it != links.end()) {
@@ -567,7 +581,8 @@ class AdminService final : public cl::Admin::Service {
       push = LinkPushLocked(s_, &targets);
       for (const auto& l : links) *resp->add_links() = l;
     }
-    KLOG(Info, kLog) << (req->remove() ? "link rule removed: " : "link rule set: ")
+    KLOG(Info, kLog) << (req->remove() ? "link rule removed: "
+                                       : "link rule set: ")
                      << link.ShortDebugString();
     for (std::string& f :
          PushLinks(push, targets, s_->options().node_call_timeout_ms)) {
@@ -608,9 +623,10 @@ class MembershipService final : public cl::Coordinator::Service {
     } else if (req->role() == "karat") {
       role = NodeRole::kKarat;
     } else {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          absl::StrCat("role must be \"gpu\" or \"karat\", got \"",
-                                       req->role(), "\""));
+      return grpc::Status(
+          grpc::StatusCode::INVALID_ARGUMENT,
+          absl::StrCat("role must be \"gpu\" or \"karat\", got \"", req->role(),
+                       "\""));
     }
     if (req->name().empty())
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
@@ -655,14 +671,14 @@ class MembershipService final : public cl::Coordinator::Service {
         if (n.rank == rank)
           return grpc::Status(
               grpc::StatusCode::ALREADY_EXISTS,
-              absl::StrCat("node ", req->name(), " claims rank ", rank,
-                           " of ", ranks, " but the alive node ", n.name,
+              absl::StrCat("node ", req->name(), " claims rank ", rank, " of ",
+                           ranks, " but the alive node ", n.name,
                            " serves it; give each GPU node its own --rank"));
       }
       if (s_->gpu_only() && req->kv_capacity_bytes() < 0)
-        return grpc::Status(
-            grpc::StatusCode::INVALID_ARGUMENT,
-            absl::StrCat("node ", req->name(), ": kv_capacity_bytes must be >= 0"));
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                            absl::StrCat("node ", req->name(),
+                                         ": kv_capacity_bytes must be >= 0"));
     }
     for (auto it = s_->nodes_.begin(); it != s_->nodes_.end(); ++it) {
       if (it->second.name == req->name()) {
@@ -686,7 +702,8 @@ class MembershipService final : public cl::Coordinator::Service {
     n.rank = rank;
     n.ranks = ranks;
     n.kv_capacity_bytes = req->kv_capacity_bytes();
-    if (role == NodeRole::kGpu && n.devices.empty() && n.kv_capacity_bytes > 0) {
+    if (role == NodeRole::kGpu && n.devices.empty() &&
+        n.kv_capacity_bytes > 0) {
       // gpu_only: the rank's KV room shows as its one device.
       cl::DeviceInfo d;
       d.set_device(0);
@@ -772,7 +789,8 @@ class KaratService final : public v1::Karat::Service {
                           "coordinator is shutting down");
     Session session;
     do {
-      session.id = absl::StrFormat("s-%016x", absl::Uniform<uint64_t>(s_->rng_));
+      session.id =
+          absl::StrFormat("s-%016x", absl::Uniform<uint64_t>(s_->rng_));
     } while (s_->sessions_.count(session.id));
     do {
       session.key = absl::Uniform<uint64_t>(s_->rng_);
@@ -780,8 +798,8 @@ class KaratService final : public v1::Karat::Service {
     session.seed = req->seed();
     s_->session_keys_.insert(session.key);
     FillSession(session, false, resp);
-    KLOG(Info, kLog) << "session=" << session.id << " created seed="
-                     << session.seed;
+    KLOG(Info, kLog) << "session=" << session.id
+                     << " created seed=" << session.seed;
     s_->sessions_.emplace(session.id, std::move(session));
     return grpc::Status::OK;
   }
@@ -835,16 +853,17 @@ class KaratService final : public v1::Karat::Service {
       cl::FreeSessionRequest freq;
       freq.set_session(key);
       cl::FreeSessionResponse fresp;
-      grpc::Status st =
-          home_role == NodeRole::kGpu
-              ? cl::GpuNode::NewStub(home_channel)->FreeSession(&ctx, freq, &fresp)
-              : cl::KaratNode::NewStub(home_channel)->FreeSession(&ctx, freq, &fresp);
+      grpc::Status st = home_role == NodeRole::kGpu
+                            ? cl::GpuNode::NewStub(home_channel)
+                                  ->FreeSession(&ctx, freq, &fresp)
+                            : cl::KaratNode::NewStub(home_channel)
+                                  ->FreeSession(&ctx, freq, &fresp);
       if (!st.ok()) {
         // The session is closed either way; the node frees the pages when
         // it restarts or when it learns the session is gone.
-        KLOG(Warning, kLog) << "session=" << req->session_id()
-                            << " FreeSession on " << home_name
-                            << " failed: " << st.error_message();
+        KLOG(Warning, kLog)
+            << "session=" << req->session_id() << " FreeSession on "
+            << home_name << " failed: " << st.error_message();
       }
       absl::MutexLock lock(&s_->mu_);
       s_->capacity_epoch_++;
@@ -864,7 +883,8 @@ class KaratService final : public v1::Karat::Service {
       ns->set_grpc_address(n.grpc_address);
       ns->set_provider(n.provider);
       ns->set_alive(s_->AliveLocked(n));
-      ns->set_last_heartbeat_ms_ago(absl::ToInt64Milliseconds(now - n.last_seen));
+      ns->set_last_heartbeat_ms_ago(
+          absl::ToInt64Milliseconds(now - n.last_seen));
       for (const auto& d : n.devices) {
         v1::DeviceStatus* ds = ns->add_devices();
         ds->set_device(d.device());
@@ -882,9 +902,9 @@ class KaratService final : public v1::Karat::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status Generate(grpc::ServerContext* ctx,
-                        const v1::GenerateRequest* req,
-                        grpc::ServerWriter<v1::GenerateResponse>* writer) override;
+  grpc::Status Generate(
+      grpc::ServerContext* ctx, const v1::GenerateRequest* req,
+      grpc::ServerWriter<v1::GenerateResponse>* writer) override;
 
  private:
   void FillStatsLocked(absl::Time now,
@@ -931,8 +951,9 @@ class KaratService final : public v1::Karat::Service {
   }
 
   static grpc::Status NoSession(const std::string& id) {
-    return grpc::Status(grpc::StatusCode::NOT_FOUND,
-                        absl::StrCat("no session \"", id, "\" (unknown or closed)"));
+    return grpc::Status(
+        grpc::StatusCode::NOT_FOUND,
+        absl::StrCat("no session \"", id, "\" (unknown or closed)"));
   }
 
   void FillSession(const Session& s, bool tokens, v1::Session* out) const
@@ -982,9 +1003,9 @@ class KaratService final : public v1::Karat::Service {
   // position; fails on timeout (RESOURCE_EXHAUSTED), cancel (CANCELLED),
   // shutdown or lost nodes (UNAVAILABLE).
   absl::StatusOr<AdmittedTurn> WaitForAdmission(
-      grpc::ServerContext* ctx, grpc::ServerWriter<v1::GenerateResponse>* writer,
-      const std::string& sid, int reserve_tokens,
-      const std::vector<int32_t>& prompt);
+      grpc::ServerContext* ctx,
+      grpc::ServerWriter<v1::GenerateResponse>* writer, const std::string& sid,
+      int reserve_tokens, const std::vector<int32_t>& prompt);
 
   State* s_;
   ControlPusher* control_ = nullptr;
@@ -1051,11 +1072,13 @@ absl::Status KaratService::CheckNodesLocked() const {
     if (s_->RankNodeLocked(r) != nullptr) continue;
     std::string who;
     for (const auto& [id, n] : s_->nodes_)
-      if (n.role == NodeRole::kGpu && n.rank == r) who = " (node " + n.name + ")";
+      if (n.role == NodeRole::kGpu && n.rank == r)
+        who = " (node " + n.name + ")";
     return absl::UnavailableError(absl::StrCat(
         "GPU rank ", r, " of ", ranks, who,
         " is not alive; every rank holds a share of the experts, so no turn "
-        "can run until it is restarted with --rank ", r, " --ranks ", ranks));
+        "can run until it is restarted with --rank ",
+        r, " --ranks ", ranks));
   }
   return absl::OkStatus();
 }
@@ -1090,20 +1113,24 @@ KaratService::Attempt KaratService::TryAdmit(const std::string& session_id,
     const int rank_count = s_->RankCountLocked();
     for (int r = 0; r < rank_count; ++r) {
       auto it = s_->ranks_.find(r);
-      const int running = it == s_->ranks_.end() ? 0 : it->second.running.size();
+      const int running =
+          it == s_->ranks_.end() ? 0 : it->second.running.size();
       ranks.emplace_back(running, r);
     }
     std::sort(ranks.begin(), ranks.end());
     auto has_room = [&](int r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s_->mu_) {
       auto it = s_->ranks_.find(r);
-      const int running = it == s_->ranks_.end() ? 0 : it->second.running.size();
+      const int running =
+          it == s_->ranks_.end() ? 0 : it->second.running.size();
       return running < s_->RankCapLocked(r, context);
     };
-    auto occupied = [&](const HomeDevice& h) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s_->mu_) {
-      for (const auto& [id, other] : s_->sessions_)
-        if (id != session_id && other.has_home && other.home == h) return true;
-      return false;
-    };
+    auto occupied =
+        [&](const HomeDevice& h) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s_->mu_) {
+          for (const auto& [id, other] : s_->sessions_)
+            if (id != session_id && other.has_home && other.home == h)
+              return true;
+          return false;
+        };
     if (gpu_only) {
       // The KV lives on the rank: a session sticks to it.
       std::vector<int> candidates;
@@ -1113,9 +1140,9 @@ KaratService::Attempt KaratService::TryAdmit(const std::string& session_id,
           candidates.push_back(session.rank);
         } else {
           replacing = true;
-          KLOG(Warning, kLog) << "session=" << session_id << " rank "
-                              << session.rank
-                              << " lost its KV; placing the session again";
+          KLOG(Warning, kLog)
+              << "session=" << session_id << " rank " << session.rank
+              << " lost its KV; placing the session again";
         }
       }
       if (candidates.empty())
@@ -1128,7 +1155,8 @@ KaratService::Attempt KaratService::TryAdmit(const std::string& session_id,
       }
       if (tries.empty()) return {Attempt::kWait, absl::OkStatus()};
     } else {
-      if (!has_room(ranks.front().second)) return {Attempt::kWait, absl::OkStatus()};
+      if (!has_room(ranks.front().second))
+        return {Attempt::kWait, absl::OkStatus()};
       karat_rank = ranks.front().second;
       if (session.has_home) {
         auto n = s_->nodes_.find(session.home.node_id);
@@ -1163,18 +1191,18 @@ KaratService::Attempt KaratService::TryAdmit(const std::string& session_id,
     rreq.set_tokens(tokens);
     cl::ReserveResponse rresp;
     grpc::Status st =
-        gpu_only ? cl::GpuNode::NewStub(t.channel)->Reserve(&ctx, rreq, &rresp)
-                 : cl::KaratNode::NewStub(t.channel)->Reserve(&ctx, rreq, &rresp);
+        gpu_only
+            ? cl::GpuNode::NewStub(t.channel)->Reserve(&ctx, rreq, &rresp)
+            : cl::KaratNode::NewStub(t.channel)->Reserve(&ctx, rreq, &rresp);
     if (st.ok()) {
       absl::MutexLock lock(&s_->mu_);
       auto sit = s_->sessions_.find(session_id);
       auto n = s_->nodes_.find(t.home.node_id);
       Node* gpu = s_->RankNodeLocked(t.rank);
       if (sit == s_->sessions_.end() || n == s_->nodes_.end() || gpu == nullptr)
-        return {Attempt::kFailed,
-                absl::UnavailableError(absl::StrCat(
-                    "node ", t.name, " or GPU rank ", t.rank,
-                    " went away during admission; retry"))};
+        return {Attempt::kFailed, absl::UnavailableError(absl::StrCat(
+                                      "node ", t.name, " or GPU rank ", t.rank,
+                                      " went away during admission; retry"))};
       Session& session = sit->second;
       if (!session.has_home || replacing) {
         KLOG(Info, kLog) << "session=" << session_id << " home " << t.name
@@ -1213,13 +1241,15 @@ KaratService::Attempt KaratService::TryAdmit(const std::string& session_id,
         turn->placement.set_device(t.home.device);
       }
       if (session.history.empty()) session.history.push_back(kBosToken);
-      session.history.insert(session.history.end(), prompt.begin(), prompt.end());
+      session.history.insert(session.history.end(), prompt.begin(),
+                             prompt.end());
       turn->pos_start = session.kv_len;
       turn->feed.assign(session.history.begin() + session.kv_len,
                         session.history.end());
       const int feed_end = static_cast<int>(session.history.size());
       for (int end : session.prefill_ends)
-        if (end > turn->pos_start && end < feed_end) turn->prefill_ends.push_back(end);
+        if (end > turn->pos_start && end < feed_end)
+          turn->prefill_ends.push_back(end);
       session.turns++;
       RunningTurn running;
       running.session_id = session_id;
@@ -1235,9 +1265,11 @@ KaratService::Attempt KaratService::TryAdmit(const std::string& session_id,
       continue;
     }
     KLOG(Warning, kLog) << "session=" << session_id << " Reserve on " << t.name
-                        << "/" << t.home.device << " failed: " << st.error_message();
-    other_error = absl::UnavailableError(absl::StrCat(
-        gpu_only ? "GPU node " : "KARAT node ", t.name, ": ", st.error_message()));
+                        << "/" << t.home.device
+                        << " failed: " << st.error_message();
+    other_error = absl::UnavailableError(
+        absl::StrCat(gpu_only ? "GPU node " : "KARAT node ", t.name, ": ",
+                     st.error_message()));
   }
   // Room may appear only where other sessions' KV lives; a turn refused by
   // every empty candidate can never fit.
@@ -1371,11 +1403,11 @@ grpc::Status KaratService::Generate(
   const absl::Time arrived = s_->Now();
   const std::string& sid = req->session_id();
   WaitForCancelledTurn(sid, absl::Milliseconds(200));
-  std::vector<int32_t> prompt = req->prompt_tokens().empty()
-                                    ? EncodeText(req->prompt())
-                                    : std::vector<int32_t>(
-                                          req->prompt_tokens().begin(),
-                                          req->prompt_tokens().end());
+  std::vector<int32_t> prompt =
+      req->prompt_tokens().empty()
+          ? EncodeText(req->prompt())
+          : std::vector<int32_t>(req->prompt_tokens().begin(),
+                                 req->prompt_tokens().end());
   int reserve_tokens = 0;
   {
     absl::MutexLock lock(&s_->mu_);
@@ -1391,7 +1423,8 @@ grpc::Status KaratService::Generate(
     if (s_->shutting_down_)
       return grpc::Status(grpc::StatusCode::UNAVAILABLE,
                           "coordinator is shutting down");
-    if (absl::Status nodes = CheckNodesLocked(); !nodes.ok()) return ToGrpc(nodes);
+    if (absl::Status nodes = CheckNodesLocked(); !nodes.ok())
+      return ToGrpc(nodes);
     session.busy = true;
     session.turn_ctx = ctx;
     reserve_tokens = static_cast<int>(session.history.size()) +
@@ -1415,7 +1448,8 @@ grpc::Status KaratService::Generate(
   absl::StatusOr<AdmittedTurn> admitted =
       WaitForAdmission(ctx, writer, sid, reserve_tokens, prompt);
   if (!admitted.ok()) {
-    KLOG(Info, kLog) << "session=" << sid << " turn refused: " << admitted.status();
+    KLOG(Info, kLog) << "session=" << sid
+                     << " turn refused: " << admitted.status();
     return ToGrpc(admitted.status());
   }
   AdmittedTurn& turn = *admitted;
@@ -1475,10 +1509,10 @@ grpc::Status KaratService::Generate(
   KLOG(Info, kLog) << "session=" << sid << " turn on " << turn.gpu_name
                    << " (rank " << turn.rank << ", micro-batch "
                    << run.micro_batch() << ")"
-                   << (s_->gpu_only() ? std::string(" gpu_only")
-                                      : absl::StrCat(" home=",
-                                                     turn.placement.node_name(),
-                                                     "/", turn.placement.device()))
+                   << (s_->gpu_only()
+                           ? std::string(" gpu_only")
+                           : absl::StrCat(" home=", turn.placement.node_name(),
+                                          "/", turn.placement.device()))
                    << " pos_start=" << turn.pos_start
                    << " feed=" << turn.feed.size()
                    << " max_new_tokens=" << req->max_new_tokens();
@@ -1528,7 +1562,8 @@ grpc::Status KaratService::Generate(
       if (r != s_->ranks_.end()) {
         auto t = r->second.running.find(turn.key);
         if (t != r->second.running.end())
-          t->second.context_tokens = static_cast<int64_t>(session.history.size());
+          t->second.context_tokens =
+              static_cast<int64_t>(session.history.size());
       }
     }
     if (generated == 1) ttft_us = latency;
@@ -1563,8 +1598,9 @@ grpc::Status KaratService::Generate(
   const int64_t total_us = absl::ToInt64Microseconds(s_->Now() - arrived);
   std::string reason;
   if (client_cancelled || ctx->IsCancelled()) {
-    KLOG(Info, kLog) << "session=" << sid << " turn cancelled by the client after "
-                     << generated << " tokens";
+    KLOG(Info, kLog) << "session=" << sid
+                     << " turn cancelled by the client after " << generated
+                     << " tokens";
     return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client");
   }
   if (!gpu_status.ok() && shutdown_cancel) {
@@ -1582,10 +1618,10 @@ grpc::Status KaratService::Generate(
       default:
         code = grpc::StatusCode::UNAVAILABLE;
     }
-    return grpc::Status(code,
-                        absl::StrCat("GPU node ", turn.gpu_name,
-                                     " failed during the turn after ", generated,
-                                     " tokens: ", gpu_status.error_message()));
+    return grpc::Status(
+        code, absl::StrCat("GPU node ", turn.gpu_name,
+                           " failed during the turn after ", generated,
+                           " tokens: ", gpu_status.error_message()));
   } else {
     reason = eos ? "eos" : "length";
   }
@@ -1693,14 +1729,17 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(
         "mode must be \"karat\" or \"gpu_only\", got \"", options.mode, "\""));
   if (options.scheduling.micro_batches() < 0 ||
       options.scheduling.micro_batches() > 2)
-    return absl::InvalidArgumentError("scheduling.micro_batches must be 0, 1 or 2");
+    return absl::InvalidArgumentError(
+        "scheduling.micro_batches must be 0, 1 or 2");
   const std::string& balance = options.scheduling.balance();
   if (!balance.empty() && balance != "cmr" && balance != "count")
-    return absl::InvalidArgumentError(absl::StrCat(
-        "scheduling.balance must be \"cmr\" or \"count\", got \"", balance, "\""));
+    return absl::InvalidArgumentError(
+        absl::StrCat("scheduling.balance must be \"cmr\" or \"count\", got \"",
+                     balance, "\""));
   if (!(options.scheduling.tbt_slo_ms() >= 0) ||
       std::isinf(options.scheduling.tbt_slo_ms()))
-    return absl::InvalidArgumentError("scheduling.tbt_slo_ms must be >= 0 and finite");
+    return absl::InvalidArgumentError(
+        "scheduling.tbt_slo_ms must be >= 0 and finite");
   auto impl = std::make_unique<CoordinatorImpl>(options);
   absl::Status st = impl->Init();
   if (!st.ok()) return st;

@@ -15,7 +15,8 @@
 namespace {
 
 constexpr char kUsage[] =
-    "usage: karat-coordinator [--config FILE] [--model DIR] [--listen HOST:PORT]\n"
+    "usage: karat-coordinator [--config FILE] [--model DIR] [--listen "
+    "HOST:PORT]\n"
     "                         [--port-file PATH] [--log-level LEVEL]\n"
     "                         [--max-new-tokens-limit N]\n"
     "  --model DIR  the model the config is checked against (experts per\n"
@@ -46,7 +47,8 @@ int main(int argc, char** argv) {
     std::string arg = argv[i];
     std::string value;
     bool has_value = false;
-    if (auto eq = arg.find('='); arg.rfind("--", 0) == 0 && eq != std::string::npos) {
+    if (auto eq = arg.find('=');
+        arg.rfind("--", 0) == 0 && eq != std::string::npos) {
       value = arg.substr(eq + 1);
       arg = arg.substr(0, eq);
       has_value = true;
@@ -56,15 +58,22 @@ int main(int argc, char** argv) {
       if (i + 1 >= argc) UsageError(arg + " needs a value");
       return argv[++i];
     };
-    if (arg == "--config") config_path = next();
-    else if (arg == "--model") model_dir = next();
-    else if (arg == "--listen") listen = next();
-    else if (arg == "--port-file") port_file = next();
-    else if (arg == "--log-level") log_level = next();
+    if (arg == "--config")
+      config_path = next();
+    else if (arg == "--model")
+      model_dir = next();
+    else if (arg == "--listen")
+      listen = next();
+    else if (arg == "--port-file")
+      port_file = next();
+    else if (arg == "--log-level")
+      log_level = next();
     else if (arg == "--max-new-tokens-limit") {
       std::string v = next();
-      if (!absl::SimpleAtoi(v, &max_new_tokens_limit) || max_new_tokens_limit < 1)
-        UsageError("--max-new-tokens-limit must be a positive integer, got " + v);
+      if (!absl::SimpleAtoi(v, &max_new_tokens_limit) ||
+          max_new_tokens_limit < 1)
+        UsageError("--max-new-tokens-limit must be a positive integer, got " +
+                   v);
     } else if (arg == "--help" || arg == "-h") {
       std::fputs(kUsage, stdout);
       return 0;
@@ -102,12 +111,12 @@ int main(int argc, char** argv) {
     // reason, rather than by a GPU node later.
     if (model_dir.empty()) model_dir = config->model_dir();
     if (!model_dir.empty()) {
-      absl::Status fits =
-          karat::coordinator::CheckClusterConfigAgainstModel(*config, model_dir);
+      absl::Status fits = karat::coordinator::CheckClusterConfigAgainstModel(
+          *config, model_dir);
       if (fits.code() == absl::StatusCode::kNotFound) {
-        KLOG(Warning, "coordinator")
-            << fits.message()
-            << "; the config is not checked against the model (pass --model DIR)";
+        KLOG(Warning, "coordinator") << fits.message()
+                                     << "; the config is not checked against "
+                                        "the model (pass --model DIR)";
       } else if (!fits.ok()) {
         std::fprintf(stderr, "karat-coordinator: %s: %s\n", config_path.c_str(),
                      std::string(fits.message()).c_str());
@@ -118,7 +127,8 @@ int main(int argc, char** argv) {
     UsageError("--model needs --config");
   }
   if (!listen.empty()) options.listen = listen;
-  if (max_new_tokens_limit > 0) options.max_new_tokens_limit = max_new_tokens_limit;
+  if (max_new_tokens_limit > 0)
+    options.max_new_tokens_limit = max_new_tokens_limit;
 
   // Signals are taken synchronously by this thread; every other thread
   // inherits the blocked mask.

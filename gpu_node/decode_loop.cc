@@ -48,7 +48,8 @@ absl::Status ValidateTurnRequest(const cluster::RunTurnRequest& r,
     if (end <= previous || end > r.pos_start() + r.feed_tokens_size()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "prefill_ends[", i, "] = ", end,
-          " must be increasing and inside (pos_start, pos_start + feed size] = (",
+          " must be increasing and inside (pos_start, pos_start + feed size] = "
+          "(",
           r.pos_start(), ", ", r.pos_start() + r.feed_tokens_size(), "]"));
     }
     previous = end;
@@ -78,7 +79,8 @@ TurnRequest TurnRequestFromProto(const cluster::RunTurnRequest& r) {
   t.max_new_tokens = r.max_new_tokens();
   t.placement = r.placement();
   t.micro_batch = r.micro_batch();
-  for (int end : r.prefill_ends()) t.prefill_ends.push_back(end - r.pos_start());
+  for (int end : r.prefill_ends())
+    t.prefill_ends.push_back(end - r.pos_start());
   return t;
 }
 

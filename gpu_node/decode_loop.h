@@ -15,12 +15,12 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "cluster.pb.h"
-#include "absl/container/flat_hash_map.h"
 #include "common/model_runner.h"
 #include "gpu_node/worker_token.h"
 

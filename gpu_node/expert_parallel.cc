@@ -20,17 +20,6 @@ namespace {
 
 constexpr const char* kLogModule = "expert_parallel";
 
-std::string_view Bytes(const void* data, size_t len) {
-  return std::string_view(static_cast<const char*>(data), len);
-}
-
-absl::StatusCode CodeFromWire(uint32_t code) {
-  if (code == 0 || code > uint32_t(absl::StatusCode::kUnauthenticated)) {
-    return absl::StatusCode::kUnknown;
-  }
-  return static_cast<absl::StatusCode>(code);
-}
-
 template <typename T>
 std::vector<T> CopyArray(std::string_view bytes) {
   std::vector<T> v(bytes.size() / sizeof(T));
@@ -137,10 +126,10 @@ struct ExpertParallel::Impl {
   std::thread service;
 
   std::atomic<uint64_t> frames_sent{0}, bytes_sent{0}, frames_received{0},
-      bytes_received{0}, dispatches_sent{0}, dispatches_served{0},
-      rows_sent{0}, rows_served{0}, frames_invalid{0},
-      frames_unknown_sender{0}, frames_stale{0}, send_errors{0}, calls{0},
-      calls_failed{0}, waits{0}, wait_ns{0};
+      bytes_received{0}, dispatches_sent{0}, dispatches_served{0}, rows_sent{0},
+      rows_served{0}, frames_invalid{0}, frames_unknown_sender{0},
+      frames_stale{0}, send_errors{0}, calls{0}, calls_failed{0}, waits{0},
+      wait_ns{0};
 };
 
 class ExpertParallel::MicroBatchExperts : public ExpertBackend {
@@ -190,11 +179,9 @@ absl::StatusOr<std::vector<DispatchPlan>> ExpertParallel::Impl::Plan(
         for (int row : work.rows_of[e]) new_distinct += marked[row] ? 0 : 1;
         const size_t m = plan.experts.size() + 1;
         const size_t new_total = total + work.rows_of[e].size();
-        const size_t dispatch_bytes =
-            EncodedFrameSize({m * 4, m * 4, new_total * 4,
-                              new_distinct * row_bytes});
-        const size_t combine_bytes =
-            EncodedFrameSize({new_total * row_bytes});
+        const size_t dispatch_bytes = EncodedFrameSize(
+            {m * 4, m * 4, new_total * 4, new_distinct * row_bytes});
+        const size_t combine_bytes = EncodedFrameSize({new_total * row_bytes});
         if (std::max(dispatch_bytes, combine_bytes) <= max_bytes) {
           for (int row : work.rows_of[e]) marked[row] = 1;
           plan.experts.push_back(e);
@@ -203,12 +190,12 @@ absl::StatusOr<std::vector<DispatchPlan>> ExpertParallel::Impl::Plan(
           break;
         }
         if (plan.experts.empty()) {
-          return absl::ResourceExhaustedError(absl::StrCat(
-              "the ", work.rows_of[e].size(), " rows of expert ", e,
-              " in layer ", work.layer, " need a ",
-              std::max(dispatch_bytes, combine_bytes),
-              "-byte frame; the data plane carries at most ", max_bytes,
-              " bytes (use smaller steps)"));
+          return absl::ResourceExhaustedError(
+              absl::StrCat("the ", work.rows_of[e].size(), " rows of expert ",
+                           e, " in layer ", work.layer, " need a ",
+                           std::max(dispatch_bytes, combine_bytes),
+                           "-byte frame; the data plane carries at most ",
+                           max_bytes, " bytes (use smaller steps)"));
         }
         plans.push_back(plan);
         reset();
@@ -297,9 +284,8 @@ absl::Status ExpertParallel::Impl::Run(int mb, WaitHooks* hooks, uint64_t step,
     }
     if (!status.ok()) {
       calls_failed.fetch_add(1);
-      KLOG(Warning, kLogModule)
-          << "rank " << rank << " layer " << work.layer << " micro-batch "
-          << mb << ": " << status;
+      KLOG(Warning, kLogModule) << "rank " << rank << " layer " << work.layer
+                                << " micro-batch " << mb << ": " << status;
     }
     return status;
   };
@@ -364,16 +350,16 @@ absl::Status ExpertParallel::Impl::Run(int mb, WaitHooks* hooks, uint64_t step,
     header.step = step;
     header.session = id;
     header.n_tokens = uint32_t(distinct.size());
-    absl::Status sent = SendFrame(
-        peer.id, header,
-        {Bytes(ids.data(), ids.size() * 4), Bytes(counts.data(), counts.size() * 4),
-         Bytes(indices.data(), indices.size() * 4),
-         Bytes(rows.data(), rows.size() * sizeof(float))});
+    absl::Status sent =
+        SendFrame(peer.id, header,
+                  {SectionBytes(ids.data(), ids.size() * 4),
+                   SectionBytes(counts.data(), counts.size() * 4),
+                   SectionBytes(indices.data(), indices.size() * 4),
+                   SectionBytes(rows.data(), rows.size() * sizeof(float))});
     if (!sent.ok()) {
-      return finish(absl::UnavailableError(
-          absl::StrCat("cannot send MoeDispatch of layer ", work.layer,
-                       " to GPU rank ", plan.rank, " (", peer.name,
-                       "): ", sent.message())));
+      return finish(absl::UnavailableError(absl::StrCat(
+          "cannot send MoeDispatch of layer ", work.layer, " to GPU rank ",
+          plan.rank, " (", peer.name, "): ", sent.message())));
     }
     dispatches_sent.fetch_add(1);
     rows_sent.fetch_add(distinct.size());
@@ -414,10 +400,10 @@ absl::Status ExpertParallel::Impl::Run(int mb, WaitHooks* hooks, uint64_t step,
       if (!p.status.ok()) {
         result = p.status;
       } else if (!p.done && !call.failed) {
-        result = absl::UnavailableError(absl::StrCat(
-            "no MoeCombine from GPU rank ", p.rank, " (", p.peer_name,
-            ") for layer ", work.layer, " within ",
-            absl::ToInt64Milliseconds(options.timeout), " ms"));
+        result = absl::UnavailableError(
+            absl::StrCat("no MoeCombine from GPU rank ", p.rank, " (",
+                         p.peer_name, ") for layer ", work.layer, " within ",
+                         absl::ToInt64Milliseconds(options.timeout), " ms"));
       }
     }
     for (uint64_t id : registered) pending.erase(id);
@@ -472,15 +458,15 @@ void ExpertParallel::Impl::OnDispatch(const FrameView& frame, int from_rank,
                      ", which is not an MoE layer of this model")));
   } else if (frame.sections[0].empty() || frame.sections[0].size() % 4 != 0 ||
              frame.sections[1].size() != frame.sections[0].size()) {
-    invalid(absl::InvalidArgumentError(absl::StrCat(
-        "MoeDispatch expert list of ", frame.sections[0].size(),
-        " bytes and count list of ", frame.sections[1].size(),
-        " bytes; expected equal non-empty multiples of 4")));
+    invalid(absl::InvalidArgumentError(
+        absl::StrCat("MoeDispatch expert list of ", frame.sections[0].size(),
+                     " bytes and count list of ", frame.sections[1].size(),
+                     " bytes; expected equal non-empty multiples of 4")));
   } else if (frame.sections[3].size() != size_t(h.n_tokens) * row_bytes) {
-    invalid(absl::InvalidArgumentError(absl::StrCat(
-        "MoeDispatch rows of ", frame.sections[3].size(), " bytes; ",
-        h.n_tokens, " rows of hidden size ", hidden, " need ",
-        size_t(h.n_tokens) * row_bytes)));
+    invalid(absl::InvalidArgumentError(
+        absl::StrCat("MoeDispatch rows of ", frame.sections[3].size(),
+                     " bytes; ", h.n_tokens, " rows of hidden size ", hidden,
+                     " need ", size_t(h.n_tokens) * row_bytes)));
   } else {
     job.experts = CopyArray<int32_t>(frame.sections[0]);
     job.counts = CopyArray<int32_t>(frame.sections[1]);
@@ -504,9 +490,9 @@ void ExpertParallel::Impl::OnDispatch(const FrameView& frame, int from_rank,
       total += uint64_t(std::max(job.counts[i], 0));
     }
     if (job.error.ok() && frame.sections[2].size() != total * 4) {
-      invalid(absl::InvalidArgumentError(absl::StrCat(
-          "MoeDispatch index list of ", frame.sections[2].size(),
-          " bytes; the counts add up to ", total, " rows")));
+      invalid(absl::InvalidArgumentError(
+          absl::StrCat("MoeDispatch index list of ", frame.sections[2].size(),
+                       " bytes; the counts add up to ", total, " rows")));
     }
     if (job.error.ok()) {
       job.indices = CopyArray<int32_t>(frame.sections[2]);
@@ -534,10 +520,10 @@ void ExpertParallel::Impl::OnAnswer(const FrameView& frame, int from_rank) {
   auto it = pending.find(h.session);
   if (it == pending.end() || it->second.done) {
     frames_stale.fetch_add(1);
-    KLOG(Debug, kLogModule) << "rank " << rank << ": stale "
-                            << FrameTypeName(h.type) << " from node "
-                            << h.src_node << " (request " << h.session
-                            << ", layer " << h.layer << ") dropped";
+    KLOG(Debug, kLogModule)
+        << "rank " << rank << ": stale " << FrameTypeName(h.type)
+        << " from node " << h.src_node << " (request " << h.session
+        << ", layer " << h.layer << ") dropped";
     return;
   }
   Pending& p = it->second;
@@ -552,7 +538,7 @@ void ExpertParallel::Impl::OnAnswer(const FrameView& frame, int from_rank) {
     const std::string_view text =
         h.n_sections > 0 ? frame.sections[0] : std::string_view();
     p.status = absl::Status(
-        CodeFromWire(h.status),
+        StatusCodeFromWire(h.status),
         absl::StrCat("GPU rank ", p.rank, " (", p.peer_name, "), layer ",
                      p.layer, ": ", std::string(text)));
     p.call->failed = true;
@@ -564,8 +550,8 @@ void ExpertParallel::Impl::OnAnswer(const FrameView& frame, int from_rank) {
                                  h.n_sections, " sections; expected ",
                                  p.expected_floats * sizeof(float)));
     p.status = absl::DataLossError(absl::StrCat(
-        "GPU rank ", p.rank, " (", p.peer_name, ") sent a MoeCombine of ",
-        got, " bytes for layer ", p.layer, "; expected ",
+        "GPU rank ", p.rank, " (", p.peer_name, ") sent a MoeCombine of ", got,
+        " bytes for layer ", p.layer, "; expected ",
         p.expected_floats * sizeof(float)));
     p.call->failed = true;
     return;
@@ -609,7 +595,7 @@ void ExpertParallel::Impl::Serve(Job& job) {
     answer.type = static_cast<uint16_t>(FrameType::kMoeCombine);
     answer.n_tokens = uint32_t(job.indices.size());
     sent = SendFrame(job.peer, answer,
-                     {Bytes(out.data(), out.size() * sizeof(float))});
+                     {SectionBytes(out.data(), out.size() * sizeof(float))});
     if (sent.ok()) {
       dispatches_served.fetch_add(1);
       rows_served.fetch_add(job.rows.size() / size_t(hidden));
@@ -711,9 +697,9 @@ absl::Status ExpertParallel::SetPeers(
     if (!peer.known) continue;
     absl::StatusOr<PeerId> id = m.transport->AddPeer(peer.name, peer.address);
     if (!id.ok()) {
-      return absl::Status(id.status().code(),
-                          absl::StrCat("GPU peer '", peer.name,
-                                       "': ", id.status().message()));
+      return absl::Status(
+          id.status().code(),
+          absl::StrCat("GPU peer '", peer.name, "': ", id.status().message()));
     }
     peer.id = *id;
   }

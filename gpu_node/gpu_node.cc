@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "cluster.grpc.pb.h"
+#include "common/frame.h"
 #include "common/link_emulation.h"
 #include "common/log.h"
 #include "common/membership.h"
@@ -16,7 +17,6 @@
 #include "common/node_daemon.h"
 #include "common/status_macros.h"
 #include "common/transport.h"
-#include "common/frame.h"
 #include "gpu_node/decode_loop.h"
 #include "gpu_node/expert_parallel.h"
 #include "gpu_node/local_attention.h"
@@ -161,10 +161,9 @@ class GpuNodeService final : public cluster::GpuNode::Service {
     absl::flat_hash_map<uint64_t, int> assignment;
     for (const auto& [session, mb] : request->micro_batch()) {
       if (mb < 0 || mb > 1) {
-        return grpc::Status(
-            grpc::StatusCode::INVALID_ARGUMENT,
-            absl::StrCat("micro_batch of session ", session,
-                         " must be 0 or 1, got ", mb));
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                            absl::StrCat("micro_batch of session ", session,
+                                         " must be 0 or 1, got ", mb));
       }
       assignment[session] = mb;
     }
@@ -181,9 +180,9 @@ class GpuNodeService final : public cluster::GpuNode::Service {
                           "KARAT nodes (Reserve there)");
     }
     if (request->tokens() <= 0) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          absl::StrCat("tokens must be > 0, got ",
-                                       request->tokens()));
+      return grpc::Status(
+          grpc::StatusCode::INVALID_ARGUMENT,
+          absl::StrCat("tokens must be > 0, got ", request->tokens()));
     }
     absl::Status s = local_->Reserve(request->session(), request->tokens());
     if (!s.ok()) return ToGrpc(s);
@@ -272,7 +271,7 @@ struct GpuNodeDaemon::Impl {
   std::unique_ptr<ModelRunner> runner;
   std::string fingerprint;
   std::unique_ptr<Transport> transport;
-  LinkEmulator* links = nullptr;  // == transport
+  LinkEmulator* links = nullptr;                    // == transport
   std::unique_ptr<RemoteAttentionBackend> backend;  // karat mode
   std::unique_ptr<GpuLocalAttention> local;         // gpu_only mode
   std::unique_ptr<DecodeLoop> loop;
@@ -288,17 +287,15 @@ struct GpuNodeDaemon::Impl {
     if (experts != nullptr) {
       experts->OnMessage(message);
     } else {
-      KLOG(Warning, "gpu_node")
-          << "dropping a MoE frame of " << message.size()
-          << " bytes: this node is the only GPU rank";
+      KLOG(Warning, "gpu_node") << "dropping a MoE frame of " << message.size()
+                                << " bytes: this node is the only GPU rank";
     }
   }
   ExpertSource ExpertSourceFn() {
     if (experts == nullptr) return nullptr;
     ExpertParallel* ep = experts.get();
-    return [ep](int mb, WaitHooks* hooks) {
-      return ep->ForMicroBatch(mb, hooks);
-    };
+    return
+        [ep](int mb, WaitHooks* hooks) { return ep->ForMicroBatch(mb, hooks); };
   }
   void SetNodeId(uint32_t id) {
     if (experts != nullptr) experts->set_node_id(id);
@@ -331,21 +328,21 @@ absl::StatusOr<std::unique_ptr<GpuNodeDaemon>> GpuNodeDaemon::Start(
     impl->fingerprint = ModelFingerprint(files);
     if (options.rank < 0 || options.ranks < 1 ||
         options.rank >= options.ranks) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--rank ", options.rank, " must be in [0, --ranks ",
-                       options.ranks, ")"));
+      return absl::InvalidArgumentError(absl::StrCat("--rank ", options.rank,
+                                                     " must be in [0, --ranks ",
+                                                     options.ranks, ")"));
     }
     RunnerOptions runner;
     runner.rank = options.rank;
     runner.ranks = options.ranks;
     ASSIGN_OR_RETURN(impl->runner, ModelRunner::Create(files, runner));
   }
-  const int64_t weight_bytes = RankWeightBytes(
-      impl->runner->config(), options.rank, options.ranks);
+  const int64_t weight_bytes =
+      RankWeightBytes(impl->runner->config(), options.rank, options.ranks);
   if (options.hbm_bytes > 0 && options.hbm_bytes < weight_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--hbm-bytes ", options.hbm_bytes, " cannot hold rank ", options.rank,
-        "'s ", weight_bytes, " bytes of weights"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--hbm-bytes ", options.hbm_bytes, " cannot hold rank ",
+                     options.rank, "'s ", weight_bytes, " bytes of weights"));
   }
   if (options.gpu_only && options.hbm_bytes <= 0) {
     return absl::InvalidArgumentError(
@@ -366,13 +363,13 @@ absl::StatusOr<std::unique_ptr<GpuNodeDaemon>> GpuNodeDaemon::Start(
   impl->transport = std::move(links);
   StepBackend* step_backend = nullptr;
   if (options.gpu_only) {
-    ASSIGN_OR_RETURN(MethodWeights weights,
-                     LoadMethodWeights(options.model_dir,
-                                       impl->runner->config()));
-    ASSIGN_OR_RETURN(impl->local, GpuLocalAttention::Create(
-                                      impl->runner->config(), weights,
-                                      options.tokens_per_page,
-                                      size_t(kv_capacity)));
+    ASSIGN_OR_RETURN(
+        MethodWeights weights,
+        LoadMethodWeights(options.model_dir, impl->runner->config()));
+    ASSIGN_OR_RETURN(impl->local,
+                     GpuLocalAttention::Create(impl->runner->config(), weights,
+                                               options.tokens_per_page,
+                                               size_t(kv_capacity)));
     step_backend = impl->local.get();
   } else {
     RemoteAttentionOptions remote;
@@ -385,8 +382,8 @@ absl::StatusOr<std::unique_ptr<GpuNodeDaemon>> GpuNodeDaemon::Start(
   if (options.ranks > 1) {
     ExpertParallelOptions ep;
     ep.timeout = options.attention_timeout;
-    impl->experts = std::make_unique<ExpertParallel>(
-        impl->runner.get(), impl->transport.get(), ep);
+    impl->experts = std::make_unique<ExpertParallel>(impl->runner.get(),
+                                                     impl->transport.get(), ep);
   }
   // One receive handler for the node: attention frames to the remote
   // attention backend, MoE frames to the expert-parallel service.
@@ -401,8 +398,7 @@ absl::StatusOr<std::unique_ptr<GpuNodeDaemon>> GpuNodeDaemon::Start(
     } else {
       KLOG(Warning, "gpu_node")
           << "dropping a " << FrameTypeName(type) << " frame from "
-          << impl->transport->PeerName(from)
-          << ": attention runs on this rank";
+          << impl->transport->PeerName(from) << ": attention runs on this rank";
     }
   });
 

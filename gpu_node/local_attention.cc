@@ -8,8 +8,7 @@
 namespace karat {
 
 GpuLocalAttention::GpuLocalAttention(const ModelConfig& config,
-                                     int tokens_per_page,
-                                     size_t capacity_bytes)
+                                     int tokens_per_page, size_t capacity_bytes)
     : capacity_(capacity_bytes),
       local_(config, tokens_per_page, capacity_bytes) {}
 
@@ -26,8 +25,8 @@ absl::StatusOr<std::unique_ptr<GpuLocalAttention>> GpuLocalAttention::Create(
 
 size_t GpuLocalAttention::BytesFor(int tokens) const {
   const KvLayout& l = local_.layout();
-  const size_t pages = (size_t(tokens) + l.tokens_per_page - 1) /
-                       size_t(l.tokens_per_page);
+  const size_t pages =
+      (size_t(tokens) + l.tokens_per_page - 1) / size_t(l.tokens_per_page);
   return pages * l.page_bytes * size_t(l.num_layers);
 }
 
@@ -37,10 +36,9 @@ absl::Status GpuLocalAttention::Reserve(uint64_t session, int tokens) {
   absl::Status s = local_.Reserve(session, tokens);
   if (!s.ok()) {
     if (!known) local_.Drop(session);
-    return absl::ResourceExhaustedError(
-        absl::StrCat("the GPU rank's memory left for KV (", capacity_,
-                     " bytes) cannot hold ", tokens, " more positions: ",
-                     s.message()));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the GPU rank's memory left for KV (", capacity_,
+        " bytes) cannot hold ", tokens, " more positions: ", s.message()));
   }
   int& r = reserved_[session];
   r = std::max(r, tokens);

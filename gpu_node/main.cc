@@ -23,50 +23,50 @@ constexpr char kUsage[] =
 karat::GpuNodeOptions ParseFlags(int argc, char** argv) {
   const karat::NodeFlagParser parser("karat-gpu-node", kUsage);
   karat::GpuNodeOptions o;
-  parser.Parse(argc, argv, karat::NodeFlagsOf(&o),
-               [&](const std::string& flag, const std::string& value) {
-                 if (flag == "--max-step-tokens") {
-                   o.max_step_tokens = parser.PositiveInt(flag, value);
-                 } else if (flag == "--max-batch") {
-                   o.max_batch = parser.PositiveInt(flag, value);
-                 } else if (flag == "--threads") {
-                   o.threads = parser.PositiveInt(flag, value);
-                 } else if (flag == "--rank") {
-                   int64_t rank = 0;
-                   if (!absl::SimpleAtoi(value, &rank) || rank < 0) {
-                     parser.BadFlag(flag, "must be an integer >= 0");
-                   }
-                   o.rank = int(rank);
-                 } else if (flag == "--ranks") {
-                   o.ranks = parser.PositiveInt(flag, value);
-                 } else if (flag == "--mode") {
-                   if (value != "karat" && value != "gpu_only") {
-                     parser.BadFlag(flag, "must be karat or gpu_only");
-                   }
-                   o.gpu_only = value == "gpu_only";
-                 } else if (flag == "--hbm-bytes") {
-                   if (!absl::SimpleAtoi(value, &o.hbm_bytes) ||
-                       o.hbm_bytes < 0) {
-                     parser.BadFlag(flag, "must be a byte count >= 0");
-                   }
-                 } else if (flag == "--micro-batches") {
-                   o.micro_batches = parser.PositiveInt(flag, value);
-                   if (o.micro_batches > 2) {
-                     parser.BadFlag(flag, "must be 1 or 2");
-                   }
-                 } else if (flag == "--schedule") {
-                   if (value != "ofms" && value != "scms") {
-                     parser.BadFlag(flag, "must be ofms or scms");
-                   }
-                   o.schedule = value;
-                 } else if (flag == "--attention-timeout-ms") {
-                   o.attention_timeout =
-                       absl::Milliseconds(parser.PositiveInt(flag, value));
-                 } else {
-                   return false;
-                 }
-                 return true;
-               });
+  parser.Parse(
+      argc, argv, karat::NodeFlagsOf(&o),
+      [&](const std::string& flag, const std::string& value) {
+        if (flag == "--max-step-tokens") {
+          o.max_step_tokens = parser.PositiveInt(flag, value);
+        } else if (flag == "--max-batch") {
+          o.max_batch = parser.PositiveInt(flag, value);
+        } else if (flag == "--threads") {
+          o.threads = parser.PositiveInt(flag, value);
+        } else if (flag == "--rank") {
+          int64_t rank = 0;
+          if (!absl::SimpleAtoi(value, &rank) || rank < 0) {
+            parser.BadFlag(flag, "must be an integer >= 0");
+          }
+          o.rank = int(rank);
+        } else if (flag == "--ranks") {
+          o.ranks = parser.PositiveInt(flag, value);
+        } else if (flag == "--mode") {
+          if (value != "karat" && value != "gpu_only") {
+            parser.BadFlag(flag, "must be karat or gpu_only");
+          }
+          o.gpu_only = value == "gpu_only";
+        } else if (flag == "--hbm-bytes") {
+          if (!absl::SimpleAtoi(value, &o.hbm_bytes) || o.hbm_bytes < 0) {
+            parser.BadFlag(flag, "must be a byte count >= 0");
+          }
+        } else if (flag == "--micro-batches") {
+          o.micro_batches = parser.PositiveInt(flag, value);
+          if (o.micro_batches > 2) {
+            parser.BadFlag(flag, "must be 1 or 2");
+          }
+        } else if (flag == "--schedule") {
+          if (value != "ofms" && value != "scms") {
+            parser.BadFlag(flag, "must be ofms or scms");
+          }
+          o.schedule = value;
+        } else if (flag == "--attention-timeout-ms") {
+          o.attention_timeout =
+              absl::Milliseconds(parser.PositiveInt(flag, value));
+        } else {
+          return false;
+        }
+        return true;
+      });
   return o;
 }
 

@@ -24,17 +24,6 @@ std::string NodeName(const cluster::KaratPlacement& p) {
                                : p.node_name();
 }
 
-std::string_view Bytes(const void* data, size_t len) {
-  return std::string_view(static_cast<const char*>(data), len);
-}
-
-absl::StatusCode CodeFromWire(uint32_t code) {
-  if (code == 0 || code > uint32_t(absl::StatusCode::kUnauthenticated)) {
-    return absl::StatusCode::kUnknown;
-  }
-  return static_cast<absl::StatusCode>(code);
-}
-
 }  // namespace
 
 struct RemoteAttentionBackend::Impl {
@@ -139,10 +128,10 @@ void RemoteAttentionBackend::Impl::OnMessage(std::string_view message,
   }
   if (type != FrameType::kAttnOut && type != FrameType::kError) {
     frames_invalid.fetch_add(1);
-    KLOG(Warning, "gpu_node") << "unexpected " << FrameTypeName(h.type)
-                              << " frame from node " << h.src_node
-                              << (from.empty() ? "" : " (") << from
-                              << (from.empty() ? "" : ")");
+    KLOG(Warning, "gpu_node")
+        << "unexpected " << FrameTypeName(h.type) << " frame from node "
+        << h.src_node << (from.empty() ? "" : " (") << from
+        << (from.empty() ? "" : ")");
     return;
   }
   auto it = pending.find(Key{h.micro_batch, h.step, h.layer, h.session});
@@ -159,7 +148,7 @@ void RemoteAttentionBackend::Impl::OnMessage(std::string_view message,
     const std::string_view text =
         h.n_sections > 0 ? frame->sections[0] : std::string_view();
     slot.status = absl::Status(
-        CodeFromWire(h.status),
+        StatusCodeFromWire(h.status),
         absl::StrCat("KARAT node ", slot.node, ": ", std::string(text)));
     failed[slot.mb] = true;
   } else if (h.n_sections != 1 ||
@@ -405,25 +394,26 @@ absl::Status RemoteAttentionBackend::Impl::RunLayer(
       const IndexInputs in = traffic->IndexFor(int(i), s);
       const size_t hi = s.index_heads, di = s.index_dim;
       header.type = static_cast<uint16_t>(FrameType::kIndexQK);
-      sent = m.Send(
-          mb, peers[i], node, header,
-          {Bytes(in.q_codes, n * hi * di),
-           Bytes(in.q_scales, n * hi * sizeof(float)),
-           Bytes(in.weights, n * hi * sizeof(float)), Bytes(in.k_codes, n * di),
-           Bytes(in.k_scales, n * sizeof(float))});
+      sent = m.Send(mb, peers[i], node, header,
+                    {SectionBytes(in.q_codes, n * hi * di),
+                     SectionBytes(in.q_scales, n * hi * sizeof(float)),
+                     SectionBytes(in.weights, n * hi * sizeof(float)),
+                     SectionBytes(in.k_codes, n * di),
+                     SectionBytes(in.k_scales, n * sizeof(float))});
     }
     if (sent.ok()) {
       const AttnInputs in = traffic->AttnFor(int(i), s);
       header.type = static_cast<uint16_t>(FrameType::kAttnQKV);
       std::vector<std::string_view> sections = {
-          Bytes(in.q, n * size_t(s.heads) * size_t(s.q_dim) * sizeof(float)),
-          Bytes(in.kv, n * size_t(s.kv_dim) * sizeof(uint16_t))};
+          SectionBytes(in.q,
+                       n * size_t(s.heads) * size_t(s.q_dim) * sizeof(float)),
+          SectionBytes(in.kv, n * size_t(s.kv_dim) * sizeof(uint16_t))};
       // The optional flags section of the GQA forms
       // (karat_node/data_plane.h): bit 0 marks the end of the turn's
       // prefill; sent only when set, so every other frame stays as it was.
       static constexpr uint32_t kEndsPrefill = 1;
       if (segs[i].ends_prefill && s.kv_heads > 0) {
-        sections.push_back(Bytes(&kEndsPrefill, sizeof(kEndsPrefill)));
+        sections.push_back(SectionBytes(&kEndsPrefill, sizeof(kEndsPrefill)));
       }
       sent = m.Send(mb, peers[i], node, header, sections);
     }

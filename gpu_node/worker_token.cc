@@ -8,8 +8,8 @@ namespace karat {
 absl::StatusOr<Schedule> ParseSchedule(const std::string& name) {
   if (name.empty() || name == "ofms") return Schedule::kOfms;
   if (name == "scms") return Schedule::kScms;
-  return absl::InvalidArgumentError(
-      absl::StrCat("schedule must be \"ofms\" or \"scms\", got \"", name, "\""));
+  return absl::InvalidArgumentError(absl::StrCat(
+      "schedule must be \"ofms\" or \"scms\", got \"", name, "\""));
 }
 
 const char* ScheduleName(Schedule s) {

@@ -272,8 +272,8 @@ absl::Status KaratDevice::ChargeMetadata(uint64_t session, Session* s) {
   UpdatePageCounts(s);
   if (status.ok()) return status;
   return absl::ResourceExhaustedError(absl::StrCat(
-      "device ", index_, ": the attention metadata of session ", session,
-      " (", bytes, " bytes) does not fit: ", status.message()));
+      "device ", index_, ": the attention metadata of session ", session, " (",
+      bytes, " bytes) does not fit: ", status.message()));
 }
 
 void KaratDevice::UpdatePageCounts(Session* s, bool dropping) {

@@ -290,8 +290,8 @@ std::optional<Result> MeasureFiPingpong(const std::string& provider,
   // The server needs a moment to listen on its control port; retry.
   for (int attempt = 0; attempt < 20 && !result; ++attempt) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    const std::string cmd = absl::StrCat(common, " -P ", port,
-                                         " 127.0.0.1 2>/dev/null");
+    const std::string cmd =
+        absl::StrCat(common, " -P ", port, " 127.0.0.1 2>/dev/null");
     FILE* f = popen(cmd.c_str(), "r");
     if (f == nullptr) break;
     char line[512];
@@ -300,7 +300,8 @@ std::optional<Result> MeasureFiPingpong(const std::string& provider,
           absl::StrSplit(line, ' ', absl::SkipWhitespace());
       double mbps, usec;
       if (cols.size() >= 7 && cols[0] != "bytes" &&
-          absl::SimpleAtod(cols[5], &mbps) && absl::SimpleAtod(cols[6], &usec)) {
+          absl::SimpleAtod(cols[5], &mbps) &&
+          absl::SimpleAtod(cols[6], &usec)) {
         result = Result{usec, mbps};
       }
     }
@@ -712,7 +713,8 @@ int Main(int argc, char** argv) {
       providers = absl::StrSplit(value(), ',', absl::SkipEmpty());
     } else if (flag == "--sizes") {
       sizes.clear();
-      for (absl::string_view s : absl::StrSplit(value(), ',', absl::SkipEmpty())) {
+      for (absl::string_view s :
+           absl::StrSplit(value(), ',', absl::SkipEmpty())) {
         size_t n;
         if (!absl::SimpleAtoi(s, &n) || n == 0) {
           std::fprintf(stderr, "bad size '%s'\n", std::string(s).c_str());

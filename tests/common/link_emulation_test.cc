@@ -1,5 +1,7 @@
 // LinkEmulator over the FakeFabric, and LinkStats. Timing checks are lower
 // bounds only (a message must not arrive before the delay it was given).
+#include "common/link_emulation.h"
+
 #include <catch2/catch.hpp>
 #include <memory>
 #include <string>
@@ -9,7 +11,6 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "common/link_emulation.h"
 #include "common/link_stats.h"
 #include "common/transport.h"
 
@@ -90,9 +91,8 @@ TEST_CASE("rules resolve exact names before wildcards", "[link]") {
   any.latency_us = 1;
   to_b.latency_us = 2;
   a_to_b.latency_us = 3;
-  const std::vector<LinkRule> rules = {Rule("*", "*", any),
-                                       Rule("a", "b", a_to_b),
-                                       Rule("*", "b", to_b)};
+  const std::vector<LinkRule> rules = {
+      Rule("*", "*", any), Rule("a", "b", a_to_b), Rule("*", "b", to_b)};
   CHECK(ResolveLink(rules, "a", "b").latency_us == 3);
   CHECK(ResolveLink(rules, "c", "b").latency_us == 2);
   CHECK(ResolveLink(rules, "a", "c").latency_us == 1);
@@ -278,8 +278,9 @@ TEST_CASE("link stats export as a stats map and Prometheus text", "[link]") {
   const std::string text = stats.Prometheus("gpu0");
   CHECK(text.find("# TYPE karat_link_messages_total counter") !=
         std::string::npos);
-  CHECK(text.find("karat_link_messages_total{node=\"gpu0\",peer=\"karat0\"} 2") !=
-        std::string::npos);
+  CHECK(
+      text.find("karat_link_messages_total{node=\"gpu0\",peer=\"karat0\"} 2") !=
+      std::string::npos);
   CHECK(text.find("karat_link_send_latency_seconds_bucket{node=\"gpu0\","
                   "peer=\"karat0\",le=\"+Inf\"} 2") != std::string::npos);
   CHECK(text.find("karat_link_send_latency_seconds_count{node=\"gpu0\","

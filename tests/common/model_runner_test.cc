@@ -1,10 +1,10 @@
 // The forward pass: batch invariance, chunking invariance, multi-turn
 // equivalence and sampling, on a small generated model.
-#include <catch2/catch.hpp>
+#include "common/model_runner.h"
 
+#include <catch2/catch.hpp>
 #include <cstring>
 
-#include "common/model_runner.h"
 #include "common/reference_engine.h"
 #include "common/tokenizer.h"
 #include "common/weights.h"
@@ -198,8 +198,8 @@ TEST_CASE("experts sharded over ranks give the same logits", "[model]") {
     dst.insert(dst.end(), a->begin(), a->end());
     dst.insert(dst.end(), b->begin(), b->end());
   }
-  CHECK(experts.calls == 2 * (f.config.num_hidden_layers -
-                              f.config.first_k_dense_replace));
+  CHECK(experts.calls ==
+        2 * (f.config.num_hidden_layers - f.config.first_k_dense_replace));
   REQUIRE(got.size() == want.size());
   for (size_t i = 0; i < want.size(); ++i) {
     CHECK(std::memcmp(got[i].data(), want[i].data(),

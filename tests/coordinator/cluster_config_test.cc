@@ -69,16 +69,18 @@ TEST_CASE("config: loading a file") {
 std::string Refusal(const std::string& extra) {
   auto c = ParseClusterConfig(
       "gpu_nodes { name: \"g0\" }\n"
-      "karat_nodes { name: \"k0\" devices { capacity_bytes: 1000 } }\n" + extra,
+      "karat_nodes { name: \"k0\" devices { capacity_bytes: 1000 } }\n" +
+          extra,
       "c");
   return c.ok() ? "" : std::string(c.status().message());
 }
 
 TEST_CASE("config: scale-out settings are checked by field") {
   CHECK(Refusal("") == "");
-  CHECK(Refusal("mode: \"gpu_only\" gpu_nodes { name: \"g1\" hbm_bytes: 5 }") ==
-        "c: gpu_nodes[0].hbm_bytes: must be > 0 in gpu_only mode (the rank's KV "
-        "lives in it)");
+  CHECK(
+      Refusal("mode: \"gpu_only\" gpu_nodes { name: \"g1\" hbm_bytes: 5 }") ==
+      "c: gpu_nodes[0].hbm_bytes: must be > 0 in gpu_only mode (the rank's KV "
+      "lives in it)");
   CHECK(Refusal("mode: \"tpu\"").find("c: mode: must be") == 0);
   CHECK(Refusal("scheduling { micro_batches: 3 }")
             .find("c: scheduling.micro_batches: must be 1 or 2") == 0);
@@ -97,10 +99,12 @@ TEST_CASE("config: scale-out settings are checked by field") {
 }
 
 TEST_CASE("config: a GPU node with every link to the KARAT nodes down") {
-  CHECK(Refusal("links { source: \"g0\" destination: \"k0\" down: true }") ==
-        "c: gpu_nodes[0]: GPU node \"g0\" has no link to any KARAT node that is "
-        "not down (see links)");
-  CHECK(Refusal("links { source: \"*\" destination: \"g0\" down: true }") != "");
+  CHECK(
+      Refusal("links { source: \"g0\" destination: \"k0\" down: true }") ==
+      "c: gpu_nodes[0]: GPU node \"g0\" has no link to any KARAT node that is "
+      "not down (see links)");
+  CHECK(Refusal("links { source: \"*\" destination: \"g0\" down: true }") !=
+        "");
   // A more specific rule that is up wins over "*" -> "*" down.
   CHECK(Refusal("links { source: \"*\" destination: \"*\" down: true }\n"
                 "links { source: \"g0\" destination: \"k0\" }\n"
@@ -116,20 +120,22 @@ TEST_CASE("config: experts per rank and HBM against the model") {
   REQUIRE(model.ok());
   REQUIRE(model->n_routed_experts == 16);
   cluster::ClusterConfig config;
-  for (int i = 0; i < 3; ++i) config.add_gpu_nodes()->set_name("g" + std::to_string(i));
+  for (int i = 0; i < 3; ++i)
+    config.add_gpu_nodes()->set_name("g" + std::to_string(i));
   absl::Status st = ValidateClusterConfigForModel(config, *model);
   CHECK(st.code() == absl::StatusCode::kInvalidArgument);
-  CHECK(st.message() ==
-        "gpu_nodes: 16 routed experts cannot be split evenly among 3 GPU ranks");
+  CHECK(
+      st.message() ==
+      "gpu_nodes: 16 routed experts cannot be split evenly among 3 GPU ranks");
   config.mutable_gpu_nodes()->RemoveLast();
   CHECK(ValidateClusterConfigForModel(config, *model).ok());
 
   const int64_t rank1 = RankWeightBytes(*model, 1, 2);
   config.mutable_gpu_nodes(1)->set_hbm_bytes(rank1 - 1);
   st = ValidateClusterConfigForModel(config, *model);
-  CHECK(st.message() ==
-        absl::StrCat("gpu_nodes[1].hbm_bytes: ", rank1 - 1,
-                     " bytes cannot hold the rank's ", rank1, " bytes of weights"));
+  CHECK(st.message() == absl::StrCat("gpu_nodes[1].hbm_bytes: ", rank1 - 1,
+                                     " bytes cannot hold the rank's ", rank1,
+                                     " bytes of weights"));
   config.mutable_gpu_nodes(1)->set_hbm_bytes(rank1);
   CHECK(ValidateClusterConfigForModel(config, *model).ok());
 

@@ -13,8 +13,8 @@
 #include <thread>
 
 #include "absl/synchronization/mutex.h"
-#include "coordinator/scheduling.h"
 #include "cluster.grpc.pb.h"
+#include "coordinator/scheduling.h"
 #include "karat.grpc.pb.h"
 
 namespace karat::coordinator {
@@ -33,7 +33,8 @@ class FakeKaratNode final : public cl::KaratNode::Service {
                        cl::ReserveResponse* resp) override {
     absl::MutexLock lock(&mu_);
     reserves_.push_back(*req);
-    if (req->device() < 0 || req->device() >= static_cast<int>(capacity_.size()))
+    if (req->device() < 0 ||
+        req->device() >= static_cast<int>(capacity_.size()))
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "no such device");
     if (req->tokens() > capacity_[req->device()])
       return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "full");
@@ -69,7 +70,8 @@ class FakeKaratNode final : public cl::KaratNode::Service {
 // be cancelled; with `fail_after` = k it fails with UNAVAILABLE after k.
 class FakeGpuNode final : public cl::GpuNode::Service {
  public:
-  explicit FakeGpuNode(std::vector<int32_t> tokens) : tokens_(std::move(tokens)) {}
+  explicit FakeGpuNode(std::vector<int32_t> tokens)
+      : tokens_(std::move(tokens)) {}
 
   grpc::Status RunTurn(grpc::ServerContext* ctx, const cl::RunTurnRequest* req,
                        grpc::ServerWriter<cl::RunTurnEvent>* writer) override {
@@ -108,7 +110,8 @@ class FakeGpuNode final : public cl::GpuNode::Service {
     resp->set_used_bytes(req->tokens() * 100);
     return grpc::Status::OK;
   }
-  grpc::Status FreeSession(grpc::ServerContext*, const cl::FreeSessionRequest* req,
+  grpc::Status FreeSession(grpc::ServerContext*,
+                           const cl::FreeSessionRequest* req,
                            cl::FreeSessionResponse*) override {
     absl::MutexLock lock(&mu_);
     freed_.push_back(req->session());
@@ -124,8 +127,8 @@ class FakeGpuNode final : public cl::GpuNode::Service {
                                const cl::SetMicroBatchesRequest* req,
                                cl::SetMicroBatchesResponse*) override {
     absl::MutexLock lock(&mu_);
-    micro_batches_.push_back(
-        std::map<uint64_t, int>(req->micro_batch().begin(), req->micro_batch().end()));
+    micro_batches_.push_back(std::map<uint64_t, int>(req->micro_batch().begin(),
+                                                     req->micro_batch().end()));
     return grpc::Status::OK;
   }
   std::vector<cl::RunTurnRequest> runs() {
@@ -244,7 +247,8 @@ class Cluster {
     gpu = std::make_unique<FakeGpuNode>(std::move(tokens));
     karat_server = std::make_unique<FakeServer>(karat.get());
     gpu_server = std::make_unique<FakeServer>(gpu.get());
-    karat_id = Register("karat0", "karat", karat_server->address, karat->devices());
+    karat_id =
+        Register("karat0", "karat", karat_server->address, karat->devices());
     gpu_id = Register("gpu0", "gpu", gpu_server->address, 0);
   }
 
@@ -914,8 +918,10 @@ TEST_CASE("micro-batches: CMR's assignment is pushed to the rank") {
 TEST_CASE("micro-batches: count mode appends, one micro-batch mode is all 0") {
   const bool count = GENERATE(true, false);
   Cluster c(64, [count](Options& o) {
-    if (count) o.scheduling.set_balance("count");
-    else o.scheduling.set_micro_batches(1);
+    if (count)
+      o.scheduling.set_balance("count");
+    else
+      o.scheduling.set_micro_batches(1);
   });
   c.AddNodes({1000}, {'A'});
   c.gpu->hold_after = 1;
@@ -975,7 +981,6 @@ TEST_CASE("gpu_only: the KV is reserved on the rank, which the session keeps") {
   tb.join();
   CHECK(rb.status.ok());
 
-
   v1::CloseSessionRequest close;
   close.set_session_id(a);
   v1::CloseSessionResponse closed;
@@ -984,7 +989,8 @@ TEST_CASE("gpu_only: the KV is reserved on the rank, which the session keeps") {
   CHECK(g0.freed() == std::vector<uint64_t>{runs[0].session()});
 }
 
-TEST_CASE("recovery: a rebuild from the token log carries the turn boundaries") {
+TEST_CASE(
+    "recovery: a rebuild from the token log carries the turn boundaries") {
   Cluster c;
   c.AddNodes({1000}, {'A', 'B'});
   std::string sid = c.NewSession();

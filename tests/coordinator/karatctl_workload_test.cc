@@ -1,12 +1,11 @@
 // The workload plan of `karatctl bench` (tools/karatctl/workload.h) and its
 // JSON report (tools/karatctl/bench.h).
-#include "tools/karatctl/workload.h"
-
 #include <catch2/catch.hpp>
 #include <cstdio>
 #include <fstream>
 
 #include "tools/karatctl/bench.h"
+#include "tools/karatctl/workload.h"
 
 namespace karat::ctl {
 namespace {

@@ -359,7 +359,6 @@ TEST_CASE("RunTurn validation", "[gpu_node]") {
   CHECK(bad([](cluster::RunTurnRequest* b) { b->set_pos_start(-2); }));
 }
 
-
 // A backend whose layers "wait on a transfer": it calls the micro-batch's
 // wait hooks around the attention, as the data-plane backends do, so the
 // worker token hands the rank to the other micro-batch there.

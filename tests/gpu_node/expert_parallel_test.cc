@@ -5,9 +5,8 @@
 // peer, an unknown sender, malformed frames, shutdown).
 #include "gpu_node/expert_parallel.h"
 
-#include <catch2/catch.hpp>
-
 #include <atomic>
+#include <catch2/catch.hpp>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -64,8 +63,8 @@ struct Cluster {
       Rank rank;
       rank.runner = MakeRunner(f, r, ranks);
       rank.transport = fabric.NewEndpoint("gpu" + std::to_string(r));
-      rank.ep = std::make_unique<ExpertParallel>(
-          rank.runner.get(), rank.transport.get(), options);
+      rank.ep = std::make_unique<ExpertParallel>(rank.runner.get(),
+                                                 rank.transport.get(), options);
       rank.ep->set_node_id(kNodeIdBase + r);
       ExpertParallel* ep = rank.ep.get();
       rank.transport->SetReceiveHandler(
@@ -257,7 +256,8 @@ TEST_CASE("only ranks that own routed rows get a dispatch; rows travel once",
   const int layer = f.config.first_k_dense_replace;
 
   std::vector<float> xn(size_t(3) * D);
-  for (size_t i = 0; i < xn.size(); ++i) xn[i] = float((i * 7919) % 113) / 97.0f - 0.5f;
+  for (size_t i = 0; i < xn.size(); ++i)
+    xn[i] = float((i * 7919) % 113) / 97.0f - 0.5f;
   ExpertWork work;
   work.layer = layer;
   work.rows = 3;
@@ -280,9 +280,9 @@ TEST_CASE("only ranks that own routed rows get a dispatch; rows travel once",
     for (size_t i = 0; i < rows.size(); ++i) {
       std::memcpy(&in[i * D], &xn[size_t(rows[i]) * D], sizeof(float) * D);
     }
-    REQUIRE(full->ApplyExpert(layer, e, in.data(), int(rows.size()),
-                              want.data())
-                .ok());
+    REQUIRE(
+        full->ApplyExpert(layer, e, in.data(), int(rows.size()), want.data())
+            .ok());
     CHECK(std::memcmp(out[e].data(), want.data(), want.size() * 4) == 0);
   }
   auto s0 = cluster.ranks[0].ep->Stats();
@@ -336,7 +336,8 @@ TEST_CASE("a rank's rows are split over several frames to fit the limit",
   Cluster cluster(f, 2, options);  // rank 1 owns experts 4..7
 
   std::vector<float> xn(size_t(8) * D);
-  for (size_t i = 0; i < xn.size(); ++i) xn[i] = float((i * 31) % 29) / 16.0f - 0.9f;
+  for (size_t i = 0; i < xn.size(); ++i)
+    xn[i] = float((i * 31) % 29) / 16.0f - 0.9f;
   ExpertWork work;
   work.layer = layer;
   work.rows = 8;
@@ -359,9 +360,9 @@ TEST_CASE("a rank's rows are split over several frames to fit the limit",
     for (size_t i = 0; i < rows.size(); ++i) {
       std::memcpy(&in[i * D], &xn[size_t(rows[i]) * D], sizeof(float) * D);
     }
-    REQUIRE(full->ApplyExpert(layer, e, in.data(), int(rows.size()),
-                              want.data())
-                .ok());
+    REQUIRE(
+        full->ApplyExpert(layer, e, in.data(), int(rows.size()), want.data())
+            .ok());
     CHECK(std::memcmp(out[e].data(), want.data(), want.size() * 4) == 0);
   }
   auto stats = cluster.ranks[0].ep->Stats();
@@ -373,7 +374,9 @@ TEST_CASE("a rank's rows are split over several frames to fit the limit",
   ExpertParallelOptions tiny = options;
   tiny.max_frame_bytes = EncodedFrameSize({size_t(7) * D * 4});
   Cluster small(f, 2, tiny);
-  CHECK(small.ranks[0].ep->ForMicroBatch(0, nullptr)->RunExperts(work, &out)
+  CHECK(small.ranks[0]
+            .ep->ForMicroBatch(0, nullptr)
+            ->RunExperts(work, &out)
             .code() == absl::StatusCode::kResourceExhausted);
 }
 
@@ -518,7 +521,8 @@ TEST_CASE("invalid, unknown-sender and stale frames are dropped and counted",
   };
 
   std::vector<float> rows(size_t(2) * D);
-  for (size_t i = 0; i < rows.size(); ++i) rows[i] = float(i % 17) / 8.0f - 1.0f;
+  for (size_t i = 0; i < rows.size(); ++i)
+    rows[i] = float(i % 17) / 8.0f - 1.0f;
   // Unknown node id, garbage, a stale combine: dropped without an answer.
   send(Dispatch(999, 1, layer, {1}, {2}, {0, 1}, rows, D));
   send("not a frame at all");
@@ -537,8 +541,7 @@ TEST_CASE("invalid, unknown-sender and stale frames are dropped and counted",
   send(Dispatch(kNodeIdBase + 1, 3, layer, {1}, {2}, {0, 7}, rows, D));
   send(Dispatch(kNodeIdBase + 1, 4, 0, {1}, {2}, {0, 1}, rows, D));
   // A valid one: expert 1 on both rows, expert 3 on row 1.
-  send(Dispatch(kNodeIdBase + 1, 5, layer, {1, 3}, {2, 1}, {0, 1, 1}, rows,
-                D));
+  send(Dispatch(kNodeIdBase + 1, 5, layer, {1, 3}, {2, 1}, {0, 1, 1}, rows, D));
   REQUIRE(inbox.WaitFor(4));
 
   std::vector<FrameView> answers;
@@ -571,11 +574,10 @@ TEST_CASE("invalid, unknown-sender and stale frames are dropped and counted",
   REQUIRE(combine.sections[0].size() == size_t(3) * D * 4);
   std::vector<float> want(size_t(3) * D);
   REQUIRE(full->ApplyExpert(layer, 1, rows.data(), 2, want.data()).ok());
-  REQUIRE(full->ApplyExpert(layer, 3, rows.data() + D, 1,
-                            want.data() + 2 * D)
+  REQUIRE(full->ApplyExpert(layer, 3, rows.data() + D, 1, want.data() + 2 * D)
               .ok());
-  CHECK(std::memcmp(combine.sections[0].data(), want.data(),
-                    want.size() * 4) == 0);
+  CHECK(std::memcmp(combine.sections[0].data(), want.data(), want.size() * 4) ==
+        0);
 
   auto stats = ep.Stats();
   CHECK(stats["moe_frames_received"] == 7);
@@ -666,8 +668,7 @@ TEST_CASE("rank tables and shardings that do not fit are refused",
   const ModelFiles& f = Files("dsa-small");  // 8 routed experts
   auto three = ModelRunner::Create(f, RunnerOptions{0, 3});
   REQUIRE(three.status().code() == absl::StatusCode::kInvalidArgument);
-  CHECK(three.status().message().find("n_routed_experts") !=
-        std::string::npos);
+  CHECK(three.status().message().find("n_routed_experts") != std::string::npos);
   CHECK(ModelRunner::Create(f, RunnerOptions{2, 2}).status().code() ==
         absl::StatusCode::kInvalidArgument);
 

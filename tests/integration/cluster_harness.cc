@@ -1,6 +1,7 @@
 #include "tests/integration/cluster_harness.h"
 
 #include <fcntl.h>
+#include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <spawn.h>
 #include <stdlib.h>
@@ -14,8 +15,6 @@
 #include <fstream>
 #include <sstream>
 #include <thread>
-
-#include <grpcpp/grpcpp.h>
 
 extern char** environ;
 
@@ -79,10 +78,10 @@ Cluster::Cluster(const ClusterSpec& spec) : spec_(spec) {
   dir_ = tmpl;
   model_dir_ = dir_ + "/model";
   std::string out;
-  const int rc = RunCommand({BinPath("karat-weights"), "--preset", spec.preset,
-                             "--seed", std::to_string(spec.weights_seed),
-                             "--out", model_dir_},
-                            &out);
+  const int rc =
+      RunCommand({BinPath("karat-weights"), "--preset", spec.preset, "--seed",
+                  std::to_string(spec.weights_seed), "--out", model_dir_},
+                 &out);
   INFO(out);
   REQUIRE(rc == 0);
 
@@ -91,8 +90,12 @@ Cluster::Cluster(const ClusterSpec& spec) : spec_(spec) {
                          !spec.schedule.empty() || !spec.balance.empty() ||
                          spec.gpu_hbm_bytes != 0 || spec.tbt_slo_ms != 0;
   std::vector<std::string> coordinator = {
-      BinPath("karat-coordinator"), "--listen", "127.0.0.1:0", "--port-file",
-      dir_ + "/coordinator.addr", "--max-new-tokens-limit",
+      BinPath("karat-coordinator"),
+      "--listen",
+      "127.0.0.1:0",
+      "--port-file",
+      dir_ + "/coordinator.addr",
+      "--max-new-tokens-limit",
       std::to_string(spec.max_new_tokens_limit)};
   if (scale_out) {
     const std::string config = dir_ + "/cluster.textproto";
@@ -104,22 +107,47 @@ Cluster::Cluster(const ClusterSpec& spec) : spec_(spec) {
   coord_addr_ = WaitForPortFile(dir_ + "/coordinator.addr", c);
   for (int k = 0; k < spec.karat_nodes; ++k) {
     const std::string name = "karat" + std::to_string(k);
-    Start(name, {BinPath("karat-node"), "--coordinator", coord_addr_,
-                 "--listen", "127.0.0.1:0", "--name", name, "--model",
-                 model_dir_, "--provider", spec.provider, "--devices",
-                 std::to_string(spec.devices), "--device-capacity",
-                 spec.device_capacity, "--cores", "1", "--tokens-per-page",
-                 std::to_string(spec.tokens_per_page), "--port-file",
+    Start(name, {BinPath("karat-node"),
+                 "--coordinator",
+                 coord_addr_,
+                 "--listen",
+                 "127.0.0.1:0",
+                 "--name",
+                 name,
+                 "--model",
+                 model_dir_,
+                 "--provider",
+                 spec.provider,
+                 "--devices",
+                 std::to_string(spec.devices),
+                 "--device-capacity",
+                 spec.device_capacity,
+                 "--cores",
+                 "1",
+                 "--tokens-per-page",
+                 std::to_string(spec.tokens_per_page),
+                 "--port-file",
                  dir_ + "/" + name + ".addr"});
   }
   for (int g = 0; g < spec.gpu_nodes; ++g) {
     const std::string name = "gpu" + std::to_string(g);
-    std::vector<std::string> argv = {
-        BinPath("karat-gpu-node"), "--coordinator", coord_addr_, "--listen",
-        "127.0.0.1:0", "--name", name, "--model", model_dir_, "--provider",
-        spec.provider, "--max-step-tokens",
-        std::to_string(spec.max_step_tokens), "--threads", "1", "--port-file",
-        dir_ + "/" + name + ".addr"};
+    std::vector<std::string> argv = {BinPath("karat-gpu-node"),
+                                     "--coordinator",
+                                     coord_addr_,
+                                     "--listen",
+                                     "127.0.0.1:0",
+                                     "--name",
+                                     name,
+                                     "--model",
+                                     model_dir_,
+                                     "--provider",
+                                     spec.provider,
+                                     "--max-step-tokens",
+                                     std::to_string(spec.max_step_tokens),
+                                     "--threads",
+                                     "1",
+                                     "--port-file",
+                                     dir_ + "/" + name + ".addr"};
     if (scale_out) {
       for (const std::string& a :
            {std::string("--rank"), std::to_string(g), std::string("--ranks"),
@@ -143,10 +171,17 @@ std::string Cluster::ClusterConfigText() const {
   const ClusterSpec& spec = spec_;
   int64_t capacity = std::stoll(spec.device_capacity);
   switch (spec.device_capacity.back()) {
-    case 'G': capacity <<= 30; break;
-    case 'M': capacity <<= 20; break;
-    case 'K': capacity <<= 10; break;
-    default: break;
+    case 'G':
+      capacity <<= 30;
+      break;
+    case 'M':
+      capacity <<= 20;
+      break;
+    case 'K':
+      capacity <<= 10;
+      break;
+    default:
+      break;
   }
   std::ostringstream c;
   c << "model_dir: \"" << model_dir_ << "\"\n"
@@ -241,7 +276,8 @@ void Cluster::WaitForNodes(int expected) {
   auto stub = NewStub();
   for (int i = 0; i < 600; ++i) {
     grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::seconds(2));
     karat::v1::GetClusterStatusRequest req;
     karat::v1::ClusterStatus st;
     if (stub->GetClusterStatus(&ctx, req, &st).ok()) {

@@ -31,10 +31,10 @@ struct ClusterSpec {
   // rank and the matching flags.
   int gpu_nodes = 1;
   int karat_nodes = 1;
-  std::string mode;        // "karat" / "gpu_only"; "" = karat
-  int micro_batches = 0;   // 1 or 2; 0 = the default
-  std::string schedule;    // "ofms" / "scms"
-  std::string balance;     // "cmr" / "count"
+  std::string mode;       // "karat" / "gpu_only"; "" = karat
+  int micro_batches = 0;  // 1 or 2; 0 = the default
+  std::string schedule;   // "ofms" / "scms"
+  std::string balance;    // "cmr" / "count"
   int64_t gpu_hbm_bytes = 0;
   double tbt_slo_ms = 0;
 };

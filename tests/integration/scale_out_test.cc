@@ -3,18 +3,16 @@
 // OFMS and SCMS, CMR and count balancing, and the gpu_only baseline. In
 // every configuration each streamed token equals the single-process
 // reference engine's (DESIGN.md §6).
-#include <catch2/catch.hpp>
-
+#include <grpcpp/grpcpp.h>
 #include <signal.h>
 
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <chrono>
 #include <map>
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <grpcpp/grpcpp.h>
 
 #include "common/model_config.h"
 #include "common/reference_engine.h"
@@ -119,9 +117,9 @@ karat::v1::ClusterStatus RunAndCheck(const ClusterSpec& spec, int sessions,
   auto stub = cluster.NewStub();
   grpc::ClientContext ctx;
   karat::v1::ClusterStatus st;
-  REQUIRE(stub->GetClusterStatus(&ctx, karat::v1::GetClusterStatusRequest(),
-                                 &st)
-              .ok());
+  REQUIRE(
+      stub->GetClusterStatus(&ctx, karat::v1::GetClusterStatusRequest(), &st)
+          .ok());
   return st;
 }
 
@@ -149,7 +147,8 @@ TEST_CASE("two GPU ranks, two KARAT nodes, two micro-batches: OFMS and SCMS",
   }
 }
 
-TEST_CASE("one micro-batch with count balancing on two ranks", "[integration]") {
+TEST_CASE("one micro-batch with count balancing on two ranks",
+          "[integration]") {
   ClusterSpec spec;
   spec.gpu_nodes = 2;
   spec.karat_nodes = 1;
@@ -171,9 +170,9 @@ TEST_CASE("gpu_only baseline: attention and KV on the GPU ranks",
   // The emulated HBM: the larger rank's weights plus 16 MiB of KV.
   auto config = PresetConfig(spec.preset);
   REQUIRE(config.ok());
-  spec.gpu_hbm_bytes = std::max(RankWeightBytes(*config, 0, 2),
-                                RankWeightBytes(*config, 1, 2)) +
-                       (int64_t(16) << 20);
+  spec.gpu_hbm_bytes =
+      std::max(RankWeightBytes(*config, 0, 2), RankWeightBytes(*config, 1, 2)) +
+      (int64_t(16) << 20);
   const karat::v1::ClusterStatus st = RunAndCheck(spec, 4, 2);
   double kv_capacity = 0;
   for (const char* gpu : {"gpu0", "gpu1"}) {
@@ -230,7 +229,8 @@ TEST_CASE("rebuild after a lost KARAT node keeps per-turn method state",
     // The coordinator marks it dead after node_timeout_ms (1.5 s here).
     std::this_thread::sleep_for(std::chrono::milliseconds(2500));
     for (int s = 0; s < kSessions; ++s) {
-      got[s].push_back(Generate(stub.get(), ids[s], Prompt(s, 2), kMaxNew, 0.0f));
+      got[s].push_back(
+          Generate(stub.get(), ids[s], Prompt(s, 2), kMaxNew, 0.0f));
     }
     auto files = LoadModel(cluster.model_dir());
     REQUIRE(files.ok());

@@ -129,9 +129,10 @@ absl::StatusOr<std::vector<float>> RunFrame(KaratDevice* device,
   return out;
 }
 
-TEST_CASE("GQA device: a spilled session attends bit for bit like an "
-          "unspilled one",
-          "[karat_node][spill]") {
+TEST_CASE(
+    "GQA device: a spilled session attends bit for bit like an "
+    "unspilled one",
+    "[karat_node][spill]") {
   for (const char* preset : {"llama-small-quest", "minimax-small"}) {
     INFO(preset);
     const ModelConfig c = *PresetConfig(preset);
@@ -187,9 +188,10 @@ TEST_CASE("GQA device: a spilled session attends bit for bit like an "
   }
 }
 
-TEST_CASE("GQA device: metadata is charged to the arena; a device that only "
-          "fits the KV refuses",
-          "[karat_node]") {
+TEST_CASE(
+    "GQA device: metadata is charged to the arena; a device that only "
+    "fits the KV refuses",
+    "[karat_node]") {
   const ModelConfig c = *PresetConfig("llama-small-quest");
   const AttnShapes s = MakeAttnShapes(c);
   const KvLayout layout = MakeKvLayout(c, 16);

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "common/json.h"
 
 namespace karat::ctl {
 namespace {
@@ -97,37 +98,6 @@ double Mean(const std::vector<double>& v) {
          static_cast<double>(v.size());
 }
 
-std::string JsonString(const std::string& s) {
-  std::string out = "\"";
-  for (unsigned char c : s) {
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\r':
-        out += "\\r";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      default:
-        if (c < 0x20 || c >= 0x7f) {
-          // Error text may carry raw bytes; keep the JSON valid ASCII.
-          absl::StrAppend(&out, absl::StrFormat("\\u%04x", c));
-        } else {
-          out += static_cast<char>(c);
-        }
-    }
-  }
-  return out + "\"";
-}
-
 // A finite number in JSON (NaN and infinities are not JSON).
 std::string JsonNumber(double v) {
   if (!std::isfinite(v)) return "null";
@@ -164,12 +134,12 @@ std::string BenchReportJson(const BenchReport& r) {
                   ", \"errors_by_code\": {");
   bool first = true;
   for (const auto& [code, n] : r.errors_by_code) {
-    absl::StrAppend(&out, first ? "" : ", ", JsonString(code), ": ", n);
+    absl::StrAppend(&out, first ? "" : ", ", JsonQuote(code), ": ", n);
     first = false;
   }
   absl::StrAppend(&out, "}, \"error_samples\": [");
   for (size_t i = 0; i < r.error_samples.size(); ++i)
-    absl::StrAppend(&out, i ? ", " : "", JsonString(r.error_samples[i]));
+    absl::StrAppend(&out, i ? ", " : "", JsonQuote(r.error_samples[i]));
   absl::StrAppend(&out, "]}\n");
   return out;
 }

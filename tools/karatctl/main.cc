@@ -1,4 +1,5 @@
 // karatctl: command-line client of the KARAT coordinator.
+#include <grpcpp/grpcpp.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -6,14 +7,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
-#include <limits>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <set>
 #include <string>
 #include <vector>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -30,7 +29,8 @@
 namespace karat::ctl {
 namespace {
 
-constexpr char kUsage[] = R"(usage: karatctl [--coordinator HOST:PORT | --addr-file PATH] COMMAND [flags]
+constexpr char kUsage[] =
+    R"(usage: karatctl [--coordinator HOST:PORT | --addr-file PATH] COMMAND [flags]
 
 commands:
   generate --prompt TEXT [--max-new-tokens N] [--temperature T] [--seed S]
@@ -88,7 +88,8 @@ int PrintError(const absl::Status& st) {
 // `switches` take no value.
 class Flags {
  public:
-  Flags(const std::vector<std::string>& args, const std::set<std::string>& known,
+  Flags(const std::vector<std::string>& args,
+        const std::set<std::string>& known,
         const std::set<std::string>& switches) {
     for (size_t i = 0; i < args.size(); ++i) {
       std::string a = args[i];
@@ -126,7 +127,8 @@ class Flags {
   uint64_t Uint(const std::string& n, uint64_t def) const {
     if (!Has(n)) return def;
     uint64_t v;
-    if (!absl::SimpleAtoi(Str(n), &v)) Usage("--" + n + " must be a non-negative integer");
+    if (!absl::SimpleAtoi(Str(n), &v))
+      Usage("--" + n + " must be a non-negative integer");
     return v;
   }
   double Double(const std::string& n, double def) const {
@@ -144,11 +146,12 @@ void PrintSummary(const TurnResult& r, const std::string& session_id) {
   double mean_tbt = 0;
   for (double t : r.tbt_ms) mean_tbt += t;
   if (!r.tbt_ms.empty()) mean_tbt /= r.tbt_ms.size();
-  std::fprintf(stderr,
-               "[session %s: %d tokens, finish %s, TTFT %.1f ms, mean TBT %.1f ms]\n",
-               session_id.c_str(), r.tokens,
-               r.finish_reason.empty() ? "?" : r.finish_reason.c_str(), r.ttft_ms,
-               mean_tbt);
+  std::fprintf(
+      stderr,
+      "[session %s: %d tokens, finish %s, TTFT %.1f ms, mean TBT %.1f ms]\n",
+      session_id.c_str(), r.tokens,
+      r.finish_reason.empty() ? "?" : r.finish_reason.c_str(), r.ttft_ms,
+      mean_tbt);
 }
 
 int Generate(Client& client, const Flags& f) {
@@ -191,7 +194,8 @@ int Chat(Client& client, const Flags& f) {
   auto s = client.CreateSession(f.Uint("seed", 0));
   if (!s.ok()) return PrintError(s.status());
   bool tty = isatty(0);
-  std::fprintf(stderr, "[session %s; /quit or EOF ends]\n", s->session_id().c_str());
+  std::fprintf(stderr, "[session %s; /quit or EOF ends]\n",
+               s->session_id().c_str());
   std::string line;
   while (true) {
     if (tty) {
@@ -240,7 +244,8 @@ void PrintScheduling(const v1::ClusterStatus& st) {
       "queue %.0f waiting; turns admitted %.0f, queued %.0f, timed out %.0f, "
       "cancelled while queued %.0f, refused %.0f\n",
       get("queue_length"), get("turns_admitted"), get("turns_queued"),
-      get("turns_timed_out"), get("turns_cancelled_queued"), get("turns_refused"));
+      get("turns_timed_out"), get("turns_cancelled_queued"),
+      get("turns_refused"));
   std::printf(
       "TTFT mean %.1f ms, TBT mean %.1f ms, throughput %.1f tokens/s, "
       "micro-batch token imbalance %.3f\n",
@@ -249,11 +254,12 @@ void PrintScheduling(const v1::ClusterStatus& st) {
   for (int r = 0;; ++r) {
     const std::string p = absl::StrCat("rank.", r, ".");
     if (!m.contains(p + "active_requests")) break;
-    std::printf("rank %d: %.0f running (micro-batches %.0f / %.0f), token "
-                "imbalance %.3f\n",
-                r, get(p + "active_requests"), get(p + "micro_batch_0_requests"),
-                get(p + "micro_batch_1_requests"),
-                get(p + "microbatch_token_imbalance_mean"));
+    std::printf(
+        "rank %d: %.0f running (micro-batches %.0f / %.0f), token "
+        "imbalance %.3f\n",
+        r, get(p + "active_requests"), get(p + "micro_batch_0_requests"),
+        get(p + "micro_batch_1_requests"),
+        get(p + "microbatch_token_imbalance_mean"));
   }
   for (const auto& n : st.nodes()) {
     std::vector<std::string> parts;
@@ -263,7 +269,8 @@ void PrintScheduling(const v1::ClusterStatus& st) {
         parts.push_back(absl::StrFormat("%s %.2fs", k, v));
     }
     if (!parts.empty())
-      std::printf("%s: %s\n", n.name().c_str(), absl::StrJoin(parts, ", ").c_str());
+      std::printf("%s: %s\n", n.name().c_str(),
+                  absl::StrJoin(parts, ", ").c_str());
   }
 }
 
@@ -280,12 +287,13 @@ int Status(Client& client, const std::string& address, const Flags& f) {
                        : 0.0;
       char buf[128];
       std::snprintf(buf, sizeof(buf), "d%d %.1f%% of %.0f MiB (%d sessions)",
-                    d.device(), pct, d.capacity_bytes() / 1048576.0, d.sessions());
+                    d.device(), pct, d.capacity_bytes() / 1048576.0,
+                    d.sessions());
       devices.push_back(buf);
     }
-    std::printf("%-6s %-12s %-6s %-22s %s\n", n.role().c_str(), n.name().c_str(),
-                n.alive() ? "yes" : "NO", n.grpc_address().c_str(),
-                absl::StrJoin(devices, ", ").c_str());
+    std::printf("%-6s %-12s %-6s %-22s %s\n", n.role().c_str(),
+                n.name().c_str(), n.alive() ? "yes" : "NO",
+                n.grpc_address().c_str(), absl::StrJoin(devices, ", ").c_str());
   }
   std::printf("sessions %d, active generations %d, tokens generated %lld\n",
               st->sessions(), st->active_generations(),
@@ -307,8 +315,10 @@ int Status(Client& client, const std::string& address, const Flags& f) {
 
 std::string DescribeLinkConfig(const cluster::LinkConfig& l) {
   std::vector<std::string> parts;
-  if (l.latency_us() > 0) parts.push_back(absl::StrCat("latency ", l.latency_us(), "us"));
-  if (l.jitter_us() > 0) parts.push_back(absl::StrCat("jitter ", l.jitter_us(), "us"));
+  if (l.latency_us() > 0)
+    parts.push_back(absl::StrCat("latency ", l.latency_us(), "us"));
+  if (l.jitter_us() > 0)
+    parts.push_back(absl::StrCat("jitter ", l.jitter_us(), "us"));
   if (l.bandwidth_mbps() > 0)
     parts.push_back(absl::StrFormat("bandwidth %gMb/s", l.bandwidth_mbps()));
   if (l.loss() > 0) parts.push_back(absl::StrFormat("loss %g", l.loss()));
@@ -371,7 +381,8 @@ int Link(const std::string& address, const std::string& action,
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
   if (action == "list") {
     cluster::GetLinksResponse resp;
-    const grpc::Status gs = stub->GetLinks(&ctx, cluster::GetLinksRequest(), &resp);
+    const grpc::Status gs =
+        stub->GetLinks(&ctx, cluster::GetLinksRequest(), &resp);
     if (!gs.ok()) return PrintError(FromGrpc(gs));
     for (const auto& l : resp.links()) {
       std::printf("%-12s -> %-12s %s\n", l.source().c_str(),
@@ -379,7 +390,8 @@ int Link(const std::string& address, const std::string& action,
     }
     return 0;
   }
-  if (!f.Has("from") || !f.Has("to")) Usage("link " + action + " needs --from and --to");
+  if (!f.Has("from") || !f.Has("to"))
+    Usage("link " + action + " needs --from and --to");
   cluster::SetLinkRequest req;
   cluster::LinkConfig* l = req.mutable_link();
   l->set_source(f.Str("from"));
@@ -408,7 +420,8 @@ int Link(const std::string& address, const std::string& action,
 // "<h>_bucket_le_<b>" / "<h>_count" / "<h>_sum" become the histogram
 // karat_coordinator_<h>, "rank.<r>.<name>" the series
 // karat_coordinator_<name>{rank="<r>"}, anything else karat_coordinator_<key>.
-std::string CoordinatorPrometheus(const google::protobuf::Map<std::string, double>& m) {
+std::string CoordinatorPrometheus(
+    const google::protobuf::Map<std::string, double>& m) {
   std::map<std::string, double> stats(m.begin(), m.end());
   std::map<std::string, std::vector<std::pair<double, std::string>>> buckets;
   std::string out;
@@ -475,14 +488,15 @@ int Plan(const Flags& f) {
   if (!f.Has("config")) Usage("plan needs --config");
   auto config = coordinator::LoadClusterConfig(f.Str("config"));
   if (!config.ok()) {
-    std::fprintf(stderr, "karatctl: %s\n", std::string(config.status().message()).c_str());
+    std::fprintf(stderr, "karatctl: %s\n",
+                 std::string(config.status().message()).c_str());
     return 2;
   }
   if (!config->model_dir().empty()) {
     // Checked here when the model is already there (relative to the current
     // directory); the coordinator checks again at start.
-    absl::Status fits =
-        coordinator::CheckClusterConfigAgainstModel(*config, config->model_dir());
+    absl::Status fits = coordinator::CheckClusterConfigAgainstModel(
+        *config, config->model_dir());
     if (!fits.ok() && fits.code() != absl::StatusCode::kNotFound) {
       std::fprintf(stderr, "karatctl: %s: %s\n", f.Str("config").c_str(),
                    std::string(fits.message()).c_str());
@@ -490,41 +504,51 @@ int Plan(const Flags& f) {
     }
   }
   std::printf("model_dir %s\n", config->model_dir().c_str());
-  std::printf("provider %s\n", config->provider().empty() ? "shm" : config->provider().c_str());
+  std::printf("provider %s\n",
+              config->provider().empty() ? "shm" : config->provider().c_str());
   const auto& sched = config->scheduling();
   const std::string mode = config->mode().empty() ? "karat" : config->mode();
-  const int micro_batches = sched.micro_batches() == 0 ? 2 : sched.micro_batches();
-  const std::string schedule = sched.schedule().empty() ? "ofms" : sched.schedule();
+  const int micro_batches =
+      sched.micro_batches() == 0 ? 2 : sched.micro_batches();
+  const std::string schedule =
+      sched.schedule().empty() ? "ofms" : sched.schedule();
   for (int rank = 0; rank < config->gpu_nodes_size(); ++rank) {
     const auto& g = config->gpu_nodes(rank);
-    std::string flags = absl::StrCat(
-        " --rank ", rank, " --ranks ", config->gpu_nodes_size(), " --mode ", mode,
-        " --micro-batches ", micro_batches, " --schedule ", schedule,
-        " --hbm-bytes ", g.hbm_bytes());
-    if (g.max_step_tokens() > 0) flags += " --max-step-tokens " + std::to_string(g.max_step_tokens());
-    if (g.max_batch() > 0) flags += " --max-batch " + std::to_string(g.max_batch());
+    std::string flags =
+        absl::StrCat(" --rank ", rank, " --ranks ", config->gpu_nodes_size(),
+                     " --mode ", mode, " --micro-batches ", micro_batches,
+                     " --schedule ", schedule, " --hbm-bytes ", g.hbm_bytes());
+    if (g.max_step_tokens() > 0)
+      flags += " --max-step-tokens " + std::to_string(g.max_step_tokens());
+    if (g.max_batch() > 0)
+      flags += " --max-batch " + std::to_string(g.max_batch());
     if (g.threads() > 0) flags += " --threads " + std::to_string(g.threads());
-    flags += " --listen " + (g.listen().empty() ? std::string("127.0.0.1:0") : g.listen());
+    flags += " --listen " +
+             (g.listen().empty() ? std::string("127.0.0.1:0") : g.listen());
     std::printf("gpu %s%s\n", g.name().c_str(), flags.c_str());
   }
   for (int i = 0; i < config->karat_nodes_size(); ++i) {
     const auto& k = config->karat_nodes(i);
     const auto& d0 = k.devices(0);
     for (const auto& d : k.devices()) {
-      if (d.capacity_bytes() != d0.capacity_bytes() || d.cores() != d0.cores()) {
-        std::fprintf(stderr,
-                     "karatctl: %s: karat_nodes[%d]: karat-node takes one capacity "
-                     "and core count for all its devices\n",
-                     f.Str("config").c_str(), i);
+      if (d.capacity_bytes() != d0.capacity_bytes() ||
+          d.cores() != d0.cores()) {
+        std::fprintf(
+            stderr,
+            "karatctl: %s: karat_nodes[%d]: karat-node takes one capacity "
+            "and core count for all its devices\n",
+            f.Str("config").c_str(), i);
         return 2;
       }
     }
     std::string flags = " --devices " + std::to_string(k.devices_size()) +
-                        " --device-capacity " + std::to_string(d0.capacity_bytes());
+                        " --device-capacity " +
+                        std::to_string(d0.capacity_bytes());
     if (d0.cores() > 0) flags += " --cores " + std::to_string(d0.cores());
     if (k.tokens_per_page() > 0)
       flags += " --tokens-per-page " + std::to_string(k.tokens_per_page());
-    flags += " --listen " + (k.listen().empty() ? std::string("127.0.0.1:0") : k.listen());
+    flags += " --listen " +
+             (k.listen().empty() ? std::string("127.0.0.1:0") : k.listen());
     std::printf("karat %s%s\n", k.name().c_str(), flags.c_str());
   }
   return 0;
@@ -557,9 +581,12 @@ int Main(int argc, char** argv) {
     } else {
       Usage(a + " needs a value");
     }
-    if (name == "--coordinator") address = value;
-    else if (name == "--addr-file") addr_file = value;
-    else Usage("unknown flag " + name);
+    if (name == "--coordinator")
+      address = value;
+    else if (name == "--addr-file")
+      addr_file = value;
+    else
+      Usage("unknown flag " + name);
   }
   if (i >= args.size()) Usage("no command");
   std::string command = args[i];
@@ -578,17 +605,17 @@ int Main(int argc, char** argv) {
     known = {"expect-alive"};
   } else if (command == "metrics") {
   } else if (command == "link") {
-    if (rest.empty() || (rest[0] != "set" && rest[0] != "remove" && rest[0] != "list"))
+    if (rest.empty() ||
+        (rest[0] != "set" && rest[0] != "remove" && rest[0] != "list"))
       Usage("link needs set, remove or list");
     link_action = rest[0];
     rest.erase(rest.begin());
     known = {"from", "to", "latency-us", "jitter-us", "bandwidth-mbps", "loss"};
     switches = {"down", "up"};
   } else if (command == "bench") {
-    known = {"trace", "sessions", "turns", "scale", "output-scale",
-             "max-new-tokens-cap",
-             "think-scale", "seed", "temperature", "concurrency", "tbt-slo-ms",
-             "json"};
+    known = {"trace",        "sessions",           "turns",       "scale",
+             "output-scale", "max-new-tokens-cap", "think-scale", "seed",
+             "temperature",  "concurrency",        "tbt-slo-ms",  "json"};
   } else {
     Usage("unknown command " + command);
   }
@@ -621,7 +648,8 @@ int Main(int argc, char** argv) {
   b.workload.turns = static_cast<int>(flags.Int("turns", 3));
   b.workload.scale = flags.Double("scale", 1000);
   b.workload.output_scale = flags.Double("output-scale", 0);
-  b.workload.max_new_tokens_cap = static_cast<int>(flags.Int("max-new-tokens-cap", 4096));
+  b.workload.max_new_tokens_cap =
+      static_cast<int>(flags.Int("max-new-tokens-cap", 4096));
   b.workload.think_scale = flags.Double("think-scale", 0);
   b.workload.seed = flags.Uint("seed", 1);
   b.temperature = static_cast<float>(flags.Double("temperature", 0));

@@ -32,7 +32,8 @@ absl::StatusOr<std::vector<TraceCall>> ReadTrace(const std::string& path) {
   {
     std::vector<std::string> names =
         absl::StrSplit(absl::StripSuffix(line, "\r"), ',');
-    for (int i = 0; i < static_cast<int>(names.size()); ++i) column[names[i]] = i;
+    for (int i = 0; i < static_cast<int>(names.size()); ++i)
+      column[names[i]] = i;
   }
   for (const char* need : {"trace", "agent", "idx", "in", "out",
                            "new_prefill_tokens", "think_time"}) {
@@ -45,7 +46,8 @@ absl::StatusOr<std::vector<TraceCall>> ReadTrace(const std::string& path) {
   while (std::getline(in, line)) {
     ++lineno;
     if (line.empty() || line == "\r") continue;
-    std::vector<std::string> f = absl::StrSplit(absl::StripSuffix(line, "\r"), ',');
+    std::vector<std::string> f =
+        absl::StrSplit(absl::StripSuffix(line, "\r"), ',');
     auto field = [&](const char* name) -> const std::string* {
       int i = column[name];
       return i < static_cast<int>(f.size()) ? &f[i] : nullptr;
@@ -53,7 +55,8 @@ absl::StatusOr<std::vector<TraceCall>> ReadTrace(const std::string& path) {
     TraceCall c;
     const std::string *trace = field("trace"), *agent = field("agent"),
                       *idx = field("idx"), *inp = field("in"),
-                      *out = field("out"), *prefill = field("new_prefill_tokens"),
+                      *out = field("out"),
+                      *prefill = field("new_prefill_tokens"),
                       *think = field("think_time");
     if (!trace || !agent || !idx || !inp || !out || !prefill || !think ||
         !absl::SimpleAtoi(*idx, &c.idx) || !absl::SimpleAtoi(*inp, &c.in) ||
@@ -73,7 +76,8 @@ absl::StatusOr<std::vector<TraceCall>> ReadTrace(const std::string& path) {
 
 absl::StatusOr<std::vector<PlannedSession>> PlanWorkload(
     const std::vector<TraceCall>& calls, const WorkloadOptions& o) {
-  if (o.sessions < 1) return absl::InvalidArgumentError("--sessions must be >= 1");
+  if (o.sessions < 1)
+    return absl::InvalidArgumentError("--sessions must be >= 1");
   if (o.turns < 1) return absl::InvalidArgumentError("--turns must be >= 1");
   if (!(o.scale > 0)) return absl::InvalidArgumentError("--scale must be > 0");
   if (!(o.output_scale >= 0))
@@ -96,9 +100,9 @@ absl::StatusOr<std::vector<PlannedSession>> PlanWorkload(
   std::vector<std::string> eligible;
   for (const std::string& t : order) {
     auto& v = convs[t];
-    std::stable_sort(v.begin(), v.end(), [](const TraceCall* a, const TraceCall* b) {
-      return a->idx < b->idx;
-    });
+    std::stable_sort(
+        v.begin(), v.end(),
+        [](const TraceCall* a, const TraceCall* b) { return a->idx < b->idx; });
     if (static_cast<int>(v.size()) >= o.turns) eligible.push_back(t);
   }
   if (static_cast<int>(eligible.size()) < o.sessions) {
@@ -131,7 +135,8 @@ absl::StatusOr<std::vector<PlannedSession>> PlanWorkload(
       uint64_t bytes = o.seed ^ (0xD1B54A32D192ED03ull * (s + 1)) ^
                        (0x8CB92BA72F3D8DD7ull * (t + 1));
       pt.prompt.resize(prompt_len);
-      for (auto& ch : pt.prompt) ch = static_cast<char>(32 + SplitMix64(bytes) % 95);
+      for (auto& ch : pt.prompt)
+        ch = static_cast<char>(32 + SplitMix64(bytes) % 95);
       ps.turns.push_back(std::move(pt));
     }
     plan.push_back(std::move(ps));

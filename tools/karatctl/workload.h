@@ -40,7 +40,7 @@ struct WorkloadOptions {
 };
 
 struct PlannedTurn {
-  std::string prompt;      // printable bytes, one token each
+  std::string prompt;  // printable bytes, one token each
   int max_new_tokens = 1;
   double think_seconds = 0;  // wait before sending the turn
   // What the trace said (for the report).
