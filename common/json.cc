@@ -329,7 +329,7 @@ absl::StatusOr<JsonValue> ParseJson(std::string_view text) {
   return Parser(text).ParseDocument();
 }
 
-std::string JsonQuote(std::string_view s) {
+std::string JsonQuote(std::string_view s, bool ascii) {
   std::string out = "\"";
   for (const char c : s) {
     switch (c) {
@@ -355,7 +355,8 @@ std::string JsonQuote(std::string_view s) {
         out += "\\f";
         break;
       default:
-        if (static_cast<unsigned char>(c) < 0x20) {
+        if (static_cast<unsigned char>(c) < 0x20 ||
+            (ascii && static_cast<unsigned char>(c) >= 0x7f)) {
           out += absl::StrFormat("\\u%04x", static_cast<unsigned char>(c));
         } else {
           out.push_back(c);

@@ -38,8 +38,10 @@ struct JsonValue {
 // levels is refused so that hostile input cannot exhaust the stack.
 absl::StatusOr<JsonValue> ParseJson(std::string_view text);
 
-// `s` as a JSON string literal, quotes included.
-std::string JsonQuote(std::string_view s);
+// `s` as a JSON string literal, quotes included. With `ascii`, bytes from
+// 0x7f up are escaped as \u00XX too, so text of unknown encoding (error
+// messages) still gives valid ASCII JSON.
+std::string JsonQuote(std::string_view s, bool ascii = false);
 
 // Shortest text that reads back as the same double ("1e-06", "10000").
 std::string JsonNumber(double v);

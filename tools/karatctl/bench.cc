@@ -134,12 +134,14 @@ std::string BenchReportJson(const BenchReport& r) {
                   ", \"errors_by_code\": {");
   bool first = true;
   for (const auto& [code, n] : r.errors_by_code) {
-    absl::StrAppend(&out, first ? "" : ", ", JsonQuote(code), ": ", n);
+    absl::StrAppend(&out, first ? "" : ", ", JsonQuote(code, /*ascii=*/true),
+                    ": ", n);
     first = false;
   }
   absl::StrAppend(&out, "}, \"error_samples\": [");
   for (size_t i = 0; i < r.error_samples.size(); ++i)
-    absl::StrAppend(&out, i ? ", " : "", JsonQuote(r.error_samples[i]));
+    absl::StrAppend(&out, i ? ", " : "",
+                    JsonQuote(r.error_samples[i], /*ascii=*/true));
   absl::StrAppend(&out, "]}\n");
   return out;
 }
