@@ -80,13 +80,16 @@ AttnShapes MakeAttnShapes(const ModelConfig& c) {
 // vdpbf16ps, which itself issues at well under the FMA rate.
 //
 // Layout: keys are scored 32 at a time (one lane, or tile column, per key).
-// A block's codes are decoded to bf16 rows in an L1 scratch with a byte
-// table lookup (vpermi2b), then transposed so that code pair p of the 32
-// keys is one contiguous 128-byte row: the vector path broadcasts the
-// query's code pairs against it, and it is exactly the pair-interleaved
-// (VNNI) layout the tile unit takes as its B operand. The vector path keeps
-// 2 x kHeadBlock accumulators in registers over all pairs. Every key block
-// is decoded once for all queries of a segment (prefill).
+// A block's codes end up as bf16 with code pair p of the 32 keys in one
+// contiguous 128-byte row: the vector path broadcasts the query's code
+// pairs against it, and it is exactly the pair-interleaved (VNNI) layout
+// the tile unit takes as its B operand. A whole block whose Di is a
+// multiple of 32 has its codes transposed in registers and then widened
+// with a byte table lookup (vpermi2b; DecodeTransposed32); other blocks
+// are widened to bf16 rows in an L1 scratch and transposed there. The
+// vector path keeps 2 x kHeadBlock accumulators in registers over all
+// pairs. Every key block is decoded once for all queries of a segment
+// (prefill).
 
 namespace {
 
@@ -240,6 +243,107 @@ struct KeyBlock {
 // too short for the hardware prefetcher to ramp up on.
 constexpr int kPrefetchAhead = 3 * kKeyBlock;
 
+// Decodes and transposes one whole block of 32 keys whose dimension is a
+// multiple of 32: kt[p * 32 + j] = pair p of key j, exactly as LoadKeyBlock's
+// general path computes it. key[j] points at key j's codes.
+//
+// It moves codes, not decoded values: per 32 code bytes (16 pairs) of every
+// key, 16-byte halves of the keys are loaded into the 128-bit lanes of 16
+// registers, an 8 x 8 transpose of 16-bit pairs within each lane (three
+// levels of in-lane unpacks, one cycle each) leaves one register per pair
+// holding that pair's codes of all 32 keys, and the byte tables then widen
+// each into the pair's 128-byte row. Register i (< 8) takes, in lane L, the
+// first half of key kLaneKey[8 L + i] (the second half goes to register
+// 8 + i): the order in which the widening's byte interleave (also in-lane)
+// leaves the keys in natural order.
+inline void DecodeTransposed32(const uint8_t* const* key, int dim,
+                               uint32_t* kt) {
+  // Slot 8 L + r of a transposed register: key 4 L + r (r < 4), else
+  // 16 + 4 L + r - 4.
+  static constexpr uint8_t kLaneKey[32] = {
+      0,  1,  2,  3,  16, 17, 18, 19, 4,  5,  6,  7,  20, 21, 22, 23,
+      8,  9,  10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+  const Fp8Bf16Bytes& t = Fp8Bytes();
+  const __m512i tlo0 = _mm512_load_si512(t.lo);
+  const __m512i tlo1 = _mm512_load_si512(t.lo + 64);
+  const __m512i thi0 = _mm512_load_si512(t.hi);
+  const __m512i thi1 = _mm512_load_si512(t.hi + 64);
+  const __m512i sign = _mm512_set1_epi8(char(0x80));
+  // gf2p8affine: result bit i = parity(matrix byte 7 - i AND code).
+  // lo: code bits 0-3 -> bits 4-7. hi: code bits 4-6 -> bits 0-2 (e / 2),
+  // bit 7 -> bit 7 (sign).
+  const __m512i affine_lo = _mm512_set1_epi64(0x0000000001020408ll);
+  const __m512i affine_hi = _mm512_set1_epi64(0x1020400000000080ll);
+  const __m512i exp_bias = _mm512_set1_epi8(60);  // (e + 120) / 2 = 60 + e / 2
+  const __m512i low7 = _mm512_set1_epi8(0x7F);
+  const __m512i bias = _mm512_set1_epi8(char(129));
+  const __m512i first_normal = _mm512_set1_epi8(char(137));
+  for (int g = 0; g < dim / 32; ++g) {
+    for (int half = 0; half < 2; ++half) {
+      const int off = 32 * g + 16 * half;
+      __m512i r[8];
+      for (int i = 0; i < 8; ++i) {
+        auto lane = [&](int L) {
+          return _mm_loadu_si128(
+              reinterpret_cast<const __m128i*>(key[kLaneKey[8 * L + i]] + off));
+        };
+        __m512i v = _mm512_castsi128_si512(lane(0));
+        v = _mm512_inserti32x4(v, lane(1), 1);
+        v = _mm512_inserti32x4(v, lane(2), 2);
+        r[i] = _mm512_inserti32x4(v, lane(3), 3);
+      }
+      // 8 x 8 transpose of 16-bit elements within each lane.
+      __m512i a[4], b[4], c[4], d[4], o[8];
+      for (int k = 0; k < 4; ++k) {
+        a[k] = _mm512_unpacklo_epi16(r[2 * k], r[2 * k + 1]);
+        b[k] = _mm512_unpackhi_epi16(r[2 * k], r[2 * k + 1]);
+      }
+      c[0] = _mm512_unpacklo_epi32(a[0], a[1]);
+      c[1] = _mm512_unpackhi_epi32(a[0], a[1]);
+      c[2] = _mm512_unpacklo_epi32(a[2], a[3]);
+      c[3] = _mm512_unpackhi_epi32(a[2], a[3]);
+      d[0] = _mm512_unpacklo_epi32(b[0], b[1]);
+      d[1] = _mm512_unpackhi_epi32(b[0], b[1]);
+      d[2] = _mm512_unpacklo_epi32(b[2], b[3]);
+      d[3] = _mm512_unpackhi_epi32(b[2], b[3]);
+      o[0] = _mm512_unpacklo_epi64(c[0], c[2]);
+      o[1] = _mm512_unpackhi_epi64(c[0], c[2]);
+      o[2] = _mm512_unpacklo_epi64(c[1], c[3]);
+      o[3] = _mm512_unpackhi_epi64(c[1], c[3]);
+      o[4] = _mm512_unpacklo_epi64(d[0], d[2]);
+      o[5] = _mm512_unpackhi_epi64(d[0], d[2]);
+      o[6] = _mm512_unpacklo_epi64(d[1], d[3]);
+      o[7] = _mm512_unpackhi_epi64(d[1], d[3]);
+      // o[w] holds pair 8 half + w (of this group) of all 32 keys. Normal
+      // codes (exponent field 1-15, not NaN) widen by bit moves: bf16 =
+      // sign | (60 + e / 2) << 8 | (e & 1) << 7 | m << 4, two GF(2) affine
+      // maps and a byte add (no shuffles). When any code of these 64 is
+      // zero, subnormal or NaN, the byte tables widen them instead; both
+      // give the same bits for normal codes.
+      for (int w = 0; w < 8; ++w) {
+        const __m512i cd = o[w];
+        // (code & 0x7F) + 129 wraps below 137 exactly for the codes the
+        // bit moves do not cover (0-7 and 127).
+        const __m512i u = _mm512_add_epi8(_mm512_and_si512(cd, low7), bias);
+        __m512i lo, hi;
+        if (__builtin_expect(_mm512_cmplt_epu8_mask(u, first_normal) == 0,
+                             1)) {
+          lo = _mm512_gf2p8affine_epi64_epi8(cd, affine_lo, 0);
+          hi = _mm512_add_epi8(_mm512_gf2p8affine_epi64_epi8(cd, affine_hi, 0),
+                               exp_bias);
+        } else {
+          lo = _mm512_permutex2var_epi8(tlo0, cd, tlo1);
+          hi = _mm512_permutex2var_epi8(thi0, cd, thi1);
+          hi = _mm512_ternarylogic_epi32(hi, cd, sign, 0xF8);
+        }
+        uint32_t* row = kt + size_t(16 * g + 8 * half + w) * kKeyBlock;
+        _mm512_store_si512(row, _mm512_unpacklo_epi8(lo, hi));
+        _mm512_store_si512(row + 16, _mm512_unpackhi_epi8(lo, hi));
+      }
+    }
+  }
+}
+
 // Decodes keys [s0, s0 + b) (b <= 32; the rest of the block is zero), and
 // prefetches the codes of the block kPrefetchAhead ahead when it is below
 // `end`.
@@ -255,6 +359,28 @@ void LoadKeyBlock(const LayerView& view, int s0, int b, int end, int dim,
       _mm_prefetch(p + off, _MM_HINT_T0);
     }
     s += run;
+  }
+  if (b == kKeyBlock && dim == dp) {
+    const uint8_t* keys[kKeyBlock];
+    for (int i = 0; i < kKeyBlock;) {
+      const int s = s0 + i;
+      const int run = std::min(kKeyBlock - i, tpp - s % tpp);
+      const uint8_t* base = view.IndexKey(s);
+      for (int k = 0; k < run; ++k) keys[i + k] = base + size_t(k) * dim;
+      i += run;
+    }
+    DecodeTransposed32(keys, dim, kb->kt.data());
+    for (int i = 0; i < kKeyBlock;) {
+      const int s = s0 + i;
+      const int run = std::min(kKeyBlock - i, tpp - s % tpp);
+      const float* src = reinterpret_cast<const float*>(
+                             view.PageData(s / tpp) +
+                             view.layout->iscale_offset) +
+                         s % tpp;
+      std::memcpy(&kb->scale[i], src, size_t(run) * 4);
+      i += run;
+    }
+    return;
   }
   uint16_t* rows = kb->rows.data();
   int j = 0;
@@ -354,10 +480,12 @@ struct alignas(64) TileConfig {
   uint8_t reserved[14] = {};
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
-  TileConfig() {
+  // `head_rows`: rows of the query (A) and accumulator (C) tiles, 0-5;
+  // the key tiles (B, 6-7) always hold 16 code pairs.
+  explicit TileConfig(int head_rows = 16) {
     for (int i = 0; i < 8; ++i) {
       colsb[i] = 64;
-      rows[i] = 16;
+      rows[i] = uint8_t(i < 6 ? head_rows : 16);
     }
   }
 };
@@ -370,7 +498,11 @@ bool RequestTileUnit() {
 }
 
 // Per 32-key block: dots[h * 32 + j] = q[h] . k[j] for every (padded) head.
-void TileDots(const KeyBlock& kb, const IndexQuery& iq, float* dots) {
+// With store = false (only for heads <= 32: one pass over the groups) the
+// results stay in accumulator tiles 0-3 for TileStoreDots, so that other
+// work can run while the tile unit finishes.
+void TileDots(const KeyBlock& kb, const IndexQuery& iq, float* dots,
+              bool store = true) {
   const int groups = (iq.heads + 15) / 16;
   const int steps = iq.pairs / 16;
   const size_t qstride = size_t(iq.pairs) * 4;
@@ -396,6 +528,7 @@ void TileDots(const KeyBlock& kb, const IndexQuery& iq, float* dots) {
         _tile_dpbf16ps(3, 5, 7);
       }
     }
+    if (!store) continue;
     float* d0 = dots + size_t(g) * 16 * kKeyBlock;
     _tile_stored(0, d0, kKeyBlock * 4);
     _tile_stored(1, d0 + 16, kKeyBlock * 4);
@@ -403,6 +536,16 @@ void TileDots(const KeyBlock& kb, const IndexQuery& iq, float* dots) {
       _tile_stored(2, d0 + 16 * kKeyBlock, kKeyBlock * 4);
       _tile_stored(3, d0 + 16 * kKeyBlock + 16, kKeyBlock * 4);
     }
+  }
+}
+
+// The stores TileDots(..., store = false) left out.
+void TileStoreDots(const IndexQuery& iq, float* dots) {
+  _tile_stored(0, dots, kKeyBlock * 4);
+  _tile_stored(1, dots + 16, kKeyBlock * 4);
+  if (iq.heads > 16) {
+    _tile_stored(2, dots + 16 * kKeyBlock, kKeyBlock * 4);
+    _tile_stored(3, dots + 16 * kKeyBlock + 16, kKeyBlock * 4);
   }
 }
 #else
@@ -420,37 +563,49 @@ const bool g_tile_unit = false;
 
 bool UseTileUnit() { return kHaveTileUnit && g_tile_unit; }
 
-// Scores the 32 keys of `kb` for query `iq`; writes the first `b` to out.
-void ScoreKeyBlock(const KeyBlock& kb, const IndexQuery& iq, int b,
-                   float* out, float* dots) {
+// Head terms of the 32 keys of `kb` from their dots (dots[h * 32 + j],
+// from TileDots), times the keys' scales; writes the first `b` to out.
+void FinishKeyBlock(const KeyBlock& kb, const IndexQuery& iq, int b,
+                    float* out, const float* dots) {
   __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
-  if (dots != nullptr) {
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-    TileDots(kb, iq, dots);
-#endif
-    const __m512 zero = _mm512_setzero_ps();
-    for (int h = 0; h < iq.heads; ++h) {
-      const __m512 c = _mm512_set1_ps(iq.coef[h]);
-      const float* d = dots + size_t(h) * kKeyBlock;
-      s0 = _mm512_fmadd_ps(c, _mm512_max_ps(_mm512_load_ps(d), zero), s0);
-      s1 = _mm512_fmadd_ps(c, _mm512_max_ps(_mm512_load_ps(d + 16), zero), s1);
-    }
+  const __m512 zero = _mm512_setzero_ps();
+  for (int h = 0; h < iq.heads; ++h) {
+    const __m512 c = _mm512_set1_ps(iq.coef[h]);
+    const float* d = dots + size_t(h) * kKeyBlock;
+    s0 = _mm512_fmadd_ps(c, _mm512_max_ps(_mm512_load_ps(d), zero), s0);
+    s1 = _mm512_fmadd_ps(c, _mm512_max_ps(_mm512_load_ps(d + 16), zero), s1);
+  }
+  s0 = _mm512_mul_ps(s0, _mm512_load_ps(kb.scale));
+  s1 = _mm512_mul_ps(s1, _mm512_load_ps(kb.scale + 16));
+  if (b == kKeyBlock) {
+    _mm512_storeu_ps(out, s0);
+    _mm512_storeu_ps(out + 16, s1);
   } else {
-    const uint32_t* kt = kb.kt.data();
-    const int pairs = iq.pairs;
-    int h = 0;
-    for (; h + kHeadBlock <= iq.heads; h += kHeadBlock) {
-      ScoreHeads<kHeadBlock>(kt, pairs, &iq.q[size_t(h) * pairs], &iq.coef[h],
-                             &s0, &s1);
-    }
-    for (; h + 4 <= iq.heads; h += 4) {
-      ScoreHeads<4>(kt, pairs, &iq.q[size_t(h) * pairs], &iq.coef[h], &s0,
-                    &s1);
-    }
-    for (; h < iq.heads; ++h) {
-      ScoreHeads<1>(kt, pairs, &iq.q[size_t(h) * pairs], &iq.coef[h], &s0,
-                    &s1);
-    }
+    const __mmask16 m0 = b >= 16 ? 0xFFFF : __mmask16((1u << b) - 1);
+    const __mmask16 m1 = b <= 16 ? 0 : __mmask16((1u << (b - 16)) - 1);
+    _mm512_mask_storeu_ps(out, m0, s0);
+    _mm512_mask_storeu_ps(out + 16, m1, s1);
+  }
+}
+
+// The vector path: scores the 32 keys of `kb` for query `iq` with
+// vdpbf16ps; writes the first `b` to out.
+void ScoreKeyBlock(const KeyBlock& kb, const IndexQuery& iq, int b,
+                   float* out) {
+  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+  const uint32_t* kt = kb.kt.data();
+  const int pairs = iq.pairs;
+  int h = 0;
+  for (; h + kHeadBlock <= iq.heads; h += kHeadBlock) {
+    ScoreHeads<kHeadBlock>(kt, pairs, &iq.q[size_t(h) * pairs], &iq.coef[h],
+                           &s0, &s1);
+  }
+  for (; h + 4 <= iq.heads; h += 4) {
+    ScoreHeads<4>(kt, pairs, &iq.q[size_t(h) * pairs], &iq.coef[h], &s0,
+                  &s1);
+  }
+  for (; h < iq.heads; ++h) {
+    ScoreHeads<1>(kt, pairs, &iq.q[size_t(h) * pairs], &iq.coef[h], &s0, &s1);
   }
   s0 = _mm512_mul_ps(s0, _mm512_load_ps(kb.scale));
   s1 = _mm512_mul_ps(s1, _mm512_load_ps(kb.scale + 16));
@@ -467,35 +622,76 @@ void ScoreKeyBlock(const KeyBlock& kb, const IndexQuery& iq, int b,
 
 // Scores keys [k_begin, k_end) for every query i with limit[i] > key:
 // out[i][s] for s < limit[i]. Keys are decoded once per block.
+//
+// The tile path is software-pipelined: block i + 2 is decoded (vector
+// unit) while the tile unit computes block i's dots, and the head terms of
+// block i are formed only after that, so neither unit waits for the
+// other's results, and the tile loads read key blocks whose stores have
+// long retired. Each block's arithmetic is unchanged.
 void ScoreKeyRange(const LayerView& view, int dim, int k_begin, int k_end,
                    const IndexQuery* queries, int nq, const int* limit,
                    float* const* out) {
-  KeyBlock kb(PaddedIndexDim(dim));
-  const bool tiles = UseTileUnit();
-  AlignedVector<float> dots;
-  int max_heads = 0;
-  for (int i = 0; i < nq; ++i) max_heads = std::max(max_heads, queries[i].heads);
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-  if (tiles) {
-    dots.resize(size_t((max_heads + 15) / 16 * 16) * kKeyBlock);
-    static const TileConfig config;
-    _tile_loadconfig(&config);
+  const int dp = PaddedIndexDim(dim);
+  int max_heads = 0, max_limit = 0;
+  for (int i = 0; i < nq; ++i) {
+    max_heads = std::max(max_heads, queries[i].heads);
+    max_limit = std::max(max_limit, limit[i]);
   }
-#endif
-  for (int s0 = k_begin; s0 < k_end; s0 += kKeyBlock) {
-    const int b = std::min(kKeyBlock, k_end - s0);
-    bool any = false;
-    for (int i = 0; i < nq && !any; ++i) any = limit[i] > s0;
-    if (!any) continue;
-    LoadKeyBlock(view, s0, b, k_end, dim, &kb);
+  // Keys at or past every query's limit are neither read nor scored.
+  const int stop = std::min(k_end, max_limit);
+  if (stop <= k_begin) return;
+  const int nblocks = (stop - k_begin + kKeyBlock - 1) / kKeyBlock;
+  auto block_keys = [&](int blk) {
+    return std::min(kKeyBlock, stop - (k_begin + blk * kKeyBlock));
+  };
+  if (!UseTileUnit()) {
+    KeyBlock kb(dp);
+    for (int blk = 0; blk < nblocks; ++blk) {
+      const int s0 = k_begin + blk * kKeyBlock, b = block_keys(blk);
+      LoadKeyBlock(view, s0, b, stop, dim, &kb);
+      for (int i = 0; i < nq; ++i) {
+        if (limit[i] <= s0) continue;
+        ScoreKeyBlock(kb, queries[i], std::min(b, limit[i] - s0), out[i] + s0);
+      }
+    }
+    return;
+  }
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+  constexpr int kRing = 3;  // blocks decoded ahead: kRing - 1
+  std::vector<KeyBlock> ring(size_t(std::min(kRing, nblocks)), KeyBlock(dp));
+  AlignedVector<float> dots(size_t((max_heads + 15) / 16 * 16) * kKeyBlock);
+  // Up to 8 heads: 8-row query and accumulator tiles, so TDPBF16PS works
+  // on the heads there are (its time scales with the rows); each dot is
+  // the same per-element computation either way.
+  static const TileConfig config16(16), config8(8);
+  _tile_loadconfig(max_heads <= 8 ? &config8 : &config16);
+  const bool defer = max_heads <= 32;
+  auto load = [&](int blk) {
+    LoadKeyBlock(view, k_begin + blk * kKeyBlock, block_keys(blk), stop, dim,
+                 &ring[blk % kRing]);
+  };
+  for (int blk = 0; blk < std::min(kRing - 1, nblocks); ++blk) load(blk);
+  for (int blk = 0; blk < nblocks; ++blk) {
+    const int s0 = k_begin + blk * kKeyBlock, b = block_keys(blk);
+    const KeyBlock& kb = ring[blk % kRing];
+    bool ahead = false;
     for (int i = 0; i < nq; ++i) {
       if (limit[i] <= s0) continue;
-      ScoreKeyBlock(kb, queries[i], std::min(b, limit[i] - s0), out[i] + s0,
-                    tiles ? dots.data() : nullptr);
+      // The first query's dots are stored only after the next block's
+      // decode, which runs while the tile unit computes them.
+      const bool first = !ahead;
+      TileDots(kb, queries[i], dots.data(), /*store=*/!(first && defer));
+      if (first) {
+        ahead = true;
+        if (blk + kRing - 1 < nblocks) load(blk + kRing - 1);
+        if (defer) TileStoreDots(queries[i], dots.data());
+      }
+      FinishKeyBlock(kb, queries[i], std::min(b, limit[i] - s0), out[i] + s0,
+                     dots.data());
     }
+    if (!ahead && blk + kRing - 1 < nblocks) load(blk + kRing - 1);
   }
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-  if (tiles) _tile_release();
+  _tile_release();
 #endif
 }
 
@@ -541,6 +737,61 @@ int CompressAtLeast(const float* scores, int n, float t, int32_t* out) {
   return count;
 }
 
+// Small k: one pass that keeps the k best so far in a binary heap whose
+// root is the worst of them (lowest score; of equal scores, the highest
+// position). A later position enters only with a strictly higher score
+// than the root, which is the tie rule; the vector compare skips 16
+// positions at a time while nothing enters. O(n + entries x log k).
+constexpr int kSmallTopK = 64;
+
+void SelectTopKSmall(const float* scores, int n, int k,
+                     std::vector<int32_t>* out) {
+  float hv[kSmallTopK];
+  int32_t hp[kSmallTopK];
+  // a is worse than b.
+  auto worse = [&](int a, int b) {
+    return hv[a] < hv[b] || (!(hv[b] < hv[a]) && hp[a] > hp[b]);
+  };
+  auto sift_down = [&](int i) {
+    for (;;) {
+      const int l = 2 * i + 1, r = l + 1;
+      int w = i;
+      if (l < k && worse(l, w)) w = l;
+      if (r < k && worse(r, w)) w = r;
+      if (w == i) return;
+      std::swap(hv[i], hv[w]);
+      std::swap(hp[i], hp[w]);
+      i = w;
+    }
+  };
+  for (int i = 0; i < k; ++i) {
+    hv[i] = scores[i];
+    hp[i] = i;
+  }
+  for (int i = k / 2 - 1; i >= 0; --i) sift_down(i);
+  auto offer = [&](int s) {
+    const float x = scores[s];
+    if (x > hv[0]) {
+      hv[0] = x;
+      hp[0] = s;
+      sift_down(0);
+    }
+  };
+  int s = k;
+  for (; s < n && s % 16 != 0; ++s) offer(s);
+  for (; s + 16 <= n; s += 16) {
+    __mmask16 m = _mm512_cmp_ps_mask(_mm512_loadu_ps(scores + s),
+                                     _mm512_set1_ps(hv[0]), _CMP_GT_OQ);
+    while (m != 0) {
+      offer(s + __builtin_ctz(m));
+      m &= m - 1;
+    }
+  }
+  for (; s < n; ++s) offer(s);
+  out->assign(hp, hp + k);
+  std::sort(out->begin(), out->end());
+}
+
 }  // namespace
 
 void SelectTopK(const float* scores, int n, int k, std::vector<int32_t>* out) {
@@ -552,6 +803,10 @@ void SelectTopK(const float* scores, int n, int k, std::vector<int32_t>* out) {
     return;
   }
   if (k <= 0) return;
+  if (k <= kSmallTopK) {
+    SelectTopKSmall(scores, n, k, out);
+    return;
+  }
   // Candidates, in position order: those at or above a threshold taken
   // from a fixed, evenly spaced sample a little below the sample's k-th
   // score (a vector compress), so that with high probability at least k
@@ -849,6 +1104,15 @@ void MlaAttend(const LayerView& view, const int32_t* sel, int nsel,
     for (int64_t pr = b; pr < e; ++pr) {
       const int j0 = int(pr) * 32;
       const bool second = j0 + 16 < nsel;
+      // The next pair's entries, scattered over the pages: prefetched so
+      // that their misses overlap this pair's arithmetic.
+      for (int j = j0 + 32; j < std::min(nsel, j0 + 64); ++j) {
+        const char* a = reinterpret_cast<const char*>(ent[j]);
+        for (int off = 0; off < kv_dim * 2; off += 64) {
+          _mm_prefetch(a + off, _MM_HINT_T0);
+        }
+        _mm_prefetch(a + kv_dim * 2 - 1, _MM_HINT_T0);
+      }
       LoadEntryTile(ent + j0, std::min(kEntryBlock, nsel - j0), kv_dim,
                     tile.data(), 32);
       if (second) {

@@ -5,9 +5,14 @@
 
 #include <immintrin.h>
 
+#include "common/huge_page_vector.h"
 #include "common/numeric.h"
 #include "common/simd_reduce.h"
 #include "common/sparse_attention.h"
+
+// GCC 12 reports its own AVX-512 intrinsic headers (_mm512_undefined_*)
+// as maybe-uninitialized.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 namespace karat {
 namespace {
@@ -16,7 +21,7 @@ namespace {
 // in position order, and the block's token count.
 class BlockState final : public MethodLayerState {
  public:
-  std::vector<float> sums;  // blocks x Hkv x Di
+  HugePageVector<float> sums;  // blocks x Hkv x Di
   std::vector<int> counts;  // blocks
   size_t bytes() const override {
     return sums.size() * sizeof(float) + counts.size() * sizeof(int);

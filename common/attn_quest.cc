@@ -9,9 +9,14 @@
 
 #include <immintrin.h>
 
+#include "common/huge_page_vector.h"
 #include "common/numeric.h"
 #include "common/simd_reduce.h"
 #include "common/sparse_attention.h"
+
+// GCC 12 reports its own AVX-512 intrinsic headers (_mm512_undefined_*)
+// as maybe-uninitialized.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 namespace karat {
 
@@ -35,9 +40,11 @@ namespace {
 
 class QuestState final : public MethodLayerState {
  public:
-  std::vector<float> min, max;  // pages x Hkv x d
+  // Per page and KV head the d channel minima, then the d maxima: one
+  // stream in page order for Select.
+  HugePageVector<float> bounds;  // pages x Hkv x [min d | max d]
   size_t bytes() const override {
-    return (min.size() + max.size()) * sizeof(float);
+    return bounds.size() * sizeof(float);
   }
 };
 
@@ -54,28 +61,32 @@ class QuestAttention final : public SparseAttention {
                 MethodLayerState* state, KernelCost* cost) const override {
     auto* st = static_cast<QuestState*>(state);
     const int hkv = shapes_.kv_heads, d = shapes_.head_dim;
-    const size_t per_page = size_t(hkv) * d;
+    const size_t per_page = size_t(hkv) * 2 * d;
     const int p0 = pos_start / page_, p1 = (pos_start + n - 1) / page_;
-    st->min.resize(size_t(p1 + 1) * per_page);
-    st->max.resize(size_t(p1 + 1) * per_page);
+    st->bounds.resize(size_t(p1 + 1) * per_page);
     std::vector<float> k(d);
     for (int p = p0; p <= p1; ++p) {
-      float* mn = &st->min[size_t(p) * per_page];
-      float* mx = &st->max[size_t(p) * per_page];
-      std::fill(mn, mn + per_page, std::numeric_limits<float>::infinity());
-      std::fill(mx, mx + per_page, -std::numeric_limits<float>::infinity());
+      float* page = &st->bounds[size_t(p) * per_page];
+      for (int g = 0; g < hkv; ++g) {
+        std::fill(page + size_t(g) * 2 * d, page + size_t(g) * 2 * d + d,
+                  std::numeric_limits<float>::infinity());
+        std::fill(page + size_t(g) * 2 * d + d, page + size_t(g + 1) * 2 * d,
+                  -std::numeric_limits<float>::infinity());
+      }
       const int end = std::min((p + 1) * page_, view.length);
       for (int t = p * page_; t < end; ++t) {
         for (int g = 0; g < hkv; ++g) {
           Bf16ToFloat(view.Kv(t) + GqaEntry::K(shapes_, g), d, k.data());
+          float* mn = page + size_t(g) * 2 * d;
+          float* mx = mn + d;
           for (int c = 0; c < d; ++c) {
-            mn[g * d + c] = std::min(mn[g * d + c], k[c]);
-            mx[g * d + c] = std::max(mx[g * d + c], k[c]);
+            mn[c] = std::min(mn[c], k[c]);
+            mx[c] = std::max(mx[c], k[c]);
           }
         }
       }
-      cost->bytes += double(end - p * page_) * per_page * 2;
-      cost->flops += double(end - p * page_) * per_page * 2;
+      cost->bytes += double(end - p * page_) * hkv * d * 2;
+      cost->flops += double(end - p * page_) * hkv * d * 2;
     }
   }
 
@@ -90,7 +101,7 @@ class QuestAttention final : public SparseAttention {
     const auto* st = static_cast<const QuestState*>(state);
     const int H = shapes_.heads, hkv = shapes_.kv_heads, d = shapes_.head_dim;
     const int group = H / hkv;
-    const size_t per_page = size_t(hkv) * d;
+    const size_t per_page = size_t(hkv) * 2 * d;
     heads->resize(H);
     // One pass over the pages' min/max serves every query head: per page
     // and KV head the group's bounds (QuestBound's arithmetic, 16 channels
@@ -108,18 +119,47 @@ class QuestAttention final : public SparseAttention {
     float* bound = bound_buf.data();
     const float* qp = q_buf.data();
     if (chunks == 4 && tail == __mmask16(0xFFFF) && group == 4) {
-      // Four pages at a time, every KV head of a page before the next (the
-      // metadata is read in address order): 16 (head, page) sums reduced
-      // together; head k's bounds of pages p..p+3 form lane group k.
+      // max(q M, q m) is q M where q >= 0 (M >= m, and rounding keeps the
+      // order) and q m elsewhere: one blend by the sign of q instead of a
+      // second product and a max. Where the two are equal but for the sign
+      // of zero, the lane sum, which starts at +0 and is never -0, does not
+      // see the difference, so every bound keeps QuestBound's bits.
+      thread_local std::vector<__mmask16> pos_buf;
+      pos_buf.resize(size_t(H) * 4);
+      for (int h = 0; h < H; ++h) {
+        for (int j = 0; j < 4; ++j) {
+          pos_buf[size_t(h) * 4 + j] = _mm512_cmp_ps_mask(
+              _mm512_loadu_ps(qp + size_t(h) * 64 + 16 * j),
+              _mm512_setzero_ps(), _CMP_GE_OQ);
+        }
+      }
+      // Four pages at a time, one KV head after the other (the four pages'
+      // metadata, 4 KiB in one run, stays in L1 between them): 16 (head,
+      // page) sums reduced together; head k's bounds of pages p..p+3 form
+      // lane group k.
+      // The stream is also prefetched a few pages ahead: on its own the
+      // hardware prefetcher keeps too few lines in flight for one core.
       const int p4 = cur / 4 * 4;
+      constexpr int kAheadPages = 16;
       for (int p = 0; p < p4; p += 4) {
+        if (p + kAheadPages < cur) {
+          const int pf_end = std::min(cur, p + kAheadPages + 4);
+          const char* a = reinterpret_cast<const char*>(
+              &st->bounds[size_t(p + kAheadPages) * per_page]);
+          const size_t bytes =
+              size_t(pf_end - p - kAheadPages) * per_page * sizeof(float);
+          for (size_t off = 0; off < bytes; off += 64) {
+            _mm_prefetch(a + off, _MM_HINT_T0);
+          }
+        }
         for (int g = 0; g < hkv; ++g) {
           const float* qg = qp + size_t(g * group) * 64;
+          const __mmask16* mg = &pos_buf[size_t(g * group) * 4];
           __m512 acc[16];
           for (int pp = 0; pp < 4; ++pp) {
-            const size_t o = size_t(p + pp) * per_page + size_t(g) * d;
-            const float* mn = &st->min[o];
-            const float* mx = &st->max[o];
+            const size_t o = size_t(p + pp) * per_page + size_t(g) * 2 * d;
+            const float* mn = &st->bounds[o];
+            const float* mx = mn + d;
             __m512 vmn[4], vmx[4];
             for (int j = 0; j < 4; ++j) {
               vmn[j] = _mm512_loadu_ps(mn + 16 * j);
@@ -129,10 +169,9 @@ class QuestAttention final : public SparseAttention {
               __m512 a = _mm512_setzero_ps();
               for (int j = 0; j < 4; ++j) {
                 const __m512 qv = _mm512_loadu_ps(qg + k * 64 + 16 * j);
-                // std::max(a, b) keeps a unless a < b: max_ps(b, a).
-                a = _mm512_add_ps(a,
-                                  _mm512_max_ps(_mm512_mul_ps(qv, vmn[j]),
-                                                _mm512_mul_ps(qv, vmx[j])));
+                const __m512 bound =
+                    _mm512_mask_blend_ps(mg[k * 4 + j], vmn[j], vmx[j]);
+                a = _mm512_add_ps(a, _mm512_mul_ps(qv, bound));
               }
               acc[ReduceSlot(4 * k + pp)] = a;
             }
@@ -148,9 +187,9 @@ class QuestAttention final : public SparseAttention {
       for (int p = p4; p < cur; ++p) {
         for (int g = 0; g < hkv; ++g) {
           const float* qg = qp + size_t(g * group) * 64;
-          const size_t o = size_t(p) * per_page + size_t(g) * d;
-          const float* mn = &st->min[o];
-          const float* mx = &st->max[o];
+          const size_t o = size_t(p) * per_page + size_t(g) * 2 * d;
+          const float* mn = &st->bounds[o];
+          const float* mx = mn + d;
           for (int k = 0; k < group; ++k) {
             __m512 acc = _mm512_setzero_ps();
             for (int j = 0; j < 4; ++j) {
@@ -167,9 +206,9 @@ class QuestAttention final : public SparseAttention {
     } else {
       for (int p = 0; p < cur; ++p) {
         for (int g = 0; g < hkv; ++g) {
-          const size_t o = size_t(p) * per_page + size_t(g) * d;
-          const float* mn = &st->min[o];
-          const float* mx = &st->max[o];
+          const size_t o = size_t(p) * per_page + size_t(g) * 2 * d;
+          const float* mn = &st->bounds[o];
+          const float* mx = mn + d;
           for (int h = g * group; h < (g + 1) * group; ++h) {
             const float* qh = qp + size_t(h) * chunks * 16;
             __m512 acc = _mm512_setzero_ps();
@@ -199,7 +238,7 @@ class QuestAttention final : public SparseAttention {
         for (int t = p * page_; t < end; ++t) sel.positions.push_back(t);
       }
     }
-    cost->bytes += double(cur) * per_page * 2 * sizeof(float);
+    cost->bytes += double(cur) * per_page * sizeof(float);
     cost->flops += double(cur) * H * d * 3;
   }
 

@@ -5,6 +5,7 @@
 // cores (DESIGN.md §6).
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -36,7 +37,11 @@ class CorePool {
   // ceil(n_items / (cores * grain)) * grain, so the split is a pure function
   // of (n_items, grain, cores). Calls from several threads are serialised
   // (one loop at a time); fn must not call ParallelFor on the same pool.
-  // Idle workers block on a condition variable (no spinning).
+  // A worker that finished a loop polls for the next one for a short while
+  // (a few microseconds) before it blocks on a
+  // condition variable, and the caller polls for the workers' completion
+  // the same way: a kernel's stages follow each other within microseconds,
+  // and a blocked thread takes far longer than that to be woken.
   void ParallelFor(int64_t n_items, int64_t grain,
                    const std::function<void(int64_t, int64_t)>& fn);
 
@@ -49,12 +54,15 @@ class CorePool {
   std::mutex mu_;
   std::condition_variable wake_;
   std::condition_variable done_;
-  // The current loop; written under mu_ before generation_ advances.
+  // The current loop; written before generation_ advances (release), read
+  // by a worker after it sees the new generation (acquire).
   const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
   int64_t n_items_ = 0, chunk_ = 0;
-  uint64_t generation_ = 0;  // guarded by mu_
-  int pending_ = 0;          // guarded by mu_: workers still running the loop
-  bool stopping_ = false;    // guarded by mu_
+  // Advanced under mu_ (so that a blocking worker cannot miss it), read
+  // without it by polling workers.
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int> pending_{0};  // workers still running the loop
+  std::atomic<bool> stopping_{false};  // set under mu_
   std::vector<std::thread> threads_;
 };
 

@@ -393,6 +393,67 @@ TEST_CASE("indexer: odd shapes and page sizes keep the defined arithmetic",
   }
 }
 
+TEST_CASE("indexer: every fp8 code scores the same in whole and partial "
+          "blocks", "[attention]") {
+  // Whole 32-key blocks widen normal codes by bit moves and fall back to
+  // the byte tables for zero, subnormal and NaN codes; a key scored alone
+  // (a partial block) always goes through the tables. Keys here hold every
+  // code 0..255, blocks of normal codes only, and normal blocks with a
+  // single zero or subnormal code, on contiguous and on split pages.
+  const int kDim = 32, kHeads = 8, kN = 32 * 12;
+  std::mt19937 rng(23);
+  std::vector<uint8_t> codes(size_t(kN) * kDim);
+  for (int s = 0; s < kN; ++s) {
+    for (int d = 0; d < kDim; ++d) {
+      uint8_t c;
+      if (s < 8 * 32) {
+        c = uint8_t((s * kDim + d) % 256);  // every code, NaNs included
+      } else {
+        c = uint8_t(8 + rng() % 119);       // normal: exponent 1-15, not NaN
+        if (rng() % 2) c |= 0x80;
+      }
+      codes[size_t(s) * kDim + d] = c;
+    }
+  }
+  codes[size_t(8 * 32 + 40) * kDim + 7] = 0x00;   // a zero in block 9
+  codes[size_t(8 * 32 + 70) * kDim + 30] = 0x85;  // a subnormal in block 10
+  std::vector<uint8_t> qc(size_t(kHeads) * kDim);
+  std::vector<float> qs(kHeads), w(kHeads);
+  for (int h = 0; h < kHeads; ++h) {
+    std::vector<float> q(kDim);
+    for (auto& v : q) v = std::normal_distribution<float>()(rng);
+    qs[h] = QuantizeFp8(q.data(), kDim, &qc[size_t(h) * kDim]);
+    w[h] = std::normal_distribution<float>()(rng);
+  }
+  for (const int tpp : {64, 5}) {
+    Store st(8, kDim, tpp);
+    REQUIRE(st.cache->Reserve(kN).ok());
+    for (int s = 0; s < kN; ++s) {
+      REQUIRE(st.cache
+                  ->WriteIndexKey(0, s, &codes[size_t(s) * kDim],
+                                  0.01f * float(1 + s % 7))
+                  .ok());
+    }
+    std::vector<float> got(kN);
+    IndexerScore(st.cache->View(0), kN, qc.data(), qs.data(), w.data(),
+                 kHeads, kDim, got.data());
+    Store alone(8, kDim, 4);
+    REQUIRE(alone.cache->Reserve(1).ok());
+    int differ = 0;
+    for (int s = 0; s < kN; ++s) {
+      REQUIRE(alone.cache
+                  ->WriteIndexKey(0, 0, &codes[size_t(s) * kDim],
+                                  0.01f * float(1 + s % 7))
+                  .ok());
+      float one;
+      IndexerScore(alone.cache->View(0), 1, qc.data(), qs.data(), w.data(),
+                   kHeads, kDim, &one);
+      differ += std::memcmp(&one, &got[s], 4) != 0;
+    }
+    CHECK(differ == 0);
+  }
+}
+
 TEST_CASE("top-k: sampled threshold path equals brute force", "[attention]") {
   std::mt19937 rng(5);
   std::uniform_real_distribution<float> d(-1, 1);
@@ -404,6 +465,38 @@ TEST_CASE("top-k: sampled threshold path equals brute force", "[attention]") {
         // With ties: few distinct values, so the cut falls inside a tie.
         if (ties) {
           for (auto& v : s) v = std::round(v * 8.0f) / 8.0f;
+        }
+        std::vector<int32_t> top;
+        SelectTopK(s.data(), n, k, &top);
+        std::vector<int32_t> idx(n);
+        for (int i = 0; i < n; ++i) idx[i] = i;
+        std::stable_sort(idx.begin(), idx.end(),
+                         [&](int a, int b) { return s[a] > s[b]; });
+        idx.resize(std::min(k, n));
+        std::sort(idx.begin(), idx.end());
+        CHECK(top == idx);
+      }
+    }
+  }
+}
+
+TEST_CASE("top-k: small-k heap path equals brute force", "[attention]") {
+  // k <= 64 takes a one-pass heap; rising, falling, tied and random scores
+  // (rising scores make every position enter the heap).
+  std::mt19937 rng(17);
+  std::uniform_real_distribution<float> d(-1, 1);
+  for (const int n : {2, 17, 100, 1000, 8192}) {
+    for (const int k : {1, 7, 8, 33, 64, 65}) {
+      for (int pattern = 0; pattern < 5; ++pattern) {
+        std::vector<float> s(n);
+        for (int i = 0; i < n; ++i) {
+          switch (pattern) {
+            case 0: s[i] = d(rng); break;
+            case 1: s[i] = float(i); break;                    // rising
+            case 2: s[i] = float(n - i); break;                // falling
+            case 3: s[i] = std::round(d(rng) * 2.0f); break;  // few values
+            default: s[i] = (i % 3 == 0) ? -0.0f : 0.0f;       // signed zeros
+          }
         }
         std::vector<int32_t> top;
         SelectTopK(s.data(), n, k, &top);

@@ -213,12 +213,19 @@ TEST_CASE("quest: the bound is at least the true max q.k of every page",
 // Selections against brute force
 
 TEST_CASE("quest: page selection equals brute force", "[attention]") {
-  ModelConfig c = *PresetConfig("llama-small-quest");
-  const int n = 90, P = c.attention.page_size, B = c.attention.page_budget;
+  // The small preset takes the general kernel; the tiny one (d 64, 4 query
+  // heads per KV head) the blocked one, with a page count that is not a
+  // multiple of its 4-page step.
+  for (const char* preset : {"llama-small-quest", "llama-tiny-quest"}) {
+  ModelConfig c = *PresetConfig(preset);
+  const bool tiny = std::string(preset) == "llama-tiny-quest";
+  const int n = tiny ? 300 : 90, P = c.attention.page_size,
+            B = c.attention.page_budget;
   RandomLayer r(c, n);
   const int d = c.head_dim,
             group = c.num_attention_heads / c.num_key_value_heads;
-  for (int pos : {n - 1, 40, 17}) {
+  for (int pos : tiny ? std::vector<int>{n - 1, 250, 213, 150}
+                      : std::vector<int>{n - 1, 40, 17}) {
     std::vector<float> q = r.Gauss(size_t(c.num_attention_heads) * d);
     auto heads = r.Select(pos, q);
     const int cur = pos / P;
@@ -246,17 +253,23 @@ TEST_CASE("quest: page selection equals brute force", "[attention]") {
       CHECK(heads[h].positions == want);
     }
   }
+  }
 }
 
 TEST_CASE("gqa_block: current block always taken; top-k equals brute force",
           "[attention]") {
-  ModelConfig c = *PresetConfig("minimax-small");
-  const int n = 100, bs = c.attention.block_size, K = c.attention.topk_blocks;
+  // minimax-tiny (Di 32, 2 KV heads) takes the 8-blocks-at-a-time kernel.
+  for (const char* preset : {"minimax-small", "minimax-tiny"}) {
+  ModelConfig c = *PresetConfig(preset);
+  const bool tiny = std::string(preset) == "minimax-tiny";
+  const int n = tiny ? 400 : 100, bs = c.attention.block_size,
+            K = c.attention.topk_blocks;
   RandomLayer r(c, n);
   const AttnShapes& s = r.shapes;
   const int H = s.heads, d = s.head_dim, di = s.block_index_dim;
   const int group = H / s.kv_heads;
-  for (int pos : {n - 1, 60, 43, 20}) {
+  for (int pos : tiny ? std::vector<int>{n - 1, 300, 217, 150}
+                      : std::vector<int>{n - 1, 60, 43, 20}) {
     std::vector<float> q = r.Gauss(size_t(H) * s.q_dim);
     auto heads = r.Select(pos, q);
     const int cur = pos / bs;
@@ -291,6 +304,7 @@ TEST_CASE("gqa_block: current block always taken; top-k equals brute force",
       }
       CHECK(heads[h].positions == want);
     }
+  }
   }
 }
 
