@@ -142,14 +142,7 @@ absl::StatusOr<std::unique_ptr<LinkEmulator>> OpenDataPlane(
   fabric.provider = provider;
   fabric.node = fabric_node;
   fabric.send_timeout_ms = send_timeout_ms;
-  // Bulk transfers by RMA write where they pay: over tcp (and verbs) a large
-  // message written into the receiver's landing zone skips the receive-side
-  // copy (karat-bench-fabric: 2.0x fi_pingpong at 1-4 MiB). On shm a plain
-  // message is already one cross-process copy, and a write must complete
-  // before its notice may follow (shm does not order sends after writes),
-  // which costs a round trip: there messages are faster (RMA measured
-  // 0.3-0.65x of the message path's bandwidth).
-  fabric.use_rma = provider != "shm";
+  fabric.use_rma = RmaPays(provider);
   absl::StatusOr<std::unique_ptr<Transport>> transport =
       OpenFabricTransport(fabric);
   if (!transport.ok()) {

@@ -121,6 +121,7 @@ struct FabricOptions {
   // returns to the sender (credits) after the handler. A message goes as a
   // plain message instead while the zone is being set up, when it does not
   // fit in the zone's free space, or when either side has RMA off.
+  // The daemons set it with RmaPays(provider).
   bool use_rma = true;
   size_t rma_threshold = 64 << 10;
   // Bytes of the landing zone this endpoint registers for each peer that
@@ -129,6 +130,16 @@ struct FabricOptions {
   size_t rma_zone_bytes = 32 << 20;
   int rma_max_zones = 64;
 };
+
+// Whether bulk transfers by RMA write beat plain messages on `provider`
+// (the daemons' FabricOptions::use_rma). Over tcp (and verbs) a message
+// written into the receiver's landing zone skips the receive-side copy
+// (karat-bench-fabric: about 2x fi_pingpong's bandwidth at 1-4 MiB). On shm
+// a plain message is already one cross-process copy, and a write must
+// complete before its notice may follow (shm does not order sends after
+// writes), which costs a round trip: there messages are faster (RMA measured
+// 0.3-0.65x of the message path's bandwidth).
+inline bool RmaPays(const std::string& provider) { return provider != "shm"; }
 
 // Opens a libfabric RDM endpoint with its progress thread. The thread blocks
 // on the completion queue's wait object (no busy polling).
