@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -857,13 +858,16 @@ void SelectTopK(const float* scores, int n, int k, std::vector<int32_t>* out) {
 // Arithmetic: see MlaAttend in attention.h; blocking and splitting do not
 // change it.
 //
-// Two passes. Scores: 16 selected entries at a time are gathered from their
-// pages, widened to fp32 and transposed into an L1 tile (one lane per
-// entry); every head's fma chains run over the tile, 8 heads at a time so
-// that 8 independent chains fill both FMA ports. Weighted sum: the entries
-// are read again (now cache-resident), widened on the fly, and each loaded
-// vector feeds 3 heads' accumulators. Neither pass writes the entries to a
-// scratch buffer, so the gathered data crosses memory once.
+// Per fixed chunk of 256 selected entries (split over cores by chunk),
+// two passes. Scores: 16 selected entries at a time are gathered from
+// their pages, transposed as bf16 pairs and widened to fp32 into an L1
+// tile (one lane per entry); every head's fma chains run over the tile, 8 heads at a time so
+// that 8 independent chains fill both FMA ports. Weighted sum: the chunk's
+// entries are read again (now cache-resident), widened on the fly, and
+// each loaded vector feeds 8 heads' accumulators. The chunks' (max,
+// denominator, unnormalised sum) are then merged in chunk order (on the
+// calling thread unless the merge is large). The gathered data crosses
+// memory once; the cores take chunks as they finish the previous one.
 
 namespace {
 
@@ -908,27 +912,35 @@ inline float LaneTreeSum(__m512 v) {
 }
 
 constexpr int kEntryBlock = 16;
+// Entries per softmax chunk (MlaAttend): a fixed size, so the result
+// does not depend on the number of cores.
+constexpr int kAttendChunk = kMlaAttendChunk;
 
 // Widened, transposed entries of one block of 16: tile[d * ld + j] =
-// e_j[d]. Entries past `count` are zero.
+// e_j[d] for d < kv_dim. Entries past `count` are zero. The bf16 values are
+// transposed as 32-bit pairs (dims 2i, 2i + 1 of an entry in one lane) and
+// widened after the transpose: one transpose per 32 dims.
 void LoadEntryTile(const uint16_t* const* entries, int count, int kv_dim,
                    float* tile, int ld) {
-  const int stride = (kv_dim + 15) / 16 * 16;
-  for (int d0 = 0; d0 < stride; d0 += 16) {
-    const int cnt = std::min(16, kv_dim - d0);
-    const __mmask16 m = cnt >= 16 ? 0xFFFF : __mmask16((1u << cnt) - 1);
+  const __m512i hi_mask = _mm512_set1_epi32(int(0xFFFF0000u));
+  for (int d0 = 0; d0 < kv_dim; d0 += 32) {
+    const int cnt = std::min(32, kv_dim - d0);
+    const __mmask32 m =
+        cnt >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << cnt) - 1);
     __m512i r[16];
     for (int j = 0; j < 16; ++j) {
-      if (j < count) {
-        const __m256i b = _mm256_maskz_loadu_epi16(m, entries[j] + d0);
-        r[j] = _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16);
-      } else {
-        r[j] = _mm512_setzero_si512();
-      }
+      r[j] = j < count ? _mm512_maskz_loadu_epi16(m, entries[j] + d0)
+                       : _mm512_setzero_si512();
     }
     Transpose16(r);
-    for (int i = 0; i < 16; ++i) {
-      _mm512_store_si512(tile + size_t(d0 + i) * ld, r[i]);
+    const int pairs = (cnt + 1) / 2;
+    for (int i = 0; i < pairs; ++i) {
+      _mm512_store_si512(tile + size_t(d0 + 2 * i) * ld,
+                         _mm512_slli_epi32(r[i], 16));
+      if (2 * i + 1 < cnt) {
+        _mm512_store_si512(tile + size_t(d0 + 2 * i + 1) * ld,
+                           _mm512_and_si512(r[i], hi_mask));
+      }
     }
   }
 }
@@ -1079,120 +1091,178 @@ float KernelExp(float x) {
   return std::ldexp(y, int(n));
 }
 
+namespace {
+
+// One chunk of the selection (entries ent[0, n), n <= kAttendChunk) for
+// every head: scores, the chunk's max m[h], p = KernelExp(s - m[h]), the
+// 16-lane denominator z[h] and the unnormalised sums o[h][0, lora) (stride
+// lora). `ahead` entries from ent[0] may be prefetched. s: heads x kAttendChunk scratch; tile: the transposed entry tile.
+void AttendChunk(const uint16_t* const* ent, int n, int ahead,
+                 const float* q, const AttnShapes& shapes, float* s,
+                 float* tile, float* m, float* z, float* o) {
+  const int heads = shapes.heads, kv_dim = shapes.kv_dim;
+  const size_t s_stride = kAttendChunk;
+  // Scores, 32 entries (two 16-entry blocks) per tile.
+  for (int j0 = 0; j0 < n; j0 += 32) {
+    const bool second = j0 + 16 < n;
+    // The next pair's entries, scattered over the pages: prefetched so
+    // that their misses overlap this pair's arithmetic.
+    for (int j = j0 + 32; j < std::min(ahead, j0 + 64); ++j) {
+      const char* a = reinterpret_cast<const char*>(ent[j]);
+      for (int off = 0; off < kv_dim * 2; off += 64) {
+        _mm_prefetch(a + off, _MM_HINT_T0);
+      }
+      _mm_prefetch(a + kv_dim * 2 - 1, _MM_HINT_T0);
+    }
+    LoadEntryTile(ent + j0, std::min(kEntryBlock, n - j0), kv_dim, tile, 32);
+    if (second) {
+      LoadEntryTile(ent + j0 + 16, std::min(kEntryBlock, n - j0 - 16),
+                    kv_dim, tile + 16, 32);
+    }
+    int h = 0;
+    for (; h + 8 <= heads; h += 8) {
+      TileScores<8>(tile, kv_dim, q + size_t(h) * shapes.q_dim, shapes.q_dim,
+                    shapes.softmax_scale, s + h * s_stride + j0, s_stride,
+                    second);
+    }
+    for (; h < heads; ++h) {
+      TileScores<1>(tile, kv_dim, q + size_t(h) * shapes.q_dim, shapes.q_dim,
+                    shapes.softmax_scale, s + h * s_stride + j0, s_stride,
+                    second);
+    }
+  }
+  // The chunk's softmax numerators.
+  const int nb = (n + 15) / 16;
+  for (int h = 0; h < heads; ++h) {
+    float* sh = s + h * s_stride;
+    __m512 vm = _mm512_set1_ps(-INFINITY);
+    for (int blk = 0; blk < nb; ++blk) {
+      const int cnt = std::min(16, n - blk * 16);
+      const __mmask16 valid = cnt >= 16 ? 0xFFFF : __mmask16((1u << cnt) - 1);
+      vm = _mm512_mask_max_ps(vm, valid, vm, _mm512_loadu_ps(sh + blk * 16));
+    }
+    const float mh = _mm512_reduce_max_ps(vm);
+    const __m512 vmh = _mm512_set1_ps(mh);
+    __m512 vz = _mm512_setzero_ps();
+    for (int blk = 0; blk < nb; ++blk) {
+      const int cnt = std::min(16, n - blk * 16);
+      const __mmask16 valid = cnt >= 16 ? 0xFFFF : __mmask16((1u << cnt) - 1);
+      const __m512 p = _mm512_maskz_mov_ps(
+          valid, KernelExp16(_mm512_sub_ps(_mm512_loadu_ps(sh + blk * 16), vmh)));
+      _mm512_storeu_ps(sh + blk * 16, p);
+      vz = _mm512_add_ps(vz, p);
+    }
+    m[h] = mh;
+    z[h] = LaneTreeSum(vz);
+  }
+  // Weighted sums: each loaded entry vector feeds 8 heads.
+  const int lora = shapes.kv_lora;
+  const size_t os = size_t(lora);
+  const int full_groups = heads / 8;
+  const int chunks = lora / 32;
+  for (int g = 0; g < full_groups; ++g) {
+    for (int c = 0; c < chunks; ++c) {
+      WeightedSum<2, 8>(ent, n, s + size_t(g) * 8 * s_stride, s_stride,
+                        c * 32, 32, o + size_t(g) * 8 * os + c * 32, os);
+    }
+    if (chunks * 32 < lora) {
+      WeightedSumTail<8>(ent, n, s + size_t(g) * 8 * s_stride, s_stride,
+                         chunks * 32, lora, o + size_t(g) * 8 * os, os);
+    }
+  }
+  int h = full_groups * 8;
+  for (; h + 3 <= heads; h += 3) {
+    WeightedSumHeads<3>(ent, n, s + h * s_stride, s_stride, lora, o + h * os,
+                        os);
+  }
+  for (; h < heads; ++h) {
+    WeightedSumHeads<1>(ent, n, s + h * s_stride, s_stride, lora, o + h * os,
+                        os);
+  }
+}
+
+}  // namespace
+
 void MlaAttend(const LayerView& view, const int32_t* sel, int nsel,
                const float* q, const AttnShapes& shapes, float* o_lat,
                CorePool* pool) {
-  const int heads = shapes.heads, kv_dim = shapes.kv_dim;
-  const int nb = (nsel + kEntryBlock - 1) / kEntryBlock;
-  pool = PoolFor(pool, double(nsel) * heads * (kv_dim + shapes.kv_lora));
-  const size_t s_stride = size_t(nb) * kEntryBlock;
-  // Reused per calling thread: a fresh multi-megabyte buffer would be
-  // mapped and page-faulted on every call, which costs more than the work.
-  thread_local AlignedVector<float> scores;
-  scores.resize(size_t(heads) * s_stride);
-  float* s = scores.data();
-  // Entry addresses once (a page-table lookup and a division each).
-  thread_local std::vector<const uint16_t*> entries;
-  entries.resize(nsel);
-  for (int j = 0; j < nsel; ++j) entries[j] = view.Kv(sel[j]);
-  const uint16_t* const* ent = entries.data();
-
-  // Pass 1: scores, split by pairs of entry blocks.
-  const int npairs = (nb + 1) / 2;
-  ParallelFor(pool, npairs, 1, [&](int64_t b, int64_t e) {
-    AlignedVector<float> tile(size_t((kv_dim + 15) / 16 * 16) * 32);
-    for (int64_t pr = b; pr < e; ++pr) {
-      const int j0 = int(pr) * 32;
-      const bool second = j0 + 16 < nsel;
-      // The next pair's entries, scattered over the pages: prefetched so
-      // that their misses overlap this pair's arithmetic.
-      for (int j = j0 + 32; j < std::min(nsel, j0 + 64); ++j) {
-        const char* a = reinterpret_cast<const char*>(ent[j]);
-        for (int off = 0; off < kv_dim * 2; off += 64) {
-          _mm_prefetch(a + off, _MM_HINT_T0);
-        }
-        _mm_prefetch(a + kv_dim * 2 - 1, _MM_HINT_T0);
-      }
-      LoadEntryTile(ent + j0, std::min(kEntryBlock, nsel - j0), kv_dim,
-                    tile.data(), 32);
-      if (second) {
-        LoadEntryTile(ent + j0 + 16, std::min(kEntryBlock, nsel - j0 - 16),
-                      kv_dim, tile.data() + 16, 32);
-      }
-      int h = 0;
-      for (; h + 8 <= heads; h += 8) {
-        TileScores<8>(tile.data(), kv_dim, q + size_t(h) * shapes.q_dim,
-                      shapes.q_dim, shapes.softmax_scale,
-                      s + h * s_stride + j0, s_stride, second);
-      }
-      for (; h < heads; ++h) {
-        TileScores<1>(tile.data(), kv_dim, q + size_t(h) * shapes.q_dim,
-                      shapes.q_dim, shapes.softmax_scale,
-                      s + h * s_stride + j0, s_stride, second);
-      }
-    }
-  });
-  // Pass 2: softmax, split by heads.
-  ParallelFor(pool, heads, 1, [&](int64_t b, int64_t e) {
-    for (int64_t h = b; h < e; ++h) {
-      float* sh = s + h * s_stride;
-      __m512 vm = _mm512_set1_ps(-INFINITY);
-      for (int blk = 0; blk < nb; ++blk) {
-        const int cnt = std::min(16, nsel - blk * 16);
-        const __mmask16 valid = cnt >= 16 ? 0xFFFF : __mmask16((1u << cnt) - 1);
-        vm = _mm512_mask_max_ps(vm, valid, vm, _mm512_loadu_ps(sh + blk * 16));
-      }
-      const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vm));
-      __m512 vz = _mm512_setzero_ps();
-      for (int blk = 0; blk < nb; ++blk) {
-        const int cnt = std::min(16, nsel - blk * 16);
-        const __mmask16 valid = cnt >= 16 ? 0xFFFF : __mmask16((1u << cnt) - 1);
-        const __m512 p = _mm512_maskz_mov_ps(
-            valid, KernelExp16(_mm512_sub_ps(_mm512_loadu_ps(sh + blk * 16), m)));
-        _mm512_storeu_ps(sh + blk * 16, p);
-        vz = _mm512_add_ps(vz, p);
-      }
-      const __m512 inv = _mm512_set1_ps(1.0f / LaneTreeSum(vz));
-      for (int blk = 0; blk < nb; ++blk) {
-        _mm512_storeu_ps(sh + blk * 16,
-                         _mm512_mul_ps(_mm512_loadu_ps(sh + blk * 16), inv));
-      }
-    }
-  });
-  // Pass 3: weighted sums, split by (group of 8 heads, 32 latent dims):
-  // each loaded entry vector feeds 8 heads, so the entries stream from
-  // cache once per 8 heads.
-  const int lora = shapes.kv_lora;
+  const int heads = shapes.heads, lora = shapes.kv_lora;
   const size_t os = size_t(shapes.out_dim);
-  const int full_groups = heads / 8;
-  const int chunks = lora / 32;
-  const int items = full_groups * chunks;
-  const bool rest = chunks * 32 < lora || full_groups * 8 < heads;
-  ParallelFor(pool, items + (rest ? 1 : 0), 1, [&](int64_t b, int64_t e) {
-    for (int64_t it = b; it < e; ++it) {
-      if (it < items) {
-        const int g = int(it) / chunks, d0 = int(it) % chunks * 32;
-        WeightedSum<2, 8>(ent, nsel, s + size_t(g) * 8 * s_stride, s_stride,
-                          d0, 32, o_lat + size_t(g) * 8 * os + d0, os);
-        continue;
+  if (nsel <= 0) {
+    for (int h = 0; h < heads; ++h) {
+      std::fill(o_lat + h * os, o_lat + h * os + lora, 0.0f);
+    }
+    return;
+  }
+  pool = PoolFor(pool, double(nsel) * heads * (shapes.kv_dim + lora));
+  const int nchunks = (nsel + kAttendChunk - 1) / kAttendChunk;
+  // Reused per calling thread: a fresh buffer would be mapped and
+  // page-faulted on every call, which costs more than the work.
+  thread_local std::vector<const uint16_t*> entries;
+  thread_local AlignedVector<float> partial;  // chunk x head x lora
+  thread_local std::vector<float> maxes, sums;  // chunk x head
+  entries.resize(nsel);
+  partial.resize(size_t(nchunks) * heads * lora);
+  maxes.resize(size_t(nchunks) * heads);
+  sums.resize(size_t(nchunks) * heads);
+  const uint16_t** entries_out = entries.data();
+  const uint16_t* const* ent = entries_out;
+  float* part = partial.data();
+  float* mx = maxes.data();
+  float* zs = sums.data();
+  const size_t tile_size = size_t((shapes.kv_dim + 15) / 16 * 16) * 32;
+  const size_t s_size = size_t(heads) * kAttendChunk;
+  // Fixed chunks, whatever the split over cores; each core takes the next
+  // chunk when it is done with one, so a core slowed by other work does
+  // not hold the rest up (which core computes a chunk does not matter).
+  std::atomic<int> next{0};
+  const int parts = pool != nullptr ? std::min(pool->cores(), nchunks) : 1;
+  ParallelFor(pool, parts, 1, [&](int64_t, int64_t) {
+    thread_local AlignedVector<float> tile, scratch;
+    tile.resize(tile_size);
+    scratch.resize(s_size);
+    for (int c = next.fetch_add(1, std::memory_order_relaxed); c < nchunks;
+         c = next.fetch_add(1, std::memory_order_relaxed)) {
+      const int j0 = c * kAttendChunk;
+      const int n = std::min(kAttendChunk, nsel - j0);
+      // The chunk's entry addresses once (a page-table lookup and a
+      // division each).
+      for (int j = j0; j < j0 + n; ++j) entries_out[j] = view.Kv(sel[j]);
+      AttendChunk(ent + j0, n, n, q,
+                  shapes, scratch.data(), tile.data(), mx + c * heads,
+                  zs + c * heads, part + size_t(c) * heads * lora);
+    }
+  });
+  // Merge the chunks in order, split by heads where that is worth waking
+  // the cores for.
+  ParallelFor(PoolFor(pool, double(nchunks) * heads * lora), heads, 1,
+              [&](int64_t b, int64_t e) {
+    for (int64_t h = b; h < e; ++h) {
+      float mh = -INFINITY;
+      for (int c = 0; c < nchunks; ++c) mh = std::max(mh, mx[c * heads + h]);
+      // The chunks' weights, kept per calling thread (merge_w).
+      thread_local std::vector<float> merge_w;
+      merge_w.resize(nchunks);
+      float z = 0.0f;
+      for (int c = 0; c < nchunks; ++c) {
+        merge_w[c] = KernelExp(mx[c * heads + h] - mh);
+        z = std::fma(merge_w[c], zs[c * heads + h], z);
       }
-      // The rest: dims past the last whole 32 for the grouped heads, and
-      // every dim of the heads past the last whole group.
-      if (chunks * 32 < lora) {
-        for (int g = 0; g < full_groups; ++g) {
-          WeightedSumTail<8>(ent, nsel, s + size_t(g) * 8 * s_stride,
-                             s_stride, chunks * 32, lora,
-                             o_lat + size_t(g) * 8 * os, os);
+      const __m512 inv = _mm512_set1_ps(1.0f / z);
+      float* out = o_lat + h * os;
+      for (int d0 = 0; d0 < lora; d0 += 16) {
+        const int cnt = std::min(16, lora - d0);
+        const __mmask16 mk = cnt >= 16 ? 0xFFFF : __mmask16((1u << cnt) - 1);
+        __m512 acc = _mm512_setzero_ps();
+        for (int c = 0; c < nchunks; ++c) {
+          const __m512 w = _mm512_set1_ps(merge_w[c]);
+          acc = _mm512_fmadd_ps(
+              w,
+              _mm512_maskz_loadu_ps(
+                  mk, part + (size_t(c) * heads + h) * lora + d0),
+              acc);
         }
-      }
-      int h = full_groups * 8;
-      for (; h + 3 <= heads; h += 3) {
-        WeightedSumHeads<3>(ent, nsel, s + h * s_stride, s_stride, lora,
-                            o_lat + h * os, os);
-      }
-      for (; h < heads; ++h) {
-        WeightedSumHeads<1>(ent, nsel, s + h * s_stride, s_stride, lora,
-                            o_lat + h * os, os);
+        _mm512_mask_storeu_ps(out + d0, mk, _mm512_mul_ps(acc, inv));
       }
     }
   });

@@ -116,13 +116,20 @@ void SelectTopK(const float* scores, int n, int k, std::vector<int32_t>* out);
 // hi/lo), p = Horner of the 6 Cephes expf coefficients in r (fma), y =
 // fma(p, r * r, r) + 1, result ldexp(y, n). Within a few ulp of exp.
 float KernelExp(float x);
-// Absorbed MLA over the positions `sel` (increasing): per head
-// dot = fma(q[d], e[d], dot) over increasing d, s = dot * scale;
-// m = max s; p[j] = KernelExp(s[j] - m); z = 16 partial sums (entry j into
-// lane j % 16, in selection order) combined by lanes (l + l+8), (l + l+4),
-// (l + l+2), (l + l+1); o[h][d] = fma(p * (1 / z), c[d], o) in selection
-// order. `pool` (optional) splits the gather by entries and the heads over
-// cores; the result does not depend on it.
+// Absorbed MLA over the positions `sel` (increasing). The selection is cut
+// into chunks of kMlaAttendChunk entries (the last may be shorter); per
+// chunk c and head h:
+//   dot = fma(q[d], e[d], dot) over increasing d, s = dot * scale;
+//   m_c = max s over the chunk; p[j] = KernelExp(s[j] - m_c);
+//   z_c = 16 partial sums (entry j of the chunk into lane j % 16, in
+//   order) combined by lanes (l + l+8), (l + l+4), (l + l+2), (l + l+1);
+//   o_c[d] = fma(p[j], e_j[d], o_c[d]) over the chunk's entries in order.
+// Then, chunks in increasing order: M = max m_c, w_c = KernelExp(m_c - M),
+// z = fma(w_c, z_c, z), a[d] = fma(w_c, o_c[d], a[d]) (from +0), and
+// o[h][d] = a[d] * (1 / z). With one chunk w = 1 and o = o_c * (1 / z).
+// `pool` (optional) splits the chunks, then the heads of the merge, over
+// cores; the chunks are fixed, so the result does not depend on it.
+constexpr int kMlaAttendChunk = 256;
 void MlaAttend(const LayerView& view, const int32_t* sel, int nsel,
                const float* q, const AttnShapes& shapes, float* o_lat,
                CorePool* pool = nullptr);
