@@ -102,6 +102,12 @@ absl::StatusOr<MicroBatchPlan> AssignByContextLength(
 
   MicroBatchPlan plan;
   plan.assignments.reserve(requests.size());
+  // Rank-wide totals, for the ties on a device: a device whose two shares
+  // are equal (most often: both empty) takes the request into the
+  // micro-batch that is lighter over the whole rank, so a rank whose
+  // devices each hold one of its requests still gets two micro-batches.
+  int64_t rank_ctx[2] = {0, 0};
+  int rank_count[2] = {0, 0};
   for (auto& [device, on_device] : by_device) {
     // Longest first (Algorithm 1, line "sort by context length, descending"):
     // placing large items first is what bounds the final gap by the largest
@@ -120,11 +126,17 @@ absl::StatusOr<MicroBatchPlan> AssignByContextLength(
       int mb;
       if (ctx[0] != ctx[1]) {
         mb = ctx[0] < ctx[1] ? 0 : 1;
-      } else {
+      } else if (count[0] != count[1]) {
         mb = count[1] < count[0] ? 1 : 0;
+      } else if (rank_ctx[0] != rank_ctx[1]) {
+        mb = rank_ctx[1] < rank_ctx[0] ? 1 : 0;
+      } else {
+        mb = rank_count[1] < rank_count[0] ? 1 : 0;
       }
       ctx[mb] += r->context_tokens;
       ++count[mb];
+      rank_ctx[mb] += r->context_tokens;
+      ++rank_count[mb];
       plan.assignments.push_back({r->request_id, static_cast<MicroBatch>(mb)});
     }
   }

@@ -72,7 +72,9 @@ struct MicroBatchPlan {
 // independently: the requests whose KV is on d, in decreasing context length
 // (ties: lower request id first), each go to the micro-batch whose aggregate
 // context length on d is smaller; ties go to the micro-batch with fewer
-// requests on d, then to micro-batch 0. The plan moves no KV.
+// requests on d, then to the one with less context over the whole rank (as
+// placed so far, devices in (node, device) order), then to the one with
+// fewer requests over the rank, then to micro-batch 0. The plan moves no KV.
 //
 // Guarantee (greedy bound): on every device the final |ctx(µB0) − ctx(µB1)|
 // is at most the longest context on that device.
