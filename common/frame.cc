@@ -206,6 +206,15 @@ absl::StatusOr<FrameView> DecodeFrame(std::string_view message) {
   return view;
 }
 
+uint16_t PeekFrameType(std::string_view message) {
+  if (message.size() < 8) return 0;
+  const auto* p = reinterpret_cast<const unsigned char*>(message.data());
+  const uint32_t magic = uint32_t(p[0]) | uint32_t(p[1]) << 8 |
+                         uint32_t(p[2]) << 16 | uint32_t(p[3]) << 24;
+  if (magic != kFrameMagic) return 0;
+  return uint16_t(p[6] | p[7] << 8);
+}
+
 absl::StatusCode StatusCodeFromWire(uint32_t code) {
   if (code == 0 || code > uint32_t(absl::StatusCode::kUnauthenticated)) {
     return absl::StatusCode::kUnknown;

@@ -67,6 +67,10 @@ absl::StatusOr<FrameView> DecodeFrame(std::string_view message);
 
 const char* FrameTypeName(uint16_t type);
 
+// The type field of `message` without validating the rest (for routing a
+// message to its decoder), or 0 when it is too short or lacks the magic.
+uint16_t PeekFrameType(std::string_view message);
+
 // `len` bytes at `data` as a frame section.
 inline std::string_view SectionBytes(const void* data, size_t len) {
   return std::string_view(static_cast<const char*>(data), len);

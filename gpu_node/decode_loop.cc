@@ -417,44 +417,52 @@ void DecodeLoop::RunStep(std::vector<std::shared_ptr<Request>>* active) {
       if (it != micro_batch_of_.end()) mb_of[k] = it->second;
     }
   }
-  std::vector<Segment> part[2];
-  std::vector<size_t> index[2];
+  uint64_t mb_tokens[2] = {0, 0};
   for (size_t k = 0; k < segs.size(); ++k) {
-    part[mb_of[k]].push_back(segs[k]);
-    index[mb_of[k]].push_back(k);
+    mb_tokens[mb_of[k]] += segs[k].tokens.size();
   }
-  const bool two = second_ != nullptr && !part[0].empty() && !part[1].empty();
-  absl::StatusOr<std::vector<std::vector<float>>> result[2];
+  const bool two = second_ != nullptr && mb_tokens[0] > 0 && mb_tokens[1] > 0;
   backend_->BeginStep();
-  auto run = [&](int slot, int mb) {
+  auto run = [&](int slot, int mb, const std::vector<Segment>& part) {
     token_.Begin(slot);
     AttentionBackend* attention = backend_->ForMicroBatch(mb, &hooks_[slot]);
     ExpertBackend* experts = experts_ ? experts_(mb, &hooks_[slot]) : nullptr;
-    result[mb] = runner_->Step(part[mb], attention, experts);
+    auto result = runner_->Step(part, attention, experts);
     token_.End(slot);
+    return result;
   };
+  absl::StatusOr<std::vector<std::vector<float>>> logits;
   if (two) {
+    // Each micro-batch's segments, and where their logits go.
+    std::vector<Segment> part[2];
+    std::vector<size_t> index[2];
+    for (size_t k = 0; k < segs.size(); ++k) {
+      part[mb_of[k]].push_back(segs[k]);
+      index[mb_of[k]].push_back(k);
+    }
+    absl::StatusOr<std::vector<std::vector<float>>> second;
     token_.BeginStep(2);
-    second_->Run([&] { run(1, 1); });
-    run(0, 0);
+    second_->Run([&] { second = run(1, 1, part[1]); });
+    absl::StatusOr<std::vector<std::vector<float>>> first = run(0, 0, part[0]);
     second_->Wait();
+    // One status and the logits in segment order.
+    if (!first.ok()) {
+      logits = first.status();
+    } else if (!second.ok()) {
+      logits = second.status();
+    } else {
+      logits = std::vector<std::vector<float>>(segs.size());
+      for (int mb = 0; mb < 2; ++mb) {
+        auto& result = mb == 0 ? *first : *second;
+        for (size_t i = 0; i < index[mb].size(); ++i) {
+          (*logits)[index[mb][i]] = std::move(result[i]);
+        }
+      }
+    }
   } else {
-    const int mb = part[0].empty() ? 1 : 0;
+    // Every segment in one micro-batch: the step runs on this thread.
     token_.BeginStep(1);
-    run(0, mb);
-  }
-  // One status and the logits in segment order.
-  absl::StatusOr<std::vector<std::vector<float>>> logits =
-      std::vector<std::vector<float>>(segs.size());
-  for (int mb = 0; mb < 2 && logits.ok(); ++mb) {
-    if (part[mb].empty()) continue;
-    if (!result[mb].ok()) {
-      logits = result[mb].status();
-      break;
-    }
-    for (size_t i = 0; i < index[mb].size(); ++i) {
-      (*logits)[index[mb][i]] = std::move((*result[mb])[i]);
-    }
+    logits = run(0, mb_tokens[0] > 0 ? 0 : 1, segs);
   }
 
   // Outcomes are published after the statistics, so that a caller who saw
@@ -517,11 +525,8 @@ void DecodeLoop::RunStep(std::vector<std::shared_ptr<Request>>* active) {
     segments_total_ += segs.size();
     step_tokens_total_ += step_tokens;
     if (two) ++stats_.two_micro_batch_steps;
-    for (int mb = 0; mb < 2; ++mb) {
-      for (const Segment& seg : part[mb]) {
-        stats_.micro_batch_tokens[mb] += seg.tokens.size();
-      }
-    }
+    stats_.micro_batch_tokens[0] += mb_tokens[0];
+    stats_.micro_batch_tokens[1] += mb_tokens[1];
   }
 
   for (Outcome& o : outcomes) {

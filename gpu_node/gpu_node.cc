@@ -47,17 +47,6 @@ class Fnv64 {
   uint64_t h_ = 0xcbf29ce484222325ULL;
 };
 
-// The frame type of a data-plane message, or 0 when it is too short or not
-// a frame (common/frame.h: magic, version, type, little-endian).
-uint16_t PeekFrameType(std::string_view message) {
-  if (message.size() < 8) return 0;
-  const auto* p = reinterpret_cast<const unsigned char*>(message.data());
-  const uint32_t magic = uint32_t(p[0]) | uint32_t(p[1]) << 8 |
-                         uint32_t(p[2]) << 16 | uint32_t(p[3]) << 24;
-  if (magic != kFrameMagic) return 0;
-  return uint16_t(p[6] | p[7] << 8);
-}
-
 // Sampled every time the RunTurn handler waits, so a cancelled client is
 // noticed within this long.
 constexpr absl::Duration kCancelPoll = absl::Milliseconds(50);
