@@ -197,11 +197,10 @@ absl::Status ValidateClusterConfigForModel(const cluster::ClusterConfig& config,
 
 absl::Status CheckClusterConfigAgainstModel(
     const cluster::ClusterConfig& config, const std::string& model_dir) {
-  std::ifstream probe(model_dir + "/config.json");
-  if (!probe)
+  absl::StatusOr<ModelConfig> model = LoadModelConfig(model_dir);
+  if (model.status().code() == absl::StatusCode::kNotFound)
     return absl::NotFoundError(
         absl::StrCat(model_dir, "/config.json: cannot read the model config"));
-  absl::StatusOr<ModelConfig> model = LoadModelConfig(model_dir);
   if (!model.ok())
     return absl::InvalidArgumentError(std::string(model.status().message()));
   return ValidateClusterConfigForModel(config, *model);

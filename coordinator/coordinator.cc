@@ -126,6 +126,14 @@ class MsHistogram {
   double sum_ = 0;
 };
 
+// gpu_only: a GPU rank's KV room, shown as its one device (device 0).
+cl::DeviceInfo KvDevice(int64_t capacity_bytes) {
+  cl::DeviceInfo d;
+  d.set_device(0);
+  d.set_capacity_bytes(capacity_bytes);
+  return d;
+}
+
 const char* RoleName(NodeRole r) {
   return r == NodeRole::kGpu ? "gpu" : "karat";
 }
@@ -288,9 +296,6 @@ class State {
   int64_t tokens_generated_ ABSL_GUARDED_BY(mu_) = 0;
   // Link-emulation rules (Admin API), pushed to every node.
   std::vector<cl::LinkConfig> links_ ABSL_GUARDED_BY(mu_);
-  // Incremented on every change of the table or of the membership; a push
-  // carries the version it was built from.
-  uint64_t links_version_ ABSL_GUARDED_BY(mu_) = 0;
 
   // Scheduling: running turns by rank, the admission queue (turn ids, front
   // first) and the events that wake queued turns.
@@ -469,14 +474,13 @@ cl::SetLinksRequest LinkPushLocked(State* s,
 }
 
 // Sends `req` to every target; returns "name: reason" for each failure.
-std::vector<std::string> PushLinks(const cl::SetLinksRequest& req,
-                                   const std::vector<LinkPushTarget>& targets,
-                                   int timeout_ms) {
+std::vector<std::string> PushLinks(const State* s,
+                                   const cl::SetLinksRequest& req,
+                                   const std::vector<LinkPushTarget>& targets) {
   std::vector<std::string> failed;
   for (const LinkPushTarget& t : targets) {
     grpc::ClientContext ctx;
-    ctx.set_deadline(
-        absl::ToChronoTime(absl::Now() + absl::Milliseconds(timeout_ms)));
+    ctx.set_deadline(Deadline(s));
     cl::SetLinksResponse resp;
     grpc::Status st;
     if (t.role == NodeRole::kGpu) {
@@ -535,7 +539,7 @@ class LinkPusher {
         if (s_->links_.empty()) continue;
         req = LinkPushLocked(s_, &targets);
       }
-      PushLinks(req, targets, s_->options().node_call_timeout_ms);
+      PushLinks(s_, req, targets);
     }
   }
 
@@ -577,15 +581,13 @@ class AdminService final : public cl::Admin::Service {
       } else {
         links.push_back(link);
       }
-      ++s_->links_version_;
       push = LinkPushLocked(s_, &targets);
       for (const auto& l : links) *resp->add_links() = l;
     }
     KLOG(Info, kLog) << (req->remove() ? "link rule removed: "
                                        : "link rule set: ")
                      << link.ShortDebugString();
-    for (std::string& f :
-         PushLinks(push, targets, s_->options().node_call_timeout_ms)) {
+    for (std::string& f : PushLinks(s_, push, targets)) {
       resp->add_not_applied(std::move(f));
     }
     return grpc::Status::OK;
@@ -704,11 +706,7 @@ class MembershipService final : public cl::Coordinator::Service {
     n.kv_capacity_bytes = req->kv_capacity_bytes();
     if (role == NodeRole::kGpu && n.devices.empty() &&
         n.kv_capacity_bytes > 0) {
-      // gpu_only: the rank's KV room shows as its one device.
-      cl::DeviceInfo d;
-      d.set_device(0);
-      d.set_capacity_bytes(n.kv_capacity_bytes);
-      n.devices.push_back(d);
+      n.devices.push_back(KvDevice(n.kv_capacity_bytes));
     }
     KLOG(Info, kLog) << "node " << n.name << " registered: id=" << n.id
                      << " role=" << RoleName(role) << " grpc=" << n.grpc_address
@@ -1211,14 +1209,10 @@ KaratService::Attempt KaratService::TryAdmit(const std::string& session_id,
       if (replacing) session.kv_len = 0;
       session.has_home = true;
       session.home = t.home;
-      if (gpu_only) session.rank = t.rank;
       if (gpu_only) {
-        if (n->second.devices.empty()) {
-          cl::DeviceInfo d;
-          d.set_device(0);
-          d.set_capacity_bytes(n->second.kv_capacity_bytes);
-          n->second.devices.push_back(d);
-        }
+        session.rank = t.rank;
+        if (n->second.devices.empty())
+          n->second.devices.push_back(KvDevice(n->second.kv_capacity_bytes));
         n->second.devices[0].set_used_bytes(rresp.used_bytes());
       } else {
         for (auto& d : n->second.devices)

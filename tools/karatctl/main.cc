@@ -326,6 +326,16 @@ std::string DescribeLinkConfig(const cluster::LinkConfig& l) {
   return parts.empty() ? std::string("plain") : absl::StrJoin(parts, " ");
 }
 
+// One rule per line: "<indent>SOURCE -> DESTINATION SETTINGS".
+void PrintLinkRules(
+    const google::protobuf::RepeatedPtrField<cluster::LinkConfig>& links,
+    const char* indent) {
+  for (const auto& l : links) {
+    std::printf("%s%-12s -> %-12s %s\n", indent, l.source().c_str(),
+                l.destination().c_str(), DescribeLinkConfig(l).c_str());
+  }
+}
+
 std::unique_ptr<cluster::Admin::Stub> AdminStub(const std::string& address) {
   return cluster::Admin::NewStub(
       grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
@@ -345,10 +355,7 @@ void PrintLinks(const std::string& address, const v1::ClusterStatus& st) {
       AdminStub(address)->GetLinks(&ctx, cluster::GetLinksRequest(), &links);
   if (gs.ok() && links.links_size() > 0) {
     std::printf("link rules:\n");
-    for (const auto& l : links.links()) {
-      std::printf("  %-12s -> %-12s %s\n", l.source().c_str(),
-                  l.destination().c_str(), DescribeLinkConfig(l).c_str());
-    }
+    PrintLinkRules(links.links(), "  ");
   }
   bool header = false;
   for (const auto& n : st.nodes()) {
@@ -384,10 +391,7 @@ int Link(const std::string& address, const std::string& action,
     const grpc::Status gs =
         stub->GetLinks(&ctx, cluster::GetLinksRequest(), &resp);
     if (!gs.ok()) return PrintError(FromGrpc(gs));
-    for (const auto& l : resp.links()) {
-      std::printf("%-12s -> %-12s %s\n", l.source().c_str(),
-                  l.destination().c_str(), DescribeLinkConfig(l).c_str());
-    }
+    PrintLinkRules(resp.links(), "");
     return 0;
   }
   if (!f.Has("from") || !f.Has("to"))
@@ -406,10 +410,7 @@ int Link(const std::string& address, const std::string& action,
   cluster::SetLinkResponse resp;
   const grpc::Status gs = stub->SetLink(&ctx, req, &resp);
   if (!gs.ok()) return PrintError(FromGrpc(gs));
-  for (const auto& r : resp.links()) {
-    std::printf("%-12s -> %-12s %s\n", r.source().c_str(),
-                r.destination().c_str(), DescribeLinkConfig(r).c_str());
-  }
+  PrintLinkRules(resp.links(), "");
   for (const auto& n : resp.not_applied()) {
     std::fprintf(stderr, "karatctl: not applied on %s\n", n.c_str());
   }
