@@ -111,6 +111,23 @@ size_t PageArena::used_bytes() const {
   return size_t(total_pages_ - int(free_list_.size())) * page_bytes_;
 }
 
+namespace {
+
+// The order in which a session draws on its arenas: the home (index 0)
+// first, then the others by decreasing free pages, ties in index order.
+std::vector<int> SpillOrder(const std::vector<int>& free_pages) {
+  std::vector<int> order;
+  for (size_t i = 0; i < free_pages.size(); ++i) order.push_back(int(i));
+  if (order.size() > 1) {
+    std::stable_sort(order.begin() + 1, order.end(), [&](int a, int b) {
+      return free_pages[a] > free_pages[b];
+    });
+  }
+  return order;
+}
+
+}  // namespace
+
 absl::StatusOr<std::vector<int>> PlanPageSpill(
     const std::vector<int>& free_pages, int need) {
   std::vector<int> take(free_pages.size(), 0);
@@ -126,13 +143,7 @@ absl::StatusOr<std::vector<int>> PlanPageSpill(
                      free_pages.size(), " arena(s)"));
   }
   int left = need;
-  take[0] = std::min(std::max(free_pages[0], 0), left);
-  left -= take[0];
-  std::vector<int> order;
-  for (size_t i = 1; i < free_pages.size(); ++i) order.push_back(int(i));
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int a, int b) { return free_pages[a] > free_pages[b]; });
-  for (int i : order) {
+  for (int i : SpillOrder(free_pages)) {
     if (left == 0) break;
     take[i] = std::min(std::max(free_pages[i], 0), left);
     left -= take[i];
@@ -170,15 +181,9 @@ absl::Status SessionCache::TakePages(int n, std::vector<PageRef>* out) {
     absl::StatusOr<std::vector<int>> plan = PlanPageSpill(free_pages, n);
     if (!plan.ok()) return plan.status();
     // Home pages first, then each spill arena in the plan's order.
-    std::vector<int> order;
-    order.push_back(0);
-    for (size_t i = 1; i < arenas_.size(); ++i) order.push_back(int(i));
-    std::stable_sort(order.begin() + 1, order.end(), [&](int a, int b) {
-      return free_pages[a] > free_pages[b];
-    });
     const size_t first = out->size();
     last = absl::OkStatus();
-    for (int i : order) {
+    for (int i : SpillOrder(free_pages)) {
       if ((*plan)[i] == 0) continue;
       std::vector<int32_t> ids;
       last = arenas_[i]->Allocate((*plan)[i], &ids);

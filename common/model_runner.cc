@@ -132,17 +132,19 @@ Ffn MakeFfn(const ModelFiles& f, const std::string& prefix) {
 
 // GQA projections for one layer (MODEL.md "gqa_block", "gqa_dense"):
 // q = W_q x [H, d], k, v = W_k x, W_v x [Hkv, d]; q and k roped with
-// interleaved pairs over the whole head_dim at the absolute position. For
+// interleaved pairs over the whole head_dim at the absolute position (the
+// step's per-row tables `rc`, `rs`, head_dim / 2 each per row). For
 // gqa_block also q_i = W_iq x [H, Di] and k_i = W_ik x [Hkv, Di], not
 // roped. Fills the traffic (q: [q | q_i] per head in fp32; kv: k | v | k_i
 // in bf16), runs the backend and applies o_proj to the H x d outputs.
 absl::Status GqaAttentionImpl(const ModelConfig& c, const AttnShapes& s,
                               const Layer& L, const std::vector<Segment>& segs,
-                              const std::vector<int64_t>& pos,
+                              const std::vector<float>& rc,
+                              const std::vector<float>& rs,
                               const std::vector<float>& xn,
                               AttentionBackend* backend, int layer,
                               LayerTraffic* t, std::vector<float>* attn) {
-  const int N = static_cast<int>(pos.size());
+  const int N = static_cast<int>(xn.size() / size_t(c.hidden_size));
   const int H = s.heads, hkv = s.kv_heads, d = s.head_dim;
   const int di = s.block_index_dim;
   std::vector<float> q(size_t(N) * H * d), k(size_t(N) * hkv * d),
@@ -160,12 +162,12 @@ absl::Status GqaAttentionImpl(const ModelConfig& c, const AttnShapes& s,
   t->q.resize(size_t(N) * H * s.q_dim);
   t->kv.resize(size_t(N) * s.kv_dim);
   t->out.resize(size_t(N) * H * s.out_dim);
-  std::vector<float> cs(d / 2), sn(d / 2);
   for (int r = 0; r < N; ++r) {
-    RopeTable(c.rope_theta, d, pos[r], cs.data(), sn.data());
+    const float* cs = &rc[size_t(r) * (d / 2)];
+    const float* sn = &rs[size_t(r) * (d / 2)];
     for (int h = 0; h < H; ++h) {
       float* qh = &q[(size_t(r) * H + h) * d];
-      RopeInterleaved(qh, d, cs.data(), sn.data());
+      RopeInterleaved(qh, d, cs, sn);
       float* dst = &t->q[(size_t(r) * H + h) * s.q_dim];
       std::memcpy(dst, qh, sizeof(float) * d);
       if (di > 0) {
@@ -174,7 +176,7 @@ absl::Status GqaAttentionImpl(const ModelConfig& c, const AttnShapes& s,
     }
     uint16_t* kv = &t->kv[size_t(r) * s.kv_dim];
     for (int g = 0; g < hkv; ++g) {
-      RopeInterleaved(&k[(size_t(r) * hkv + g) * d], d, cs.data(), sn.data());
+      RopeInterleaved(&k[(size_t(r) * hkv + g) * d], d, cs, sn);
     }
     FloatToBf16(&k[size_t(r) * hkv * d], size_t(hkv) * d, kv);
     FloatToBf16(&v[size_t(r) * hkv * d], size_t(hkv) * d, kv + hkv * d);
@@ -410,12 +412,15 @@ absl::StatusOr<std::vector<std::vector<float>>> ModelRunner::Step(
     }
   }
 
-  // Rope tables per row for both rope widths (MLA rope and indexer rope are
-  // the same width here: qk_rope_head_dim).
-  std::vector<float> rc(size_t(N) * (rope / 2)), rs(size_t(N) * (rope / 2));
+  // Rope tables per row, once per step: for mla_dsa both rope widths (MLA
+  // rope and indexer rope are the same width here: qk_rope_head_dim); for
+  // the GQA forms the whole head_dim.
+  const bool gqa = c.attention.type != AttentionType::kMlaDsa;
+  const int rope_w = gqa ? s.head_dim : rope;
+  std::vector<float> rc(size_t(N) * (rope_w / 2)), rs(size_t(N) * (rope_w / 2));
   for (int r = 0; r < N; ++r) {
-    RopeTable(c.rope_theta, rope, pos[r], &rc[size_t(r) * (rope / 2)],
-              &rs[size_t(r) * (rope / 2)]);
+    RopeTable(c.rope_theta, rope_w, pos[r], &rc[size_t(r) * (rope_w / 2)],
+              &rs[size_t(r) * (rope_w / 2)]);
   }
 
   std::vector<float> xn(size_t(N) * D), qa, qr, q, kva, qi, ki, iw, o, attn, g,
@@ -424,7 +429,6 @@ absl::StatusOr<std::vector<std::vector<float>>> ModelRunner::Step(
   t.kv.resize(size_t(N) * s.kv_dim);
   t.out.resize(size_t(N) * H * s.out_dim);
 
-  const bool gqa = c.attention.type != AttentionType::kMlaDsa;
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     const Layer& L = m.layers[l];
     for (int r = 0; r < N; ++r) {
@@ -433,7 +437,7 @@ absl::StatusOr<std::vector<std::vector<float>>> ModelRunner::Step(
     if (gqa) {
       attn.resize(size_t(N) * D);
       RETURN_IF_ERROR(
-          GqaAttentionImpl(c, s, L, segs, pos, xn, backend, l, &t, &attn));
+          GqaAttentionImpl(c, s, L, segs, rc, rs, xn, backend, l, &t, &attn));
     } else {
       // Queries: q_a -> RMSNorm -> q_b, per head [nope | rope].
       const int ql = L.q_a.out();
