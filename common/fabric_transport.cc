@@ -374,6 +374,8 @@ class FabricTransport final : public Transport {
   absl::Status GetInfo();
   absl::Status OpenCq();
   absl::Status PostRecv(RecvSlot* slot);
+  // PostRecv() for a buffer whose message was handled; logs a failure.
+  void RepostRecv(RecvSlot* slot);
   void ProgressLoop();
   bool OnProgressThread() const {
     return progress_thread_id_.load(std::memory_order_acquire) ==
@@ -736,6 +738,13 @@ absl::Status FabricTransport::PostRecv(RecvSlot* slot) {
   return absl::OkStatus();
 }
 
+void FabricTransport::RepostRecv(RecvSlot* slot) {
+  const absl::Status status = PostRecv(slot);
+  if (!status.ok()) {
+    KLOG(Error, kLogModule) << "re-posting a receive buffer: " << status;
+  }
+}
+
 absl::StatusOr<PeerId> FabricTransport::AddPeer(const std::string& name,
                                                 const std::string& address) {
   return InsertPeer(name, address, /*learnt=*/false);
@@ -1072,7 +1081,6 @@ absl::Status FabricTransport::SendImpl(PeerId peer, const char* data,
   if (len > 0 && len <= inject_size_ && !wire.write) {
     return InjectSend(peer, fi_addr, data, len, wire);
   }
-  const std::string name = PeerName(peer);
   const absl::Time deadline =
       absl::Now() + absl::Milliseconds(options_.send_timeout_ms);
 
@@ -1090,15 +1098,17 @@ absl::Status FabricTransport::SendImpl(PeerId peer, const char* data,
     in_flight_.insert(op);
   }
 
+  // Error messages name the peer with PeerName(), never under fid_lock_
+  // (AddPeer() takes peers_mu_ before it).
   absl::Status post_status;
+  bool closed = false;
   absl::Duration backoff = kMinPollBackoff;
   for (;;) {
     ssize_t rc;
     {
       FidLock lock(this);
       if (closed_) {
-        post_status = absl::UnavailableError(
-            absl::StrCat("send to peer '", name, "': transport is shut down"));
+        closed = true;
         break;
       }
       if (wire.write) {
@@ -1127,8 +1137,8 @@ absl::Status FabricTransport::SendImpl(PeerId peer, const char* data,
     if (rc != -FI_EAGAIN) {
       if (post_failed != nullptr) *post_failed = true;
       post_status = absl::UnavailableError(absl::StrCat(
-          "send to peer '", name, "': ", wire.write ? "fi_writemsg" : "fi_send",
-          " failed: ", FiError(rc)));
+          "send to peer '", PeerName(peer), "': ",
+          wire.write ? "fi_writemsg" : "fi_send", " failed: ", FiError(rc)));
       break;
     }
     // The transmit queue is full: reap completions to free it.
@@ -1138,13 +1148,18 @@ absl::Status FabricTransport::SendImpl(PeerId peer, const char* data,
     }
     if (!OnProgressThread()) Wake();
     if (absl::Now() >= deadline) {
-      post_status = absl::UnavailableError(absl::StrCat(
-          "send to peer '", name, "': transmit queue stayed full for ",
-          options_.send_timeout_ms, " ms"));
+      post_status = absl::UnavailableError(
+          absl::StrCat("send to peer '", PeerName(peer),
+                       "': transmit queue stayed full for ",
+                       options_.send_timeout_ms, " ms"));
       break;
     }
     absl::SleepFor(backoff);
     backoff = std::min(backoff * 2, kMaxPollBackoff);
+  }
+  if (closed) {
+    post_status = absl::UnavailableError(absl::StrCat(
+        "send to peer '", PeerName(peer), "': transport is shut down"));
   }
   if (!post_status.ok()) {
     absl::MutexLock lock(&send_mu_);
@@ -1172,20 +1187,22 @@ absl::Status FabricTransport::SendImpl(PeerId peer, const char* data,
     Wake();
   }
 
-  absl::MutexLock lock(&send_mu_);
-  send_mu_.AwaitWithDeadline(absl::Condition(&op->done), deadline);
-  if (!op->done) {
+  {
+    absl::MutexLock lock(&send_mu_);
+    send_mu_.AwaitWithDeadline(absl::Condition(&op->done), deadline);
+    if (op->done) {
+      absl::Status status = std::move(op->status);
+      RecycleSendOp(op);
+      if (status.ok()) status = notice_status;
+      return status;
+    }
     // The buffer still belongs to the provider; the progress thread recycles
     // the op when its completion arrives, Shutdown() when the endpoint closes.
     op->abandoned = true;
-    return absl::UnavailableError(absl::StrCat(
-        "send of ", len, " bytes to peer '", name, "' not completed within ",
-        options_.send_timeout_ms, " ms"));
   }
-  absl::Status status = std::move(op->status);
-  RecycleSendOp(op);
-  if (status.ok()) status = notice_status;
-  return status;
+  return absl::UnavailableError(
+      absl::StrCat("send of ", len, " bytes to peer '", PeerName(peer),
+                   "' not completed within ", options_.send_timeout_ms, " ms"));
 }
 
 bool FabricTransport::SpinForSend(SendOp* op, size_t len, absl::Time deadline) {
@@ -1415,10 +1432,7 @@ bool FabricTransport::DeliverOne() {
   } else if (r.deliver) {
     DeliverReceived(r.slot, r.len, r.src);
   } else {
-    const absl::Status status = PostRecv(r.slot);
-    if (!status.ok()) {
-      KLOG(Error, kLogModule) << "re-posting a receive buffer: " << status;
-    }
+    RepostRecv(r.slot);
   }
   return true;
 }
@@ -1469,10 +1483,7 @@ void FabricTransport::DeliverReceived(RecvSlot* slot, size_t len,
     messages_unknown_source_.fetch_add(1, std::memory_order_relaxed);
   }
   CallHandler(from, std::string_view(slot->buffer.get(), len));
-  const absl::Status status = PostRecv(slot);
-  if (!status.ok()) {
-    KLOG(Error, kLogModule) << "re-posting a receive buffer: " << status;
-  }
+  RepostRecv(slot);
 }
 
 void FabricTransport::HandleControl(RecvSlot* slot, size_t len, fi_addr_t src,
@@ -1500,10 +1511,7 @@ void FabricTransport::HandleControl(RecvSlot* slot, size_t len, fi_addr_t src,
           << " from " << PeerName(PeerByFiAddr(src));
       break;
   }
-  const absl::Status status = PostRecv(slot);
-  if (!status.ok()) {
-    KLOG(Error, kLogModule) << "re-posting a receive buffer: " << status;
-  }
+  RepostRecv(slot);
 }
 
 void FabricTransport::ApplyCredit(std::string_view body, fi_addr_t src) {

@@ -177,6 +177,13 @@ struct LinkEmulator::Impl {
     return it == links.end() ? nullptr : it->second.get();
   }
 
+  // The name rules match and counters use for a peer added as `added_name`.
+  std::string NodeName(const std::string& added_name) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(links_mu) {
+    auto it = peer_names.find(added_name);
+    return it == peer_names.end() ? added_name : it->second;
+  }
+
   void DeliveryLoop(Link* link);
   // Called with links_mu held (options.seed may change).
   uint64_t LinkSeed(const std::string& peer) const {
@@ -228,10 +235,7 @@ void LinkEmulator::Impl::DeliveryLoop(Link* link) {
     link->queued_bytes -= size;
     const std::string name = link->name;
     link->mu.Unlock();
-    const absl::Status status =
-        size >= kSharedSendMinBytes
-            ? inner->SendShared(link->id, std::move(p.data))
-            : inner->Send(link->id, p.data->data(), size);
+    const absl::Status status = inner->SendShared(link->id, std::move(p.data));
     if (status.ok()) {
       stats.RecordSent(name, size, absl::Now() - p.sent_at);
     } else {
@@ -310,9 +314,7 @@ void LinkEmulator::SetPeerNames(std::map<std::string, std::string> names) {
   absl::MutexLock lock(&impl_->links_mu);
   impl_->peer_names = std::move(names);
   for (auto& [id, link] : impl_->links) {
-    auto it = impl_->peer_names.find(link->added_name);
-    const std::string name =
-        it == impl_->peer_names.end() ? link->added_name : it->second;
+    const std::string name = impl_->NodeName(link->added_name);
     absl::MutexLock link_lock(&link->mu);
     link->name = name;
     link->settings = ResolveLink(impl_->rules, impl_->options.local_name, name);
@@ -349,9 +351,8 @@ absl::StatusOr<PeerId> LinkEmulator::AddPeer(const std::string& name,
     slot = std::make_unique<Impl::Link>();
     slot->id = *id;
     slot->added_name = name;
-    auto alias = impl_->peer_names.find(name);
     absl::MutexLock link_lock(&slot->mu);
-    slot->name = alias == impl_->peer_names.end() ? name : alias->second;
+    slot->name = impl_->NodeName(name);
     slot->settings =
         ResolveLink(impl_->rules, impl_->options.local_name, slot->name);
     slot->stop = impl_->shut_down;
@@ -389,7 +390,7 @@ absl::Status LinkEmulator::SendMessage(
     name = link->name;
     const LinkSettings s = link->settings;
     if (s.down) {
-      stats.RecordFailed(link->name);
+      stats.RecordFailed(name);
       return absl::UnavailableError(absl::StrCat(
           "send to peer '", link->name, "': link ", impl_->options.local_name,
           " -> ", link->name, " is down"));
@@ -401,7 +402,7 @@ absl::Status LinkEmulator::SendMessage(
     if (s.Active() || !link->queue.empty()) {
       if (s.loss > 0 && std::uniform_real_distribution<double>(
                             0.0, 1.0)(link->rng) < s.loss) {
-        stats.RecordDropped(link->name);
+        stats.RecordDropped(name);
         return absl::OkStatus();
       }
       const size_t max_queued = impl_->options.max_queued_bytes;

@@ -84,10 +84,11 @@ class Transport {
   virtual void Shutdown() = 0;
 };
 
-// Data-plane frames of at least this many bytes go out with SendShared();
-// smaller ones with Send(), which copies them (cheaper than a provider's
-// rendezvous, and needs no shared allocation). The default of
-// FabricOptions::zero_copy_threshold.
+// The libfabric transport's SendShared() hands messages of at least this
+// many bytes to the provider in place; smaller ones it copies, as Send()
+// does (cheaper than a provider's rendezvous). Data-plane clients send every
+// frame with SendShared() and leave the choice to the transport. The
+// default of FabricOptions::zero_copy_threshold.
 constexpr size_t kSharedSendMinBytes = 16 << 10;
 
 struct FabricOptions {

@@ -218,9 +218,7 @@ absl::Status ExpertParallel::Impl::SendFrame(
   auto buffer = std::make_shared<std::string>();
   EncodeFrame(header, sections, buffer.get());
   const size_t size = buffer->size();
-  absl::Status s = size >= kSharedSendMinBytes
-                       ? transport->SendShared(peer, std::move(buffer))
-                       : transport->Send(peer, buffer->data(), size);
+  absl::Status s = transport->SendShared(peer, std::move(buffer));
   if (!s.ok()) {
     send_errors.fetch_add(1);
     return s;
@@ -590,9 +588,9 @@ void ExpertParallel::Impl::Serve(Job& job) {
       k += n;
     }
   }
+  answer.type = static_cast<uint16_t>(FrameType::kMoeCombine);
   absl::Status sent;
   if (status.ok()) {
-    answer.type = static_cast<uint16_t>(FrameType::kMoeCombine);
     answer.n_tokens = uint32_t(job.indices.size());
     sent = SendFrame(job.peer, answer,
                      {SectionBytes(out.data(), out.size() * sizeof(float))});
@@ -601,7 +599,6 @@ void ExpertParallel::Impl::Serve(Job& job) {
       rows_served.fetch_add(job.rows.size() / size_t(hidden));
     }
   } else {
-    answer.type = static_cast<uint16_t>(FrameType::kMoeCombine);
     answer.status = uint32_t(status.code());
     const std::string text(status.message());
     sent = SendFrame(job.peer, answer, {text});

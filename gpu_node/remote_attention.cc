@@ -180,9 +180,9 @@ absl::Status RemoteAttentionBackend::Impl::Send(
   }
   EncodeFrame(header, sections, buffer.get());
   const size_t size = buffer->size();
-  absl::Status s = size >= kSharedSendMinBytes
-                       ? transport->SendShared(peer, buffer)
-                       : transport->Send(peer, buffer->data(), size);
+  // The transport reads a large frame in place and copies a small one
+  // (FabricOptions::zero_copy_threshold).
+  absl::Status s = transport->SendShared(peer, buffer);
   if (!s.ok()) {
     return absl::UnavailableError(
         absl::StrCat("cannot send ", FrameTypeName(header.type),

@@ -278,10 +278,7 @@ void DataPlaneHandler::Reply(const FrameHeader& request, FrameType type,
   // may read a large one in place for as long as it keeps its reference.
   auto buffer = std::make_shared<std::string>();
   EncodeFrame(header, sections, buffer.get());
-  absl::Status sent =
-      buffer->size() >= kSharedSendMinBytes
-          ? transport_->SendShared(peer, std::move(buffer))
-          : transport_->Send(peer, buffer->data(), buffer->size());
+  absl::Status sent = transport_->SendShared(peer, std::move(buffer));
   if (!sent.ok()) {
     errors_.fetch_add(1);
     KLOG(Warning, "karat_node") << "session=" << request.session << " sending "

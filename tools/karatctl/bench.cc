@@ -8,6 +8,7 @@
 #include <fstream>
 #include <numeric>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -87,7 +88,8 @@ void RunSession(Client& client, const PlannedSession& plan, int index,
   }
   if (all_ok) {
     totals->sessions_ok++;
-    if (o.tbt_slo_ms > 0 && Percentile(session_tbt, 99) <= o.tbt_slo_ms)
+    if (o.tbt_slo_ms > 0 &&
+        Percentile(std::move(session_tbt), 99) <= o.tbt_slo_ms)
       totals->sessions_within_slo++;
   }
 }
@@ -274,8 +276,7 @@ int RunBench(Client& client, const BenchOptions& o) {
   std::printf("errors             %d\n", r.turns_failed);
   for (const auto& [code, n] : r.errors_by_code)
     std::printf("  %-16s %d\n", code.c_str(), n);
-  for (size_t i = 0; i < totals.errors.size() && i < kErrorSamples; ++i)
-    std::printf("  %s\n", totals.errors[i].c_str());
+  for (const std::string& e : r.error_samples) std::printf("  %s\n", e.c_str());
   std::fflush(stdout);
 
   if (!o.json_path.empty()) {
