@@ -102,6 +102,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/huge_page_vector.h"
 #include "common/log.h"
 #include "common/status_macros.h"
 #include "common/transport.h"
@@ -256,7 +257,20 @@ static_assert(std::is_standard_layout_v<OpContext>);
 
 struct RecvSlot {
   OpContext op{{}, OpKind::kRecv, this};
-  std::unique_ptr<char[]> buffer;
+  // Shared with the handles of HoldMessage(), which may outlive the
+  // transport.
+  std::shared_ptr<char[]> buffer;
+};
+
+// Receive buffers whose holds (HoldMessage()) ended, for the progress
+// thread to re-post. Shared with the holds' deleters; after `closed` (set
+// by Shutdown()) a release only frees its reference to the buffer.
+struct ReleasedSlots {
+  absl::Mutex mu;
+  bool closed ABSL_GUARDED_BY(mu) = false;
+  std::vector<RecvSlot*> slots ABSL_GUARDED_BY(mu);
+  int wake_fd ABSL_GUARDED_BY(mu) = -1;  // the progress thread's eventfd
+  std::atomic<size_t> count{0};          // slots.size()
 };
 
 struct SendOp {
@@ -341,6 +355,7 @@ class FabricTransport final : public Transport {
   void SetPeerReceiveHandler(PeerReceiveHandler handler) override;
   std::string PeerName(PeerId peer) const override;
   size_t MaxMessageSize() const override { return options_.max_message_size; }
+  std::shared_ptr<const void> HoldMessage() override;
   std::map<std::string, double> Counters() const override;
   void Shutdown() override;
 
@@ -393,6 +408,8 @@ class FabricTransport final : public Transport {
   // when none is queued.
   bool DeliverOne();
   void DeliverReceived(RecvSlot* slot, size_t len, fi_addr_t src);
+  // Progress thread: re-posts the buffers whose holds ended.
+  void RepostReleased();
   void CallHandler(PeerId from, std::string_view message);
   // Progress thread: a control message (remote CQ data `data`).
   void HandleControl(RecvSlot* slot, size_t len, fi_addr_t src, uint64_t data);
@@ -479,6 +496,13 @@ class FabricTransport final : public Transport {
   bool closed_ ABSL_GUARDED_BY(fid_lock_) = false;
 
   std::vector<std::unique_ptr<RecvSlot>> recv_slots_;
+  // HoldMessage(): the slot whose message the handler is reading (progress
+  // thread only), whether the handler held it, and how many are held.
+  RecvSlot* delivering_ = nullptr;
+  bool delivering_held_ = false;
+  int held_ = 0;  // progress thread only
+  std::shared_ptr<ReleasedSlots> released_ = std::make_shared<ReleasedSlots>();
+  std::atomic<uint64_t> messages_held_{0}, holds_returned_{0};
   // Progress thread only: receive buffers to re-post once the provider
   // accepts them.
   std::vector<RecvSlot*> pending_recvs_;
@@ -624,8 +648,19 @@ absl::Status FabricTransport::Open() {
   recv_slots_.reserve(options_.receive_buffers);
   for (int i = 0; i < options_.receive_buffers; ++i) {
     recv_slots_.push_back(std::make_unique<RecvSlot>());
-    recv_slots_.back()->buffer.reset(new char[options_.max_message_size]);
-    RETURN_IF_ERROR(PostRecv(recv_slots_.back().get()));
+    // On huge pages where the kernel has them: the provider's copy into a
+    // receive buffer (CMA for shm) then walks 2 MiB pages, not 4 KiB ones.
+    const size_t bytes = options_.max_message_size;
+    recv_slots_.back()->buffer = std::shared_ptr<char[]>(
+        HugePageAllocator<char>().allocate(bytes),
+        [bytes](char* p) { HugePageAllocator<char>().deallocate(p, bytes); });
+  }
+  {
+    absl::MutexLock lock(&released_->mu);
+    released_->wake_fd = wake_fd_.get();
+  }
+  for (auto& slot : recv_slots_) {
+    RETURN_IF_ERROR(PostRecv(slot.get()));
   }
 
   char straddr[256];
@@ -821,6 +856,8 @@ std::map<std::string, double> FabricTransport::Counters() const {
   c["rma_zones_granted"] = double(zones_granted_.load());
   c["control_invalid"] = double(control_invalid_.load());
   c["messages_unknown_source"] = double(messages_unknown_source_.load());
+  c["messages_held"] = double(messages_held_.load());
+  c["holds_returned"] = double(holds_returned_.load());
   c["rma_enabled"] = rma_ ? 1 : 0;
   return c;
 }
@@ -1287,6 +1324,7 @@ void FabricTransport::ProgressLoop() {
   const int64_t spin_ns = SpinNs(0);
   uint32_t idle_spins = 0;
   while (!stop_.load(std::memory_order_acquire)) {
+    RepostReleased();
     RetryPendingReceives();
     if (DeliverOne()) {
       backoff = kMinPollBackoff;
@@ -1482,8 +1520,49 @@ void FabricTransport::DeliverReceived(RecvSlot* slot, size_t len,
   if (from == kUnknownPeer && source_) {
     messages_unknown_source_.fetch_add(1, std::memory_order_relaxed);
   }
+  delivering_ = slot;
+  delivering_held_ = false;
   CallHandler(from, std::string_view(slot->buffer.get(), len));
-  RepostRecv(slot);
+  delivering_ = nullptr;
+  if (!delivering_held_) RepostRecv(slot);
+}
+
+std::shared_ptr<const void> FabricTransport::HoldMessage() {
+  if (!OnProgressThread() || delivering_ == nullptr || delivering_held_ ||
+      2 * (held_ + 1) > static_cast<int>(recv_slots_.size())) {
+    return nullptr;
+  }
+  delivering_held_ = true;
+  ++held_;
+  messages_held_.fetch_add(1, std::memory_order_relaxed);
+  RecvSlot* slot = delivering_;
+  std::shared_ptr<char[]> buffer = slot->buffer;
+  const char* bytes = buffer.get();
+  return std::shared_ptr<const void>(bytes, [released = released_, slot,
+                                             buffer](const void*) {
+    absl::MutexLock lock(&released->mu);
+    if (released->closed) return;
+    released->slots.push_back(slot);
+    released->count.fetch_add(1, std::memory_order_release);
+    const uint64_t one = 1;
+    // EAGAIN: a wake-up is already pending.
+    [[maybe_unused]] ssize_t n = write(released->wake_fd, &one, sizeof(one));
+  });
+}
+
+void FabricTransport::RepostReleased() {
+  if (released_->count.load(std::memory_order_acquire) == 0) return;
+  std::vector<RecvSlot*> slots;
+  {
+    absl::MutexLock lock(&released_->mu);
+    slots.swap(released_->slots);
+    released_->count.store(0, std::memory_order_release);
+  }
+  for (RecvSlot* slot : slots) {
+    --held_;
+    RepostRecv(slot);
+  }
+  holds_returned_.fetch_add(slots.size(), std::memory_order_relaxed);
 }
 
 void FabricTransport::HandleControl(RecvSlot* slot, size_t len, fi_addr_t src,
@@ -1819,6 +1898,14 @@ void FabricTransport::Shutdown() {
     } else {
       progress_thread_.join();
     }
+  }
+  {
+    // Holds released from now on only drop their buffer references.
+    absl::MutexLock lock(&released_->mu);
+    released_->closed = true;
+    released_->wake_fd = -1;
+    released_->slots.clear();
+    released_->count.store(0);
   }
   {
     absl::MutexLock lock(&fid_lock_);

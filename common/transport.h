@@ -69,6 +69,14 @@ class Transport {
           handler(message);
         });
   }
+  // Only from inside the receive handler: keeps the bytes of the message
+  // being handled valid after the handler returns, until the returned handle
+  // is destroyed (on any thread; it may outlive the transport), so that a
+  // handler can pass a large message to another thread without copying it.
+  // The transport has one receive buffer fewer until then; it holds at most
+  // half of its buffers at a time and returns nullptr beyond that, and
+  // wherever it cannot hold the bytes (then copy them: ReceivedBytes does).
+  virtual std::shared_ptr<const void> HoldMessage() { return nullptr; }
   // The name `peer` was added with, for logs; "unknown peer" for
   // kUnknownPeer and "peer #<id>" for an id this endpoint never issued. A
   // sender the transport learnt on its own (an RMA handshake from an
@@ -82,6 +90,34 @@ class Transport {
   virtual std::map<std::string, double> Counters() const { return {}; }
   // Stops the progress thread and closes every resource. Idempotent.
   virtual void Shutdown() = 0;
+};
+
+// A received message's bytes kept past the receive handler: held in the
+// transport's receive buffer where it allows (Transport::HoldMessage()) and
+// the message has at least `min_hold_bytes`, copied otherwise. Create it in
+// the handler; move it to the thread that reads the bytes.
+class ReceivedBytes {
+ public:
+  static constexpr size_t kDefaultMinHoldBytes = 16 << 10;
+  ReceivedBytes() = default;
+  ReceivedBytes(Transport* transport, std::string_view message,
+                size_t min_hold_bytes = kDefaultMinHoldBytes) {
+    if (message.size() >= min_hold_bytes) hold_ = transport->HoldMessage();
+    if (hold_ != nullptr) {
+      held_ = message;
+    } else {
+      copy_.assign(message);
+    }
+  }
+  std::string_view view() const {
+    return hold_ != nullptr ? held_ : std::string_view(copy_);
+  }
+  bool held() const { return hold_ != nullptr; }
+
+ private:
+  std::shared_ptr<const void> hold_;
+  std::string_view held_;
+  std::string copy_;
 };
 
 // The libfabric transport's SendShared() hands messages of at least this

@@ -168,9 +168,12 @@ void DataPlaneHandler::OnMessage(PeerId from, std::string_view message) {
         return;
       }
       KaratDevice* device = devices_[h.device].get();
-      device->Post([this, device, from, m = std::string(message)] {
-        HandleData(device, from, m);
-      });
+      // A prefill's frames are large: the device reads them in the
+      // transport's receive buffer while the next one arrives.
+      device->Post(
+          [this, device, from, m = ReceivedBytes(transport_, message)] {
+            HandleData(device, from, m.view());
+          });
       return;
     }
     default: {
@@ -215,7 +218,7 @@ void DataPlaneHandler::HandleHello(const std::string& message) {
 }
 
 void DataPlaneHandler::HandleData(KaratDevice* device, PeerId from,
-                                  const std::string& message) {
+                                  std::string_view message) {
   absl::StatusOr<FrameView> frame = DecodeFrame(message);
   if (!frame.ok()) return;  // validated on arrival
   const FrameHeader& h = frame->header;

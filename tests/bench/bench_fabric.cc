@@ -36,8 +36,10 @@
 // | scales], with SendShared(), as a prefill's frames go. The child decodes
 // each frame (DecodeFrame) and writes its entries into a session's pages
 // (common/kv_store.h: PageArena + SessionCache, the store a KARAT device
-// uses) on the transport's receive thread; the clock runs from the first
-// frame to the child's acknowledgement after the last one. Pages are
+// uses) on a worker thread, as a KARAT node's device does: the receive
+// handler holds each frame in its receive buffer (ReceivedBytes) and queues
+// it, so the next frame arrives while one is stored; the clock runs from the
+// first frame to the child's acknowledgement after the last one. Pages are
 // reserved before the clock starts, as admission does. The child then checks
 // every stored byte; "store ms" is the child's own decode + store time within
 // the timed turn. "its bytes / stream" is the time the same bytes take at
@@ -53,6 +55,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -520,16 +523,36 @@ class IngestStore {
   if (!arena.ok()) _exit(1);
   IngestStore store(plan, std::move(arena).value());
   std::atomic<PeerId> parent{kUnknownPeer};
-  transport->SetReceiveHandler([&](std::string_view m) {
-    bool check = false;
-    const std::string reply = store.OnMessage(m, &check);
-    const PeerId p = parent.load(std::memory_order_acquire);
-    if (!reply.empty()) (void)transport->Send(p, reply.data(), reply.size());
-    if (check) {
-      const std::string verdict =
-          absl::StrCat(store.Check() ? "v:" : "x:", store.store_ns());
-      (void)transport->Send(p, verdict.data(), verdict.size());
+  // As a KARAT node does: the receive thread hands each message (held in
+  // its receive buffer) to the device's worker, which stores it.
+  absl::Mutex mu;
+  std::deque<ReceivedBytes> queue;  // guarded by mu
+  std::thread worker([&] {
+    for (;;) {
+      ReceivedBytes m;
+      {
+        absl::MutexLock lock(&mu);
+        mu.Await(absl::Condition(
+            +[](decltype(queue)* q) { return !q->empty(); }, &queue));
+        m = std::move(queue.front());
+        queue.pop_front();
+      }
+      if (m.view() == "Q") return;
+      bool check = false;
+      const std::string reply = store.OnMessage(m.view(), &check);
+      const PeerId p = parent.load(std::memory_order_acquire);
+      if (!reply.empty()) (void)transport->Send(p, reply.data(), reply.size());
+      if (check) {
+        const std::string verdict =
+            absl::StrCat(store.Check() ? "v:" : "x:", store.store_ns());
+        (void)transport->Send(p, verdict.data(), verdict.size());
+      }
     }
+  });
+  transport->SetReceiveHandler([&](std::string_view m) {
+    ReceivedBytes bytes(transport, m);
+    absl::MutexLock lock(&mu);
+    queue.push_back(std::move(bytes));
   });
   if (!WriteString(to_parent, transport->LocalAddress())) _exit(1);
   auto address = ReadString(from_parent);
@@ -542,6 +565,11 @@ class IngestStore {
   char done;
   (void)ReadAll(from_parent, &done, 1);
   transport->Shutdown();
+  {
+    absl::MutexLock lock(&mu);
+    queue.push_back(ReceivedBytes(nullptr, "Q", size_t(-1)));
+  }
+  worker.join();
   _exit(0);
 }
 

@@ -695,5 +695,119 @@ TEST_CASE("shm: the receive handler names the sender", "[fabric]") {
   (*c)->Shutdown();
 }
 
+// A handler that keeps every large message past its return (ReceivedBytes):
+// the first half of the receive buffers are held, the rest copied.
+class HoldingInbox {
+ public:
+  explicit HoldingInbox(Transport** transport) : transport_(transport) {}
+  Transport::ReceiveHandler Handler() {
+    return [this](std::string_view m) {
+      ReceivedBytes bytes(*transport_, m);
+      absl::MutexLock lock(&mu_);
+      messages_.push_back(std::move(bytes));
+    };
+  }
+  bool WaitFor(size_t n) {
+    absl::MutexLock lock(&mu_);
+    auto enough = [this, n]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return messages_.size() >= n;
+    };
+    return mu_.AwaitWithTimeout(absl::Condition(&enough), kDeliveryBound);
+  }
+  std::vector<ReceivedBytes> Take() {
+    absl::MutexLock lock(&mu_);
+    return std::move(messages_);
+  }
+
+ private:
+  Transport** transport_;
+  absl::Mutex mu_;
+  std::vector<ReceivedBytes> messages_ ABSL_GUARDED_BY(mu_);
+};
+
+TEST_CASE("shm: a handler holds large messages in their receive buffers",
+          "[fabric]") {
+  FabricOptions options = Options("shm");
+  options.receive_buffers = 8;
+  options.use_rma = false;  // as the daemons run shm (RmaPays)
+  auto p = OpenPair(options);
+  REQUIRE(p != nullptr);
+  Transport* b = p->b.get();
+  HoldingInbox inbox(&b);
+  p->b->SetReceiveHandler(inbox.Handler());
+  constexpr size_t kSize = 100 << 10;
+  // 12 large messages: 4 held (half the buffers), 8 copied; then a small
+  // one, always copied.
+  std::vector<std::string> sent;
+  for (int i = 0; i < 12; ++i) {
+    sent.push_back(Pattern(kSize, i));
+    REQUIRE(p->a->Send(p->b_at_a, sent.back().data(), kSize).ok());
+  }
+  sent.push_back("small");
+  REQUIRE(p->a->Send(p->b_at_a, "small", 5).ok());
+  REQUIRE(inbox.WaitFor(sent.size()));
+  std::vector<ReceivedBytes> got = inbox.Take();
+  REQUIRE(got.size() == sent.size());
+  int held = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    INFO("message " << i);
+    CHECK(got[i].view() == sent[i]);
+    held += got[i].held() ? 1 : 0;
+  }
+  CHECK(held == 4);
+  CHECK(got.back().held() == false);
+  CHECK(Counter(*p->b, "messages_held") == 4);
+  // Released, the buffers return: the next messages are held again, and
+  // the held bytes were never overwritten meanwhile.
+  got.clear();
+  for (int round = 0; round < 3; ++round) {
+    REQUIRE(WaitForCounter(*p->b, "holds_returned", 4 + 4 * round));
+    std::vector<std::string> more;
+    for (int i = 0; i < 4; ++i) {
+      more.push_back(Pattern(kSize, 50 + 4 * round + i));
+      REQUIRE(p->a->Send(p->b_at_a, more.back().data(), kSize).ok());
+    }
+    REQUIRE(inbox.WaitFor(more.size()));
+    got = inbox.Take();
+    REQUIRE(got.size() == more.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      CHECK(got[i].held());
+      CHECK(got[i].view() == more[i]);
+    }
+    got.clear();
+  }
+  CHECK(Counter(*p->b, "messages_held") == 16);
+}
+
+TEST_CASE("shm: a held message outlives its transport", "[fabric]") {
+  FabricOptions options = Options("shm");
+  options.use_rma = false;
+  auto p = OpenPair(options);
+  REQUIRE(p != nullptr);
+  Transport* b = p->b.get();
+  HoldingInbox inbox(&b);
+  p->b->SetReceiveHandler(inbox.Handler());
+  const std::string big = Pattern(64 << 10, 3);
+  REQUIRE(p->a->Send(p->b_at_a, big.data(), big.size()).ok());
+  REQUIRE(inbox.WaitFor(1));
+  std::vector<ReceivedBytes> got = inbox.Take();
+  REQUIRE(got.size() == 1);
+  REQUIRE(got[0].held());
+  p->b->Shutdown();
+  p->b.reset();
+  CHECK(got[0].view() == big);
+  got.clear();  // releases into a closed transport: nothing to re-post
+}
+
+TEST_CASE("fake transport: ReceivedBytes copies", "[fabric]") {
+  FakeFabric fabric;
+  auto t = fabric.NewEndpoint("x");
+  CHECK(t->HoldMessage() == nullptr);
+  const std::string big(1 << 20, 'x');
+  ReceivedBytes bytes(t.get(), big);
+  CHECK_FALSE(bytes.held());
+  CHECK(bytes.view() == big);
+}
+
 }  // namespace
 }  // namespace karat
