@@ -17,29 +17,13 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/log.h"
+#include "common/stable_hash.h"
 #include "common/status_macros.h"
 
 namespace karat {
 namespace {
 
 constexpr const char* kLogModule = "link";
-
-uint64_t SplitMix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
-// FNV-1a, stable across runs and builds (std::hash is not).
-uint64_t StableHash(const std::string& s) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (unsigned char c : s) {
-    h ^= c;
-    h *= 0x100000001b3ull;
-  }
-  return h;
-}
 
 // One queued message of a delayed link.
 struct Pending {
@@ -187,8 +171,8 @@ struct LinkEmulator::Impl {
   void DeliveryLoop(Link* link);
   // Called with links_mu held (options.seed may change).
   uint64_t LinkSeed(const std::string& peer) const {
-    return SplitMix64(options.seed ^ SplitMix64(StableHash(options.local_name) ^
-                                                StableHash(peer)));
+    return SplitMix64(options.seed ^
+                      SplitMix64(Fnv1a64(options.local_name) ^ Fnv1a64(peer)));
   }
   void StopLinks();
 

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/linear.h"
 #include "common/numeric.h"
+#include "common/stable_hash.h"
 #include "common/status_macros.h"
 
 namespace karat {
@@ -249,8 +250,9 @@ bool ModelRunner::OwnsExpert(int expert) const {
          expert < impl_->first_expert + impl_->experts_per_rank;
 }
 
-absl::Status ModelRunner::ApplyExpert(int layer, int expert, const float* in,
-                                      int rows, float* out) const {
+absl::Status ModelRunner::ApplyExpert(int layer, int expert, const float* x,
+                                      const int32_t* rows, int n,
+                                      float* out) const {
   const Impl& m = *impl_;
   if (layer < 0 || layer >= m.cfg.num_hidden_layers || !m.layers[layer].moe) {
     return absl::InvalidArgumentError(
@@ -265,13 +267,18 @@ absl::Status ModelRunner::ApplyExpert(int layer, int expert, const float* in,
         "expert ", expert, " belongs to rank ", ExpertOwner(expert),
         ", not to rank ", m.rank, " of ", m.ranks));
   }
-  if (rows < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("negative row count ", rows));
+  if (n < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("negative row count ", n));
   }
-  if (rows == 0) return absl::OkStatus();
-  std::vector<float> g, u;
-  m.layers[layer].experts[expert - m.first_expert].Apply(in, rows, out, &g, &u);
+  if (n == 0) return absl::OkStatus();
+  const size_t D = size_t(m.cfg.hidden_size);
+  thread_local std::vector<float> in, g, u;
+  in.resize(size_t(n) * D);
+  for (int i = 0; i < n; ++i) {
+    std::memcpy(&in[i * D], x + size_t(rows[i]) * D, sizeof(float) * D);
+  }
+  m.layers[layer].experts[expert - m.first_expert].Apply(in.data(), n, out, &g,
+                                                         &u);
   return absl::OkStatus();
 }
 
@@ -586,7 +593,6 @@ absl::StatusOr<std::vector<std::vector<float>>> ModelRunner::Step(
           }
         }
       } else {
-        std::vector<float> ein;
         for (int e = 0; e < E; ++e) {
           const auto& rows = rows_of[e];
           if (rows.empty()) continue;
@@ -596,14 +602,9 @@ absl::StatusOr<std::vector<std::vector<float>>> ModelRunner::Step(
                              ExpertOwner(e), " but rank ", m.rank, " of ",
                              m.ranks, " has no expert backend"));
           }
-          ein.resize(rows.size() * D);
-          for (size_t i = 0; i < rows.size(); ++i) {
-            std::memcpy(&ein[i * D], &xn[size_t(rows[i]) * D],
-                        sizeof(float) * D);
-          }
           eout[e].resize(rows.size() * D);
-          L.experts[e - m.first_expert].Apply(ein.data(), int(rows.size()),
-                                              eout[e].data(), &g, &u);
+          RETURN_IF_ERROR(ApplyExpert(l, e, xn.data(), rows.data(),
+                                      int(rows.size()), eout[e].data()));
         }
       }
       // Combine: sum in increasing expert id, then the shared expert.
@@ -741,13 +742,6 @@ absl::Status LocalAttentionBackend::RunLayer(int layer,
 }
 
 // --- Sampling -------------------------------------------------------------
-
-uint64_t SplitMix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
 
 int32_t SampleToken(const std::vector<float>& logits, float temperature,
                     uint64_t seed, int64_t position) {

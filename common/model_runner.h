@@ -121,13 +121,14 @@ class ModelRunner {
   int ExpertOwner(int expert) const;
   bool OwnsExpert(int expert) const;
 
-  // FFN_expert of `rows` rows of `in` (rows x hidden, normed) into `out`
-  // (rows x hidden), exactly as Step computes it locally: the bits of a row
-  // do not depend on the other rows. Thread-safe. INVALID_ARGUMENT for a
-  // layer that is not an MoE layer, an expert id out of range or rows < 0;
+  // FFN_expert of rows x[rows[0]], ..., x[rows[n-1]] (x: rows of hidden
+  // floats, normed) into out[0, n) (n x hidden), exactly as Step computes
+  // it locally: the bits of a row do not depend on the other rows.
+  // Thread-safe; its scratch is per thread and reused. INVALID_ARGUMENT for
+  // a layer that is not an MoE layer, an expert id out of range or n < 0;
   // FAILED_PRECONDITION when this rank does not own the expert.
-  absl::Status ApplyExpert(int layer, int expert, const float* in, int rows,
-                           float* out) const;
+  absl::Status ApplyExpert(int layer, int expert, const float* x,
+                           const int32_t* rows, int n, float* out) const;
 
   // Runs one step over `segs` and returns the logits (vocab floats) of the
   // last token of each segment, in segment order. MoE layers hand their
@@ -175,6 +176,5 @@ class LocalAttentionBackend : public AttentionBackend {
 // and the first id whose cumulative softmax(logits / T) exceeds u.
 int32_t SampleToken(const std::vector<float>& logits, float temperature,
                     uint64_t seed, int64_t position);
-uint64_t SplitMix64(uint64_t x);
 
 }  // namespace karat

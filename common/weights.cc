@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/stable_hash.h"
 #include "common/status_macros.h"
 
 namespace karat {
@@ -29,29 +30,12 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
-uint64_t SplitMix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
-// FNV-1a: a fixed, platform-independent hash of the tensor name.
-uint64_t NameHash(const std::string& name) {
-  uint64_t h = 0xCBF29CE484222325ull;
-  for (unsigned char c : name) {
-    h ^= c;
-    h *= 0x100000001B3ull;
-  }
-  return h;
-}
-
 // xoshiro256** seeded through splitmix64, one stream per (seed, tensor name)
 // so that adding or reordering tensors changes no other tensor's values.
 class NormalStream {
  public:
   NormalStream(uint64_t seed, const std::string& name) {
-    uint64_t x = seed ^ SplitMix64(NameHash(name));
+    uint64_t x = seed ^ SplitMix64(Fnv1a64(name));
     for (uint64_t& w : s_) {
       x += 0x9E3779B97F4A7C15ull;
       w = SplitMix64(x);

@@ -364,15 +364,10 @@ absl::Status ExpertParallel::Impl::Run(int mb, WaitHooks* hooks, uint64_t step,
   }
 
   // 2. This rank's experts, while the dispatches are in flight.
-  std::vector<float> in;
   for (int e = 0; e < E; ++e) {
     const std::vector<int>& rows = work.rows_of[e];
     if (rows.empty() || runner->ExpertOwner(e) != rank) continue;
-    in.resize(rows.size() * D);
-    for (size_t i = 0; i < rows.size(); ++i) {
-      std::memcpy(&in[i * D], work.xn + size_t(rows[i]) * D, sizeof(float) * D);
-    }
-    absl::Status s = runner->ApplyExpert(work.layer, e, in.data(),
+    absl::Status s = runner->ApplyExpert(work.layer, e, work.xn, rows.data(),
                                          int(rows.size()), (*out)[e].data());
     if (!s.ok()) return finish(s);
   }
@@ -574,18 +569,13 @@ void ExpertParallel::Impl::Serve(Job& job) {
   if (status.ok()) {
     const int D = hidden;
     out.resize(job.indices.size() * size_t(D));
-    std::vector<float> in;
     size_t k = 0;
     for (size_t i = 0; i < job.experts.size() && status.ok(); ++i) {
-      const size_t n = size_t(job.counts[i]);
-      in.resize(n * D);
-      for (size_t j = 0; j < n; ++j) {
-        std::memcpy(&in[j * D], &job.rows[size_t(job.indices[k + j]) * D],
-                    sizeof(float) * D);
-      }
-      status = runner->ApplyExpert(int(h.layer), job.experts[i], in.data(),
-                                   int(n), &out[k * D]);
-      k += n;
+      const int n = job.counts[i];
+      status =
+          runner->ApplyExpert(int(h.layer), job.experts[i], job.rows.data(),
+                              &job.indices[k], n, &out[k * D]);
+      k += size_t(n);
     }
   }
   answer.type = static_cast<uint16_t>(FrameType::kMoeCombine);

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "common/reference_engine.h"
+#include "common/stable_hash.h"
 #include "common/tokenizer.h"
 #include "common/weights.h"
 
@@ -134,15 +135,11 @@ class ShardedExperts : public ExpertBackend {
     for (size_t e = 0; e < work.rows_of.size(); ++e) {
       const auto& rows = work.rows_of[e];
       if (rows.empty()) continue;
-      std::vector<float> in(rows.size() * D);
-      for (size_t i = 0; i < rows.size(); ++i) {
-        std::memcpy(&in[i * D], work.xn + size_t(rows[i]) * D,
-                    sizeof(float) * D);
-      }
       (*out)[e].resize(rows.size() * D);
       const ModelRunner* owner = ranks_[ranks_[0]->ExpertOwner(int(e))];
-      absl::Status s = owner->ApplyExpert(work.layer, int(e), in.data(),
-                                          int(rows.size()), (*out)[e].data());
+      absl::Status s =
+          owner->ApplyExpert(work.layer, int(e), work.xn, rows.data(),
+                             int(rows.size()), (*out)[e].data());
       if (!s.ok()) return s;
     }
     ++calls;
@@ -214,14 +211,19 @@ TEST_CASE("experts sharded over ranks give the same logits", "[model]") {
   auto refused = ranks[1]->Step({pre[0]}, &be);
   CHECK(refused.status().code() == absl::StatusCode::kFailedPrecondition);
   std::vector<float> row(f.config.hidden_size, 0.5f), y(f.config.hidden_size);
+  const int32_t first = 0;
   const int moe_layer = f.config.first_k_dense_replace;
-  CHECK(ranks[1]->ApplyExpert(moe_layer, 0, row.data(), 1, y.data()).code() ==
-        absl::StatusCode::kFailedPrecondition);
-  CHECK(ranks[1]->ApplyExpert(moe_layer, 2, row.data(), 1, y.data()).ok());
-  CHECK(ranks[1]->ApplyExpert(0, 2, row.data(), 1, y.data()).code() ==
+  CHECK(ranks[1]
+            ->ApplyExpert(moe_layer, 0, row.data(), &first, 1, y.data())
+            .code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(ranks[1]
+            ->ApplyExpert(moe_layer, 2, row.data(), &first, 1, y.data())
+            .ok());
+  CHECK(ranks[1]->ApplyExpert(0, 2, row.data(), &first, 1, y.data()).code() ==
         absl::StatusCode::kInvalidArgument);
-  CHECK(ranks[1]->ApplyExpert(moe_layer, E, row.data(), 1, y.data()).code() ==
-        absl::StatusCode::kInvalidArgument);
+  CHECK(ranks[1]
+            ->ApplyExpert(moe_layer, E, row.data(), &first, 1, y.data())
+            .code() == absl::StatusCode::kInvalidArgument);
 }
 
 TEST_CASE("expert sharding must divide the experts evenly", "[model]") {
