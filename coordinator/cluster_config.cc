@@ -44,7 +44,8 @@ const cluster::LinkConfig* EffectiveLink(
     const google::protobuf::RepeatedPtrField<cluster::LinkConfig>& links,
     const std::string& source, const std::string& destination) {
   // Specificity: exact source and destination, exact source, exact
-  // destination, "*" -> "*".
+  // destination, "*" -> "*"; of equally specific rules the last, as the
+  // nodes resolve them (ResolveLink in common/link_emulation.h).
   const cluster::LinkConfig* best = nullptr;
   int best_rank = -1;
   for (const auto& l : links) {
@@ -52,7 +53,7 @@ const cluster::LinkConfig* EffectiveLink(
     if (!(src || l.source() == "*") || !(dst || l.destination() == "*"))
       continue;
     const int rank = src && dst ? 3 : src ? 2 : dst ? 1 : 0;
-    if (rank > best_rank) {
+    if (rank >= best_rank) {
       best = &l;
       best_rank = rank;
     }

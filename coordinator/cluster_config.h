@@ -47,8 +47,9 @@ absl::Status CheckClusterConfigAgainstModel(
     const cluster::ClusterConfig& config, const std::string& model_dir);
 
 // The effective link rule from `source` to `destination` among `links`
-// (the most specific one, as cluster.proto's LinkConfig describes), or
-// nullptr when none applies.
+// (the most specific one, as cluster.proto's LinkConfig describes; the last
+// of equally specific ones, as the nodes take it), or nullptr when none
+// applies.
 const cluster::LinkConfig* EffectiveLink(
     const google::protobuf::RepeatedPtrField<cluster::LinkConfig>& links,
     const std::string& source, const std::string& destination);

@@ -109,6 +109,12 @@ TEST_CASE("config: a GPU node with every link to the KARAT nodes down") {
   CHECK(Refusal("links { source: \"*\" destination: \"*\" down: true }\n"
                 "links { source: \"g0\" destination: \"k0\" }\n"
                 "links { source: \"k0\" destination: \"g0\" }") == "");
+  // Of two equally specific rules the last applies, as on the nodes.
+  CHECK(Refusal("links { source: \"g0\" destination: \"k0\" down: true }\n"
+                "links { source: \"g0\" destination: \"k0\" }") == "");
+  CHECK(Refusal("links { source: \"g0\" destination: \"k0\" }\n"
+                "links { source: \"g0\" destination: \"k0\" down: true }") !=
+        "");
   // In gpu_only mode the KARAT nodes are not used.
   CHECK(Refusal("mode: \"gpu_only\" gpu_nodes { name: \"g1\" hbm_bytes: 5 }\n"
                 "links { source: \"*\" destination: \"*\" down: true }")
