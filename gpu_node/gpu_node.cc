@@ -383,7 +383,7 @@ absl::StatusOr<std::unique_ptr<GpuNodeDaemon>> GpuNodeDaemon::Start(
         type == static_cast<uint16_t>(FrameType::kMoeCombine)) {
       impl->OnMoeMessage(message);
     } else if (impl->backend != nullptr) {
-      impl->backend->OnMessage(message, impl->transport->PeerName(from));
+      impl->backend->OnMessage(message, from);
     } else {
       KLOG(Warning, "gpu_node")
           << "dropping a " << FrameTypeName(type) << " frame from "

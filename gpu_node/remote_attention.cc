@@ -30,7 +30,7 @@ struct RemoteAttentionBackend::Impl {
   Impl(const AttnShapes& s, Transport* t, const RemoteAttentionOptions& o)
       : shapes(s), transport(t), options(o) {}
 
-  void OnMessage(std::string_view message, const std::string& from);
+  void OnMessage(std::string_view message, PeerId from);
   absl::StatusOr<PeerId> EnsurePeer(const cluster::KaratPlacement& p);
   void MarkNotReady(const std::string& fabric_address);
   absl::Status Send(int mb, PeerId peer, const std::string& node,
@@ -108,15 +108,14 @@ struct RemoteAttentionBackend::Impl {
 };
 
 void RemoteAttentionBackend::Impl::OnMessage(std::string_view message,
-                                             const std::string& from) {
+                                             PeerId from) {
   bytes_received.fetch_add(message.size());
   absl::StatusOr<FrameView> frame = DecodeFrame(message);
   if (!frame.ok()) {
     frames_invalid.fetch_add(1);
     KLOG(Warning, "gpu_node")
         << "dropping an invalid frame of " << message.size() << " bytes from "
-        << (from.empty() ? std::string("an unnamed peer") : from) << ": "
-        << frame.status().message();
+        << transport->PeerName(from) << ": " << frame.status().message();
     return;
   }
   const FrameHeader& h = frame->header;
@@ -130,8 +129,7 @@ void RemoteAttentionBackend::Impl::OnMessage(std::string_view message,
     frames_invalid.fetch_add(1);
     KLOG(Warning, "gpu_node")
         << "unexpected " << FrameTypeName(h.type) << " frame from node "
-        << h.src_node << (from.empty() ? "" : " (") << from
-        << (from.empty() ? "" : ")");
+        << h.src_node << " (" << transport->PeerName(from) << ")";
     return;
   }
   auto it = pending.find(Key{h.micro_batch, h.step, h.layer, h.session});
@@ -261,14 +259,13 @@ RemoteAttentionBackend::RemoteAttentionBackend(
   Impl* impl = impl_.get();
   if (install_handler) {
     transport->SetPeerReceiveHandler(
-        [impl, transport](PeerId from, std::string_view message) {
-          impl->OnMessage(message, transport->PeerName(from));
+        [impl](PeerId from, std::string_view message) {
+          impl->OnMessage(message, from);
         });
   }
 }
 
-void RemoteAttentionBackend::OnMessage(std::string_view message,
-                                       const std::string& from) {
+void RemoteAttentionBackend::OnMessage(std::string_view message, PeerId from) {
   impl_->OnMessage(message, from);
 }
 

@@ -59,9 +59,10 @@ class RemoteAttentionBackend : public StepBackend {
   AttentionBackend* ForMicroBatch(int mb, WaitHooks* hooks) override;
 
   // The receive path, for a node that demultiplexes its transport's
-  // messages itself (see the constructor); `from` names the sender in the
-  // log of a dropped frame.
-  void OnMessage(std::string_view message, const std::string& from = "");
+  // messages itself (see the constructor); `from`, the sender as the
+  // transport reports it, is named (Transport::PeerName) only in the log of
+  // a dropped frame.
+  void OnMessage(std::string_view message, PeerId from = kUnknownPeer);
 
   // Makes waits in progress and later calls fail with UNAVAILABLE, so a
   // decode loop blocked on a KARAT node can stop promptly. Any thread.
