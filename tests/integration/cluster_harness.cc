@@ -88,7 +88,8 @@ Cluster::Cluster(const ClusterSpec& spec) : spec_(spec) {
   const bool scale_out = spec.gpu_nodes != 1 || spec.karat_nodes != 1 ||
                          !spec.mode.empty() || spec.micro_batches != 0 ||
                          !spec.schedule.empty() || !spec.balance.empty() ||
-                         spec.gpu_hbm_bytes != 0 || spec.tbt_slo_ms != 0;
+                         spec.gpu_hbm_bytes != 0 || spec.tbt_slo_ms != 0 ||
+                         !spec.extra_config.empty();
   std::vector<std::string> coordinator = {
       BinPath("karat-coordinator"),
       "--listen",
@@ -211,6 +212,7 @@ std::string Cluster::ClusterConfigText() const {
     }
     c << " }\n";
   }
+  c << spec.extra_config;
   return c.str();
 }
 

@@ -37,6 +37,8 @@ struct ClusterSpec {
   std::string balance;    // "cmr" / "count"
   int64_t gpu_hbm_bytes = 0;
   double tbt_slo_ms = 0;
+  // Appended to the cluster config as is (links { ... }, ...).
+  std::string extra_config;
 };
 
 class Cluster {

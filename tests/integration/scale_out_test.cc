@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/model_config.h"
 #include "common/reference_engine.h"
 #include "common/tokenizer.h"
@@ -154,10 +155,19 @@ TEST_CASE("one micro-batch with count balancing on two ranks",
   spec.karat_nodes = 1;
   spec.micro_batches = 1;
   spec.balance = "count";
+  // A link rule of the cluster config reaches the nodes when they register:
+  // only gpu1's link to karat0 is slow.
+  constexpr int kLatencyUs = 3000;
+  spec.extra_config = absl::StrCat(
+      "links { source: \"gpu1\" destination: \"karat0\" latency_us: ",
+      kLatencyUs, " }\n");
   const karat::v1::ClusterStatus st = RunAndCheck(spec, 4, 2);
   for (const char* gpu : {"gpu0", "gpu1"}) {
     CHECK(Stat(st, gpu, "two_micro_batch_steps") == 0);
   }
+  CHECK(Stat(st, "gpu1", "link.karat0.latency_us_p50") >= kLatencyUs);
+  CHECK(Stat(st, "gpu0", "link.karat0.latency_us_p50") >= 0);
+  CHECK(Stat(st, "gpu0", "link.karat0.latency_us_p50") < kLatencyUs);
 }
 
 TEST_CASE("gpu_only baseline: attention and KV on the GPU ranks",
