@@ -341,6 +341,8 @@ class Runner:
         self.failures = []
         self.notes = []  # lines for results.md
         self._active_run_dir = None
+        # Extra environment for `deploy/karat up`, e.g. KARAT_CPUS_GPU.
+        self.daemon_env = {}
 
     # -- helpers -----------------------------------------------------------
 
@@ -376,7 +378,8 @@ class Runner:
                         "--out", str(self.model_dir)], check=True)
 
     def _karat(self, *argv, log_file=None):
-        env = dict(os.environ, KARAT_BUILD_DIR=str(self.build_dir))
+        env = dict(os.environ, KARAT_BUILD_DIR=str(self.build_dir),
+                   **self.daemon_env)
         cmd = [str(REPO / "deploy" / "karat"), *map(str, argv)]
         if log_file is None:
             return subprocess.run(cmd, env=env)
