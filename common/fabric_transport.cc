@@ -102,7 +102,6 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "common/huge_page_vector.h"
 #include "common/log.h"
 #include "common/status_macros.h"
 #include "common/transport.h"
@@ -648,12 +647,7 @@ absl::Status FabricTransport::Open() {
   recv_slots_.reserve(options_.receive_buffers);
   for (int i = 0; i < options_.receive_buffers; ++i) {
     recv_slots_.push_back(std::make_unique<RecvSlot>());
-    // On huge pages where the kernel has them: the provider's copy into a
-    // receive buffer (CMA for shm) then walks 2 MiB pages, not 4 KiB ones.
-    const size_t bytes = options_.max_message_size;
-    recv_slots_.back()->buffer = std::shared_ptr<char[]>(
-        HugePageAllocator<char>().allocate(bytes),
-        [bytes](char* p) { HugePageAllocator<char>().deallocate(p, bytes); });
+    recv_slots_.back()->buffer.reset(new char[options_.max_message_size]);
   }
   {
     absl::MutexLock lock(&released_->mu);
