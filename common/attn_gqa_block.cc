@@ -1,9 +1,9 @@
 // gqa_block (MODEL.md, MiniMax-M3 style): block top-k over the mean index
 // key of each block of `block_size` tokens, per KV-head group.
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
-
-#include <immintrin.h>
 
 #include "common/huge_page_vector.h"
 #include "common/numeric.h"
@@ -17,12 +17,16 @@
 namespace karat {
 namespace {
 
+// Software prefetch distance of the block-sum stream (into L2): the
+// hardware prefetcher alone keeps too few lines in flight for one core.
+constexpr size_t kPrefetchAhead = 2048;
+
 // Per block and KV head the fp32 sum of the block's cached (bf16) index keys
 // in position order, and the block's token count.
 class BlockState final : public MethodLayerState {
  public:
   HugePageVector<float> sums;  // blocks x Hkv x Di
-  std::vector<int> counts;  // blocks
+  std::vector<int> counts;     // blocks
   size_t bytes() const override {
     return sums.size() * sizeof(float) + counts.size() * sizeof(int);
   }
@@ -86,20 +90,33 @@ class GqaBlockAttention final : public SparseAttention {
     // (qg . sum_b) * (1 / count_b) with qg = sum_{h in g} q_i[h] (heads in
     // increasing order): the dot runs over 16-channel chunks, one fma chain
     // per lane, zero-padded to a multiple of 16, then a fixed halving
-    // reduction (BlockScore). One pass over the block sums serves every
-    // query head of every group.
+    // reduction (as _mm512_reduce_add_ps). One pass over the block sums
+    // serves every query head of every group.
     const int chunks = (di + 15) / 16;
     const __mmask16 tail =
         (di % 16) == 0 ? __mmask16(0xFFFF) : __mmask16((1u << (di % 16)) - 1);
     thread_local std::vector<float> qg_buf, score_buf;
     qg_buf.assign(size_t(hkv) * chunks * 16, 0.0f);
-    score_buf.resize(size_t(hkv) * cur);
     for (int g = 0; g < hkv; ++g) {
       float* qg = &qg_buf[size_t(g) * chunks * 16];
       for (int h = g * group; h < (g + 1) * group; ++h) {
         const float* qi = q + size_t(h) * shapes_.q_dim + d;
         for (int c = 0; c < di; ++c) qg[c] += qi[c];
       }
+    }
+    // With two KV heads of 32 channels, 16 blocks a step: per group the 16
+    // blocks' dots are reduced together (block b + L in lane L), scaled by
+    // 1 / count (a vector division, correctly rounded like the scalar
+    // one) and, for the usual small top-k, offered to the group's
+    // RunningTopK instead of being stored.
+    const bool fast16 = chunks == 2 && tail == __mmask16(0xFFFF) && hkv == 2;
+    const bool running = fast16 && topk_ > 0 && topk_ <= RunningTopK::kMaxK;
+    thread_local std::vector<RunningTopK> tops;
+    if (running) {
+      tops.resize(hkv);
+      for (auto& t : tops) t.Reset(topk_, cur);
+    } else {
+      score_buf.resize(size_t(hkv) * cur);
     }
     float* score = score_buf.data();
     if (chunks == 2 && tail == __mmask16(0xFFFF) && hkv <= 8) {
@@ -109,34 +126,41 @@ class GqaBlockAttention final : public SparseAttention {
         qv[2 * g + 1] = _mm512_loadu_ps(&qg_buf[size_t(g) * 32 + 16]);
       }
       int b = 0;
-      if (hkv == 2) {
-        // Eight blocks at a time: 16 (group, block) dots reduced together;
-        // group g's blocks b..b+7 form lanes 8g..8g+7.
-        for (; b + 8 <= cur; b += 8) {
-          __m512 acc[16];
-          for (int bb = 0; bb < 8; ++bb) {
-            const float* sb = &st->sums[size_t(b + bb) * per_block];
-            for (int g = 0; g < 2; ++g) {
-              __m512 a =
-                  _mm512_mul_ps(qv[2 * g], _mm512_loadu_ps(sb + 32 * g));
-              acc[ReduceSlot(8 * g + bb)] = _mm512_fmadd_ps(
-                  qv[2 * g + 1], _mm512_loadu_ps(sb + 32 * g + 16), a);
+      if (fast16) {
+        const char* pf_end = reinterpret_cast<const char*>(
+            st->sums.data() + size_t(cur) * per_block);
+        for (; b + 16 <= cur; b += 16) {
+          // The step's 16 blocks are 64 lines; as many, further on.
+          const char* pf =
+              reinterpret_cast<const char*>(&st->sums[size_t(b) * per_block]) +
+              kPrefetchAhead;
+          if (pf + 16 * per_block * sizeof(float) <= pf_end) {
+            for (int l = 0; l < 64; ++l) _mm_prefetch(pf + 64 * l, _MM_HINT_T1);
+          }
+          const __m512 inv = _mm512_div_ps(
+              _mm512_set1_ps(1.0f),
+              _mm512_cvtepi32_ps(_mm512_loadu_si512(&st->counts[b])));
+          for (int g = 0; g < 2; ++g) {
+            __m512 acc[16];
+            for (int bb = 0; bb < 16; ++bb) {
+              const float* sg = &st->sums[size_t(b + bb) * per_block + 32 * g];
+              const __m512 a = _mm512_mul_ps(qv[2 * g], _mm512_loadu_ps(sg));
+              acc[ReduceSlot(bb)] =
+                  _mm512_fmadd_ps(qv[2 * g + 1], _mm512_loadu_ps(sg + 16), a);
+            }
+            const __m512 r = _mm512_mul_ps(ReduceAdd16(acc), inv);
+            if (running) {
+              tops[g].Offer16(r, b);
+            } else {
+              _mm512_storeu_ps(score + size_t(g) * cur + b, r);
             }
           }
-          __m512 inv;
-          {
-            alignas(64) float iv[16];
-            for (int bb = 0; bb < 8; ++bb) {
-              iv[bb] = iv[8 + bb] = 1.0f / float(st->counts[b + bb]);
-            }
-            inv = _mm512_load_ps(iv);
-          }
-          const __m512 r = _mm512_mul_ps(ReduceAdd16(acc), inv);
-          _mm256_storeu_ps(score + b, _mm512_castps512_ps256(r));
-          _mm256_storeu_ps(score + size_t(cur) + b,
-                           _mm512_extractf32x8_ps(r, 1));
         }
       }
+      // Running: the last cur % 16 blocks' scores (fast16 only), offered
+      // together.
+      alignas(64) float rest[2][16] = {};
+      const int b_rest = b;
       for (; b < cur; ++b) {
         const float* sb = &st->sums[size_t(b) * per_block];
         const float inv = 1.0f / float(st->counts[b]);
@@ -144,7 +168,17 @@ class GqaBlockAttention final : public SparseAttention {
           __m512 acc = _mm512_mul_ps(qv[2 * g], _mm512_loadu_ps(sb + 32 * g));
           acc = _mm512_fmadd_ps(qv[2 * g + 1],
                                 _mm512_loadu_ps(sb + 32 * g + 16), acc);
-          score[size_t(g) * cur + b] = _mm512_reduce_add_ps(acc) * inv;
+          const float x = _mm512_reduce_add_ps(acc) * inv;
+          if (running) {
+            rest[g][b - b_rest] = x;
+          } else {
+            score[size_t(g) * cur + b] = x;
+          }
+        }
+      }
+      if (running && b_rest < cur) {
+        for (int g = 0; g < hkv; ++g) {
+          tops[g].Offer16(_mm512_load_ps(rest[g]), b_rest);
         }
       }
     } else {
@@ -166,7 +200,11 @@ class GqaBlockAttention final : public SparseAttention {
     }
     std::vector<int32_t> top;
     for (int g = 0; g < hkv; ++g) {
-      SelectTopK(score + size_t(g) * cur, cur, topk_, &top);
+      if (running) {
+        tops[g].Take(&top);
+      } else {
+        SelectTopK(score + size_t(g) * cur, cur, topk_, &top);
+      }
       top.push_back(cur);  // the current block, always taken
       HeadSelection& first = (*heads)[g * group];
       first.positions.clear();

@@ -3,11 +3,11 @@
 // `page_size` tokens (the method's page, not the store's) and KV head the
 // per-channel min and max of the cached keys; each query head takes the
 // pages with the highest upper bound of q . k.
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
-
-#include <immintrin.h>
 
 #include "common/huge_page_vector.h"
 #include "common/numeric.h"
@@ -20,33 +20,81 @@
 
 namespace karat {
 
-// Channel i adds max(q_i M_i, q_i m_i) to lane i % 16 (channels padded with
-// zeros to a multiple of 16); the 16 lanes are then summed by halving
-// (lane i + lane i+8, then +4, +2, +1). Select's vector kernel evaluates
-// exactly this.
+// max(q_i M_i, q_i m_i) is q_i M_i where q_i >= 0 (M_i >= m_i) and q_i m_i
+// elsewhere (NaN q_i: q_i m_i). The terms are added in channel order, each
+// with one rounding (an fma of the exact product), starting from +0.
+// Select's vector kernel evaluates exactly this, one page a lane.
 float QuestBound(const float* q, const float* min, const float* max, int d) {
-  float lane[16] = {};
-  const int padded = (d + 15) / 16 * 16;
-  for (int i = 0; i < padded; ++i) {
-    lane[i % 16] += i < d ? std::max(q[i] * max[i], q[i] * min[i]) : 0.0f;
+  float acc = 0.0f;
+  for (int i = 0; i < d; ++i) {
+    acc = std::fma(q[i], q[i] >= 0 ? max[i] : min[i], acc);
   }
-  for (int w = 8; w >= 1; w /= 2) {
-    for (int i = 0; i < w; ++i) lane[i] += lane[i + w];
-  }
-  return lane[0];
+  return acc;
 }
 
 namespace {
 
+// The metadata is stored kGroupPages pages at a time, transposed: per
+// group, KV head and channel the group's minima, then its maxima, one page
+// a lane. The scoring pass reads, per query head and channel, the vectors
+// that the sign of q picks (the choice is an address, made once per
+// Select) into one fma chain per page lane: no blends, no horizontal sums,
+// and one forward stream over the whole metadata.
+constexpr int kGroupPages = 64;
+// Software prefetch distance of that stream (into L2): the hardware
+// prefetcher alone keeps too few lines in flight for one core.
+constexpr size_t kPrefetchAhead = 4096;
+
 class QuestState final : public MethodLayerState {
  public:
-  // Per page and KV head the d channel minima, then the d maxima: one
-  // stream in page order for Select.
-  HugePageVector<float> bounds;  // pages x Hkv x [min d | max d]
-  size_t bytes() const override {
-    return bounds.size() * sizeof(float);
-  }
+  // groups x Hkv x d x [min | max] x kGroupPages. Lanes past the last
+  // appended page are scored with the rest of their group but never
+  // selected.
+  HugePageVector<float> bounds;
+  size_t bytes() const override { return bounds.size() * sizeof(float); }
 };
+
+// The bounds of one group's pages (from page `first`) for NH query heads of
+// one KV head. `kv` is the KV head's [d][min | max][kGroupPages] block;
+// pick[k * d + c] is the offset in `kv` of the vectors head k's q_c picks,
+// q[k * d + c] that q_c. Each head's bounds go to top[k] (pages past its n
+// left out) or, where top is null, to out[k * stride + lane]. Lines from
+// `pf` on, while below `pf_end`, are prefetched: 8 a channel.
+template <int NH>
+void ScoreGroup(const float* kv, const int32_t* pick, const float* q, int d,
+                const char* pf, const char* pf_end, int first, RunningTopK* top,
+                float* out, size_t stride) {
+  static_assert(kGroupPages == 64, "four vectors a head");
+  static_assert(2 * kGroupPages * sizeof(float) == 8 * 64, "8 lines a channel");
+  __m512 acc[NH][4];
+  for (int k = 0; k < NH; ++k) {
+    for (int j = 0; j < 4; ++j) acc[k][j] = _mm512_setzero_ps();
+  }
+  for (int c = 0; c < d; ++c) {
+    if (pf < pf_end) {
+      for (int l = 0; l < 8; ++l) _mm_prefetch(pf + 64 * l, _MM_HINT_T1);
+    }
+    pf += 2 * kGroupPages * sizeof(float);
+    for (int k = 0; k < NH; ++k) {
+      const float* v = kv + pick[k * d + c];
+      const __m512 qv = _mm512_set1_ps(q[k * d + c]);
+      for (int j = 0; j < 4; ++j) {
+        acc[k][j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(v + 16 * j), acc[k][j]);
+      }
+    }
+  }
+  for (int k = 0; k < NH; ++k) {
+    for (int j = 0; j < 4; ++j) {
+      if (top != nullptr) {
+        if (first + 16 * j < top[k].n()) {
+          top[k].Offer16(acc[k][j], first + 16 * j);
+        }
+      } else {
+        _mm512_storeu_ps(out + k * stride + 16 * j, acc[k][j]);
+      }
+    }
+  }
+}
 
 class QuestAttention final : public SparseAttention {
  public:
@@ -61,27 +109,29 @@ class QuestAttention final : public SparseAttention {
                 MethodLayerState* state, KernelCost* cost) const override {
     auto* st = static_cast<QuestState*>(state);
     const int hkv = shapes_.kv_heads, d = shapes_.head_dim;
-    const size_t per_page = size_t(hkv) * 2 * d;
+    const size_t per_group = size_t(hkv) * d * 2 * kGroupPages;
     const int p0 = pos_start / page_, p1 = (pos_start + n - 1) / page_;
-    st->bounds.resize(size_t(p1 + 1) * per_page);
+    st->bounds.resize((size_t(p1) / kGroupPages + 1) * per_group);
     std::vector<float> k(d);
     for (int p = p0; p <= p1; ++p) {
-      float* page = &st->bounds[size_t(p) * per_page];
+      float* group = &st->bounds[size_t(p / kGroupPages) * per_group];
+      const int lane = p % kGroupPages;
       for (int g = 0; g < hkv; ++g) {
-        std::fill(page + size_t(g) * 2 * d, page + size_t(g) * 2 * d + d,
-                  std::numeric_limits<float>::infinity());
-        std::fill(page + size_t(g) * 2 * d + d, page + size_t(g + 1) * 2 * d,
-                  -std::numeric_limits<float>::infinity());
+        for (int c = 0; c < d; ++c) {
+          float* mn = group + (size_t(g) * d + c) * 2 * kGroupPages + lane;
+          mn[0] = std::numeric_limits<float>::infinity();
+          mn[kGroupPages] = -std::numeric_limits<float>::infinity();
+        }
       }
       const int end = std::min((p + 1) * page_, view.length);
       for (int t = p * page_; t < end; ++t) {
         for (int g = 0; g < hkv; ++g) {
           Bf16ToFloat(view.Kv(t) + GqaEntry::K(shapes_, g), d, k.data());
-          float* mn = page + size_t(g) * 2 * d;
-          float* mx = mn + d;
+          float* mn = group + size_t(g) * d * 2 * kGroupPages + lane;
           for (int c = 0; c < d; ++c) {
-            mn[c] = std::min(mn[c], k[c]);
-            mx[c] = std::max(mx[c], k[c]);
+            float* m = mn + size_t(c) * 2 * kGroupPages;
+            m[0] = std::min(m[0], k[c]);
+            m[kGroupPages] = std::max(m[kGroupPages], k[c]);
           }
         }
       }
@@ -100,135 +150,83 @@ class QuestAttention final : public SparseAttention {
     }
     const auto* st = static_cast<const QuestState*>(state);
     const int H = shapes_.heads, hkv = shapes_.kv_heads, d = shapes_.head_dim;
-    const int group = H / hkv;
-    const size_t per_page = size_t(hkv) * 2 * d;
+    const int heads_per_kv = H / hkv;
+    const size_t per_kv = size_t(d) * 2 * kGroupPages;
+    const size_t per_group = size_t(hkv) * per_kv;
+    const int groups = (cur + kGroupPages - 1) / kGroupPages;
+    const size_t stride = size_t(groups) * kGroupPages;
     heads->resize(H);
-    // One pass over the pages' min/max serves every query head: per page
-    // and KV head the group's bounds (QuestBound's arithmetic, 16 channels
-    // a vector) land in bound[h * cur + p].
-    const int chunks = (d + 15) / 16;
-    const __mmask16 tail =
-        (d % 16) == 0 ? __mmask16(0xFFFF) : __mmask16((1u << (d % 16)) - 1);
+    // Per query head and channel, q and the offset of the vector its sign
+    // picks; then one pass over the groups serves every query head. For
+    // the usual small budgets each head's top pages are kept as its bounds
+    // come (RunningTopK); otherwise the bounds of head h land in
+    // bound[h * stride + page] for SelectTopK.
+    const int k = budget_ - 1;
+    const bool running = k > 0 && k <= RunningTopK::kMaxK;
     thread_local std::vector<float> bound_buf, q_buf;
-    bound_buf.resize(size_t(H) * cur);
-    q_buf.assign(size_t(H) * chunks * 16, 0.0f);
+    thread_local std::vector<int32_t> pick_buf;
+    thread_local std::vector<RunningTopK> tops;
+    q_buf.resize(size_t(H) * d);
+    pick_buf.resize(size_t(H) * d);
     for (int h = 0; h < H; ++h) {
-      std::copy(q + size_t(h) * shapes_.q_dim, q + size_t(h) * shapes_.q_dim + d,
-                &q_buf[size_t(h) * chunks * 16]);
+      for (int c = 0; c < d; ++c) {
+        const float x = q[size_t(h) * shapes_.q_dim + c];
+        q_buf[size_t(h) * d + c] = x;
+        pick_buf[size_t(h) * d + c] =
+            int32_t((2 * c + (x >= 0 ? 1 : 0)) * kGroupPages);
+      }
     }
-    float* bound = bound_buf.data();
-    const float* qp = q_buf.data();
-    if (chunks == 4 && tail == __mmask16(0xFFFF) && group == 4) {
-      // max(q M, q m) is q M where q >= 0 (M >= m, and rounding keeps the
-      // order) and q m elsewhere: one blend by the sign of q instead of a
-      // second product and a max. Where the two are equal but for the sign
-      // of zero, the lane sum, which starts at +0 and is never -0, does not
-      // see the difference, so every bound keeps QuestBound's bits.
-      thread_local std::vector<__mmask16> pos_buf;
-      pos_buf.resize(size_t(H) * 4);
-      for (int h = 0; h < H; ++h) {
-        for (int j = 0; j < 4; ++j) {
-          pos_buf[size_t(h) * 4 + j] = _mm512_cmp_ps_mask(
-              _mm512_loadu_ps(qp + size_t(h) * 64 + 16 * j),
-              _mm512_setzero_ps(), _CMP_GE_OQ);
-        }
-      }
-      // Four pages at a time, one KV head after the other (the four pages'
-      // metadata, 4 KiB in one run, stays in L1 between them): 16 (head,
-      // page) sums reduced together; head k's bounds of pages p..p+3 form
-      // lane group k.
-      // The stream is also prefetched a few pages ahead: on its own the
-      // hardware prefetcher keeps too few lines in flight for one core.
-      const int p4 = cur / 4 * 4;
-      constexpr int kAheadPages = 16;
-      for (int p = 0; p < p4; p += 4) {
-        if (p + kAheadPages < cur) {
-          const int pf_end = std::min(cur, p + kAheadPages + 4);
-          const char* a = reinterpret_cast<const char*>(
-              &st->bounds[size_t(p + kAheadPages) * per_page]);
-          const size_t bytes =
-              size_t(pf_end - p - kAheadPages) * per_page * sizeof(float);
-          for (size_t off = 0; off < bytes; off += 64) {
-            _mm_prefetch(a + off, _MM_HINT_T0);
-          }
-        }
-        for (int g = 0; g < hkv; ++g) {
-          const float* qg = qp + size_t(g * group) * 64;
-          const __mmask16* mg = &pos_buf[size_t(g * group) * 4];
-          __m512 acc[16];
-          for (int pp = 0; pp < 4; ++pp) {
-            const size_t o = size_t(p + pp) * per_page + size_t(g) * 2 * d;
-            const float* mn = &st->bounds[o];
-            const float* mx = mn + d;
-            __m512 vmn[4], vmx[4];
-            for (int j = 0; j < 4; ++j) {
-              vmn[j] = _mm512_loadu_ps(mn + 16 * j);
-              vmx[j] = _mm512_loadu_ps(mx + 16 * j);
-            }
-            for (int k = 0; k < 4; ++k) {
-              __m512 a = _mm512_setzero_ps();
-              for (int j = 0; j < 4; ++j) {
-                const __m512 qv = _mm512_loadu_ps(qg + k * 64 + 16 * j);
-                const __m512 bound =
-                    _mm512_mask_blend_ps(mg[k * 4 + j], vmn[j], vmx[j]);
-                a = _mm512_add_ps(a, _mm512_mul_ps(qv, bound));
-              }
-              acc[ReduceSlot(4 * k + pp)] = a;
-            }
-          }
-          const __m512 r = ReduceAdd16(acc);
-          float* b0 = bound + size_t(g * group) * cur + p;
-          _mm_storeu_ps(b0, _mm512_castps512_ps128(r));
-          _mm_storeu_ps(b0 + cur, _mm512_extractf32x4_ps(r, 1));
-          _mm_storeu_ps(b0 + 2 * size_t(cur), _mm512_extractf32x4_ps(r, 2));
-          _mm_storeu_ps(b0 + 3 * size_t(cur), _mm512_extractf32x4_ps(r, 3));
-        }
-      }
-      for (int p = p4; p < cur; ++p) {
-        for (int g = 0; g < hkv; ++g) {
-          const float* qg = qp + size_t(g * group) * 64;
-          const size_t o = size_t(p) * per_page + size_t(g) * 2 * d;
-          const float* mn = &st->bounds[o];
-          const float* mx = mn + d;
-          for (int k = 0; k < group; ++k) {
-            __m512 acc = _mm512_setzero_ps();
-            for (int j = 0; j < 4; ++j) {
-              const __m512 qv = _mm512_loadu_ps(qg + k * 64 + 16 * j);
-              acc = _mm512_add_ps(
-                  acc,
-                  _mm512_max_ps(_mm512_mul_ps(qv, _mm512_loadu_ps(mn + 16 * j)),
-                                _mm512_mul_ps(qv, _mm512_loadu_ps(mx + 16 * j))));
-            }
-            bound[size_t(g * group + k) * cur + p] = _mm512_reduce_add_ps(acc);
-          }
-        }
-      }
+    if (running) {
+      tops.resize(H);
+      for (auto& t : tops) t.Reset(k, cur);
     } else {
-      for (int p = 0; p < cur; ++p) {
-        for (int g = 0; g < hkv; ++g) {
-          const size_t o = size_t(p) * per_page + size_t(g) * 2 * d;
-          const float* mn = &st->bounds[o];
-          const float* mx = mn + d;
-          for (int h = g * group; h < (g + 1) * group; ++h) {
-            const float* qh = qp + size_t(h) * chunks * 16;
-            __m512 acc = _mm512_setzero_ps();
-            for (int j = 0; j < chunks; ++j) {
-              const __mmask16 m = j + 1 == chunks ? tail : __mmask16(0xFFFF);
-              const __m512 qv = _mm512_loadu_ps(qh + 16 * j);
-              acc = _mm512_add_ps(
-                  acc,
-                  _mm512_max_ps(
-                      _mm512_mul_ps(qv, _mm512_maskz_loadu_ps(m, mn + 16 * j)),
-                      _mm512_mul_ps(qv, _mm512_maskz_loadu_ps(m, mx + 16 * j))));
-            }
-            bound[size_t(h) * cur + p] = _mm512_reduce_add_ps(acc);
+      bound_buf.resize(size_t(H) * stride);
+    }
+    const float* meta = st->bounds.data();
+    const char* pf_end =
+        reinterpret_cast<const char*>(meta + size_t(groups) * per_group);
+    for (int G = 0; G < groups; ++G) {
+      for (int g = 0; g < hkv; ++g) {
+        const float* kv = meta + size_t(G) * per_group + size_t(g) * per_kv;
+        const char* pf = reinterpret_cast<const char*>(kv) + kPrefetchAhead;
+        for (int h0 = g * heads_per_kv; h0 < (g + 1) * heads_per_kv; h0 += 4) {
+          const int nh = std::min(4, (g + 1) * heads_per_kv - h0);
+          const int32_t* pick = &pick_buf[size_t(h0) * d];
+          const float* qh = &q_buf[size_t(h0) * d];
+          const int first = G * kGroupPages;
+          RunningTopK* top = running ? &tops[h0] : nullptr;
+          float* out =
+              running ? nullptr : &bound_buf[size_t(h0) * stride + first];
+          // The KV head's lines are prefetched once, with its first heads.
+          const char* pf_stop = h0 == g * heads_per_kv ? pf_end : pf;
+          switch (nh) {
+            case 4:
+              ScoreGroup<4>(kv, pick, qh, d, pf, pf_stop, first, top, out,
+                            stride);
+              break;
+            case 3:
+              ScoreGroup<3>(kv, pick, qh, d, pf, pf_stop, first, top, out,
+                            stride);
+              break;
+            case 2:
+              ScoreGroup<2>(kv, pick, qh, d, pf, pf_stop, first, top, out,
+                            stride);
+              break;
+            default:
+              ScoreGroup<1>(kv, pick, qh, d, pf, pf_stop, first, top, out,
+                            stride);
+              break;
           }
         }
       }
     }
     std::vector<int32_t> top;
     for (int h = 0; h < H; ++h) {
-      SelectTopK(bound + size_t(h) * cur, cur, budget_ - 1, &top);
+      if (running) {
+        tops[h].Take(&top);
+      } else {
+        SelectTopK(&bound_buf[size_t(h) * stride], cur, k, &top);
+      }
       top.push_back(cur);  // the page holding the token, always taken
       HeadSelection& sel = (*heads)[h];
       sel.positions.clear();
@@ -238,8 +236,8 @@ class QuestAttention final : public SparseAttention {
         for (int t = p * page_; t < end; ++t) sel.positions.push_back(t);
       }
     }
-    cost->bytes += double(cur) * per_page * sizeof(float);
-    cost->flops += double(cur) * H * d * 3;
+    cost->bytes += double(cur) * hkv * 2 * d * sizeof(float);
+    cost->flops += double(cur) * H * d * 2;
   }
 
  private:

@@ -1,9 +1,14 @@
-// AVX-512 reductions shared by the sparse-attention kernels. Each is a fixed
-// sequence of operations, so a kernel that uses it stays a pure function of
-// its inputs (DESIGN.md §6).
+// AVX-512 reductions shared by the sparse-attention kernels (lane sums, a
+// running top-k). Each is a fixed sequence of operations, so a kernel that
+// uses it stays a pure function of its inputs (DESIGN.md §6).
 #pragma once
 
 #include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+#include <vector>
 
 namespace karat {
 
@@ -32,5 +37,92 @@ inline __m512 ReduceAdd16(const __m512* v) {
 
 // The slot of ReduceAdd16's input whose sum lands in lane L.
 constexpr int ReduceSlot(int L) { return 4 * (L % 4) + L / 4; }
+
+// SelectTopK (attention.h) for small k (0 < k <= 64, k < n), run while
+// the scores are produced in position order, so that they need not be
+// stored: a binary heap of the k best so far whose root is the worst kept
+// (lowest score; of equal scores, the higher position). Positions 0..k-1
+// fill it; a later one enters only with a score strictly above the
+// root's. It makes SelectTopK's comparisons in SelectTopK's order (a
+// vector compare against the root for each aligned run of 16 positions
+// from the first multiple of 16 at or after k, where SelectTopK makes
+// one), so it keeps SelectTopK's positions, NaN included.
+// Thread-compatible; a kernel keeps one per head (or group) and calls
+// Reset before each selection.
+class RunningTopK {
+ public:
+  static constexpr int kMaxK = 64;
+
+  void Reset(int k, int n) {
+    k_ = k;
+    n_ = n;
+    vector_from_ = (k + 15) / 16 * 16;
+  }
+  // The scores of positions first .. first + 15, offered in increasing
+  // order of first (a multiple of 16, < n); lanes at or past n are ignored.
+  void Offer16(__m512 v, int first) {
+    alignas(64) float x[16];
+    if (first >= vector_from_ && first + 16 <= n_) {
+      __mmask16 m = _mm512_cmp_ps_mask(v, _mm512_set1_ps(hv_[0]), _CMP_GT_OQ);
+      if (m == 0) return;
+      _mm512_store_ps(x, v);
+      while (m != 0) {
+        const int i = __builtin_ctz(m);
+        Offer(x[i], first + i);
+        m &= m - 1;
+      }
+      return;
+    }
+    _mm512_store_ps(x, v);
+    const int count = std::min(16, n_ - first);
+    for (int i = 0; i < count; ++i) {
+      const int s = first + i;
+      if (s >= k_) {
+        Offer(x[i], s);
+        continue;
+      }
+      hv_[s] = x[i];
+      hp_[s] = s;
+      if (s == k_ - 1) {
+        for (int j = k_ / 2 - 1; j >= 0; --j) SiftDown(j);
+      }
+    }
+  }
+  int n() const { return n_; }
+  // The kept positions in increasing order (once all n were offered).
+  void Take(std::vector<int32_t>* out) const {
+    out->assign(hp_, hp_ + k_);
+    std::sort(out->begin(), out->end());
+  }
+
+ private:
+  // Entry a is worse than entry b.
+  bool Worse(int a, int b) const {
+    return hv_[a] < hv_[b] || (!(hv_[b] < hv_[a]) && hp_[a] > hp_[b]);
+  }
+  void SiftDown(int i) {
+    for (;;) {
+      const int l = 2 * i + 1, r = l + 1;
+      int w = i;
+      if (l < k_ && Worse(l, w)) w = l;
+      if (r < k_ && Worse(r, w)) w = r;
+      if (w == i) return;
+      std::swap(hv_[i], hv_[w]);
+      std::swap(hp_[i], hp_[w]);
+      i = w;
+    }
+  }
+  void Offer(float x, int s) {
+    if (x > hv_[0]) {
+      hv_[0] = x;
+      hp_[0] = s;
+      SiftDown(0);
+    }
+  }
+
+  int k_ = 0, n_ = 0, vector_from_ = 0;
+  float hv_[kMaxK];
+  int32_t hp_[kMaxK];
+};
 
 }  // namespace karat

@@ -14,6 +14,7 @@
 #include "common/model_runner.h"
 #include "common/numeric.h"
 #include "common/reference_engine.h"
+#include "common/simd_reduce.h"
 #include "common/tokenizer.h"
 #include "common/weights.h"
 
@@ -217,42 +218,134 @@ TEST_CASE("quest: page selection equals brute force", "[attention]") {
   // heads per KV head) the blocked one, with a page count that is not a
   // multiple of its 4-page step.
   for (const char* preset : {"llama-small-quest", "llama-tiny-quest"}) {
-  ModelConfig c = *PresetConfig(preset);
-  const bool tiny = std::string(preset) == "llama-tiny-quest";
-  const int n = tiny ? 300 : 90, P = c.attention.page_size,
-            B = c.attention.page_budget;
-  RandomLayer r(c, n);
-  const int d = c.head_dim,
-            group = c.num_attention_heads / c.num_key_value_heads;
-  for (int pos : tiny ? std::vector<int>{n - 1, 250, 213, 150}
-                      : std::vector<int>{n - 1, 40, 17}) {
-    std::vector<float> q = r.Gauss(size_t(c.num_attention_heads) * d);
-    auto heads = r.Select(pos, q);
-    const int cur = pos / P;
-    for (int h = 0; h < c.num_attention_heads; ++h) {
-      std::vector<float> u(cur);
-      for (int p = 0; p < cur; ++p) {
-        std::vector<float> mn(d, INFINITY), mx(d, -INFINITY);
-        for (int t = p * P; t < (p + 1) * P; ++t) {
-          auto k = r.Key(t, h / group);
-          for (int i = 0; i < d; ++i) {
-            mn[i] = std::min(mn[i], k[i]);
-            mx[i] = std::max(mx[i], k[i]);
+    ModelConfig c = *PresetConfig(preset);
+    const bool tiny = std::string(preset) == "llama-tiny-quest";
+    const int n = tiny ? 300 : 90, P = c.attention.page_size,
+              B = c.attention.page_budget;
+    RandomLayer r(c, n);
+    const int d = c.head_dim,
+              group = c.num_attention_heads / c.num_key_value_heads;
+    for (int pos : tiny ? std::vector<int>{n - 1, 250, 213, 150}
+                        : std::vector<int>{n - 1, 40, 17}) {
+      std::vector<float> q = r.Gauss(size_t(c.num_attention_heads) * d);
+      auto heads = r.Select(pos, q);
+      const int cur = pos / P;
+      for (int h = 0; h < c.num_attention_heads; ++h) {
+        std::vector<float> u(cur);
+        for (int p = 0; p < cur; ++p) {
+          std::vector<float> mn(d, INFINITY), mx(d, -INFINITY);
+          for (int t = p * P; t < (p + 1) * P; ++t) {
+            auto k = r.Key(t, h / group);
+            for (int i = 0; i < d; ++i) {
+              mn[i] = std::min(mn[i], k[i]);
+              mx[i] = std::max(mx[i], k[i]);
+            }
+          }
+          u[p] = QuestBound(&q[size_t(h) * d], mn.data(), mx.data(), d);
+        }
+        std::set<int> pages = BruteTop(u, B - 1);
+        pages.insert(cur);
+        std::vector<int32_t> want;
+        for (int p : pages) {
+          for (int t = p * P; t <= std::min(pos, (p + 1) * P - 1); ++t) {
+            want.push_back(t);
           }
         }
-        u[p] = QuestBound(&q[size_t(h) * d], mn.data(), mx.data(), d);
+        CHECK(heads[h].positions == want);
       }
-      std::set<int> pages = BruteTop(u, B - 1);
-      pages.insert(cur);
-      std::vector<int32_t> want;
-      for (int p : pages) {
-        for (int t = p * P; t <= std::min(pos, (p + 1) * P - 1); ++t) {
-          want.push_back(t);
-        }
-      }
-      CHECK(heads[h].positions == want);
     }
   }
+}
+
+TEST_CASE("quest: selection equals brute force across page groups",
+          "[attention]") {
+  // The metadata is kept 64 pages a group: contexts of several groups,
+  // appends that cross a group's end, query heads per KV head that take
+  // every head-count variant of the kernel (1..4 at a time), and budgets
+  // on either side of the running top-k's limit (64 pages besides the
+  // current one).
+  struct Variant {
+    const char* preset;
+    int heads, kv_heads, budget;
+  };
+  for (const Variant& v : {Variant{"llama-tiny-quest", 8, 2, 8},
+                           Variant{"llama-small-quest", 4, 2, 70},
+                           Variant{"llama-small-quest", 5, 1, 3},
+                           Variant{"llama-small-quest", 3, 1, 66},
+                           Variant{"llama-small-quest", 6, 1, 65}}) {
+    ModelConfig c = *PresetConfig(v.preset);
+    c.num_attention_heads = v.heads;
+    c.num_key_value_heads = v.kv_heads;
+    c.attention.page_budget = v.budget;
+    const int P = c.attention.page_size, n0 = 130 * P + 5, more = 2 * P;
+    RandomLayer r(c, n0);
+    // Then a chunk and single tokens, through page 131 (group 2).
+    for (int l = 0; l <= RandomLayer::kLayer; ++l) r.Append(l, n0, more, false);
+    for (int t = n0 + more; t < n0 + more + 3; ++t) {
+      for (int l = 0; l <= RandomLayer::kLayer; ++l) r.Append(l, t, 1, false);
+    }
+    const int n = n0 + more + 3, d = c.head_dim, H = v.heads,
+              group = v.heads / v.kv_heads;
+    for (int pos : {n - 1, n0 + 1, 64 * P, 64 * P - 1, 80 * P + 3}) {
+      CAPTURE(v.preset, v.heads, v.kv_heads, v.budget, pos);
+      std::vector<float> q = r.Gauss(size_t(H) * d);
+      auto heads = r.Select(pos, q);
+      REQUIRE(int(heads.size()) == H);
+      const int cur = pos / P;
+      for (int h = 0; h < H; ++h) {
+        std::vector<float> u(cur);
+        for (int p = 0; p < cur; ++p) {
+          std::vector<float> mn(d, INFINITY), mx(d, -INFINITY);
+          for (int t = p * P; t < (p + 1) * P; ++t) {
+            auto k = r.Key(t, h / group);
+            for (int i = 0; i < d; ++i) {
+              mn[i] = std::min(mn[i], k[i]);
+              mx[i] = std::max(mx[i], k[i]);
+            }
+          }
+          u[p] = QuestBound(&q[size_t(h) * d], mn.data(), mx.data(), d);
+        }
+        std::set<int> pages = BruteTop(u, v.budget - 1);
+        pages.insert(cur);
+        std::vector<int32_t> want;
+        for (int p : pages) {
+          for (int t = p * P; t <= std::min(pos, (p + 1) * P - 1); ++t) {
+            want.push_back(t);
+          }
+        }
+        CHECK(heads[h].positions == want);
+      }
+    }
+  }
+}
+
+TEST_CASE("RunningTopK keeps SelectTopK's positions", "[attention]") {
+  // Scores from a handful of values (many ties, -0.0 and +0.0), some runs
+  // with NaNs; every k up to the limit against lengths around multiples
+  // of 16.
+  std::mt19937 rng(11);
+  const float kValues[] = {-1.5f, -0.0f, 0.0f, 0.25f, 1.0f, 2.0f, 3.5f};
+  for (int trial = 0; trial < 200; ++trial) {
+    const int n = 2 + int(rng() % 300);
+    std::vector<float> s(size_t(n + 15) / 16 * 16, 0.0f);
+    for (int i = 0; i < n; ++i) {
+      s[i] = trial % 3 == 0 ? std::normal_distribution<float>()(rng)
+                            : kValues[rng() % 7];
+    }
+    if (trial % 5 == 4) s[rng() % n] = NAN;
+    for (int k : {1, 2, 7, 15, 16, 17, 33, 64}) {
+      if (k >= n) continue;
+      CAPTURE(trial, n, k);
+      std::vector<int32_t> want, got;
+      SelectTopK(s.data(), n, k, &want);
+      RunningTopK top;
+      top.Reset(k, n);
+      for (int first = 0; first < n; first += 16) {
+        top.Offer16(_mm512_loadu_ps(&s[first]), first);
+      }
+      top.Take(&got);
+      CHECK(got == want);
+    }
   }
 }
 
@@ -260,51 +353,102 @@ TEST_CASE("gqa_block: current block always taken; top-k equals brute force",
           "[attention]") {
   // minimax-tiny (Di 32, 2 KV heads) takes the 8-blocks-at-a-time kernel.
   for (const char* preset : {"minimax-small", "minimax-tiny"}) {
-  ModelConfig c = *PresetConfig(preset);
-  const bool tiny = std::string(preset) == "minimax-tiny";
-  const int n = tiny ? 400 : 100, bs = c.attention.block_size,
-            K = c.attention.topk_blocks;
-  RandomLayer r(c, n);
-  const AttnShapes& s = r.shapes;
-  const int H = s.heads, d = s.head_dim, di = s.block_index_dim;
-  const int group = H / s.kv_heads;
-  for (int pos : tiny ? std::vector<int>{n - 1, 300, 217, 150}
-                      : std::vector<int>{n - 1, 60, 43, 20}) {
-    std::vector<float> q = r.Gauss(size_t(H) * s.q_dim);
-    auto heads = r.Select(pos, q);
-    const int cur = pos / bs;
-    for (int h = 0; h < H; ++h) {
-      // The current block, always.
-      for (int t = cur * bs; t <= pos; ++t) {
-        CHECK(std::count(heads[h].positions.begin(), heads[h].positions.end(),
-                         t) == 1);
-      }
-      const int g = h / group;
-      std::vector<float> score(cur);
-      for (int b = 0; b < cur; ++b) {
-        std::vector<float> mean(di, 0.0f), k(di);
-        for (int t = b * bs; t < (b + 1) * bs; ++t) {
-          Bf16ToFloat(r.View().Kv(t) + GqaEntry::IndexKey(s, g), di, k.data());
-          for (int i = 0; i < di; ++i) mean[i] += k[i];
+    ModelConfig c = *PresetConfig(preset);
+    const bool tiny = std::string(preset) == "minimax-tiny";
+    const int n = tiny ? 400 : 100, bs = c.attention.block_size,
+              K = c.attention.topk_blocks;
+    RandomLayer r(c, n);
+    const AttnShapes& s = r.shapes;
+    const int H = s.heads, d = s.head_dim, di = s.block_index_dim;
+    const int group = H / s.kv_heads;
+    for (int pos : tiny ? std::vector<int>{n - 1, 300, 217, 150}
+                        : std::vector<int>{n - 1, 60, 43, 20}) {
+      std::vector<float> q = r.Gauss(size_t(H) * s.q_dim);
+      auto heads = r.Select(pos, q);
+      const int cur = pos / bs;
+      for (int h = 0; h < H; ++h) {
+        // The current block, always.
+        for (int t = cur * bs; t <= pos; ++t) {
+          CHECK(std::count(heads[h].positions.begin(), heads[h].positions.end(),
+                           t) == 1);
         }
-        for (float& m : mean) m /= float(bs);
-        float acc = 0.0f;
-        for (int hh = g * group; hh < (g + 1) * group; ++hh) {
-          acc += Dot(&q[size_t(hh) * s.q_dim + d], mean.data(), di);
+        const int g = h / group;
+        std::vector<float> score(cur);
+        for (int b = 0; b < cur; ++b) {
+          std::vector<float> mean(di, 0.0f), k(di);
+          for (int t = b * bs; t < (b + 1) * bs; ++t) {
+            Bf16ToFloat(r.View().Kv(t) + GqaEntry::IndexKey(s, g), di,
+                        k.data());
+            for (int i = 0; i < di; ++i) mean[i] += k[i];
+          }
+          for (float& m : mean) m /= float(bs);
+          float acc = 0.0f;
+          for (int hh = g * group; hh < (g + 1) * group; ++hh) {
+            acc += Dot(&q[size_t(hh) * s.q_dim + d], mean.data(), di);
+          }
+          score[b] = acc;
         }
-        score[b] = acc;
-      }
-      std::set<int> blocks = BruteTop(score, K);
-      blocks.insert(cur);
-      std::vector<int32_t> want;
-      for (int b : blocks) {
-        for (int t = b * bs; t <= std::min(pos, (b + 1) * bs - 1); ++t) {
-          want.push_back(t);
+        std::set<int> blocks = BruteTop(score, K);
+        blocks.insert(cur);
+        std::vector<int32_t> want;
+        for (int b : blocks) {
+          for (int t = b * bs; t <= std::min(pos, (b + 1) * bs - 1); ++t) {
+            want.push_back(t);
+          }
         }
+        CHECK(heads[h].positions == want);
       }
-      CHECK(heads[h].positions == want);
     }
   }
+}
+
+TEST_CASE("gqa_block: top-k equals brute force over long contexts",
+          "[attention]") {
+  // minimax-tiny's 16-blocks-a-step kernel: block counts that are and are
+  // not multiples of 16, and top-k on either side of the running top-k's
+  // limit (64).
+  for (int topk : {8, 64, 70}) {
+    ModelConfig c = *PresetConfig("minimax-tiny");
+    c.attention.topk_blocks = topk;
+    const int bs = c.attention.block_size, n = 100 * bs + 7;
+    RandomLayer r(c, n);
+    const AttnShapes& s = r.shapes;
+    const int H = s.heads, d = s.head_dim, di = s.block_index_dim;
+    const int group = H / s.kv_heads;
+    for (int pos : {n - 1, 96 * bs, 90 * bs + 5, 71 * bs}) {
+      CAPTURE(topk, pos);
+      std::vector<float> q = r.Gauss(size_t(H) * s.q_dim);
+      auto heads = r.Select(pos, q);
+      const int cur = pos / bs;
+      for (int g = 0; g < s.kv_heads; ++g) {
+        std::vector<float> score(cur);
+        for (int b = 0; b < cur; ++b) {
+          std::vector<float> mean(di, 0.0f), k(di);
+          for (int t = b * bs; t < (b + 1) * bs; ++t) {
+            Bf16ToFloat(r.View().Kv(t) + GqaEntry::IndexKey(s, g), di,
+                        k.data());
+            for (int i = 0; i < di; ++i) mean[i] += k[i];
+          }
+          for (float& m : mean) m /= float(bs);
+          float acc = 0.0f;
+          for (int hh = g * group; hh < (g + 1) * group; ++hh) {
+            acc += Dot(&q[size_t(hh) * s.q_dim + d], mean.data(), di);
+          }
+          score[b] = acc;
+        }
+        std::set<int> blocks = BruteTop(score, topk);
+        blocks.insert(cur);
+        std::vector<int32_t> want;
+        for (int b : blocks) {
+          for (int t = b * bs; t <= std::min(pos, (b + 1) * bs - 1); ++t) {
+            want.push_back(t);
+          }
+        }
+        for (int h = g * group; h < (g + 1) * group; ++h) {
+          CHECK(heads[h].positions == want);
+        }
+      }
+    }
   }
 }
 
