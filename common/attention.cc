@@ -17,8 +17,9 @@
 #include "common/status_macros.h"
 
 // GCC 12 reports its own AVX-512 intrinsic headers (_mm512_undefined_*)
-// as maybe-uninitialized.
+// as (maybe-)uninitialized.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 
 namespace karat {
 namespace {
@@ -75,10 +76,18 @@ AttnShapes MakeAttnShapes(const ModelConfig& c) {
 //   sum_h w[h] Di^-0.5 ReLU(q_scale q . k_scale k) up to rounding.
 //
 // That is the vector path. Where the kernel grants the matrix tile unit
-// (AMX), the dots come from TDPBF16PS instead (see TileDots), whose own
-// internal accumulation replaces the chain above; the rest is the same.
-// On this hardware the tile unit is an order of magnitude faster than
-// vdpbf16ps, which itself issues at well under the FMA rate.
+// (AMX), the dots come from TDPBF16PS instead, whose own internal
+// accumulation replaces the chain above. On this hardware the tile unit is
+// an order of magnitude faster than vdpbf16ps, which itself issues at well
+// under the FMA rate. The tile unit runs one of two paths, chosen by the
+// shape alone (KeyRowShape), never by block, split or batch:
+//   * up to 8 heads and Di a multiple of 32 (at most 64), the key-row path
+//     (ScoreKeyRows): the dots come from TDPBF16PS over 32-dim chunks in
+//     increasing order, each chunk's dims in RowDim order, and then, per
+//     key, t[h] = c[h] * max(dot[h], 0) (+0 for absent heads) and
+//       acc = ((t0 + t1) + (t2 + t3)) + ((t4 + t5) + (t6 + t7)),
+//     score = acc * k_scale[s];
+//   * otherwise TileDots, then the head terms in increasing order as above.
 //
 // Layout: keys are scored 32 at a time (one lane, or tile column, per key).
 // A block's codes end up as bf16 with code pair p of the 32 keys in one
@@ -90,7 +99,9 @@ AttnShapes MakeAttnShapes(const ModelConfig& c) {
 // are widened to bf16 rows in an L1 scratch and transposed there. The
 // vector path keeps 2 x kHeadBlock accumulators in registers over all
 // pairs. Every key block is decoded once for all queries of a segment
-// (prefill).
+// (prefill). The key-row path instead keeps keys in their natural layout
+// (one 64-byte tile row per 32-dim chunk) and needs no transpose; see its
+// section below.
 
 namespace {
 
@@ -102,8 +113,7 @@ struct Aligned64Allocator {
   template <typename U>
   Aligned64Allocator(const Aligned64Allocator<U>&) {}
   T* allocate(size_t n) {
-    return static_cast<T*>(
-        ::operator new(n * sizeof(T), std::align_val_t(64)));
+    return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64)));
   }
   void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
   bool operator==(const Aligned64Allocator&) const { return true; }
@@ -197,13 +207,34 @@ inline void Transpose16(__m512i r[16]) {
   for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
+// The key-row tile path (see ScoreKeyRows) serves up to this many heads
+// and dimensions that are whole 32-dim chunks, at most kRowMaxChunks.
+constexpr int kRowHeads = 8;
+constexpr int kRowMaxChunks = 2;
+bool KeyRowShape(int heads, int dim) {
+  return heads <= kRowHeads && dim % 32 == 0 && dim <= 32 * kRowMaxChunks;
+}
+
+// Position i of a 32-dim chunk of a key row holds dim 2 i (i < 16) or
+// 2 (i - 16) + 1: the order in which the row path's widening leaves the
+// codes (even codes, then odd ones).
+inline int RowDim(int i) { return i < 16 ? 2 * i : 2 * (i - 16) + 1; }
+
 // A query prepared for the scan: bf16 code pairs per head (padded dim) and
-// the per-head coefficients c[h].
+// the per-head coefficients c[h]; for the key-row path also its codes
+// times 256 in the tile unit's pair-interleaved B layout, and c[h] twice
+// over 16 lanes.
 struct IndexQuery {
   int heads = 0;
-  int pairs = 0;                // padded dim / 2
-  std::vector<uint32_t> q;      // heads (padded to 16) x pairs
-  std::vector<float> coef;      // heads
+  int pairs = 0;            // padded dim / 2
+  std::vector<uint32_t> q;  // heads (padded to 16) x pairs
+  std::vector<float> coef;  // heads
+  // Key-row path only: per 32-dim chunk two B tiles of 16 pair rows x 16
+  // columns x 2 bf16, the heads in columns 0-7 of the first ([Q | 0]) and
+  // 8-15 of the second ([0 | Q]), zero elsewhere and for absent heads; and
+  // coef16[l] = c[l % 8] (0 past the heads).
+  AlignedVector<uint16_t> qb;
+  alignas(64) float coef16[16] = {};
 };
 
 void PrepareIndexQuery(const uint8_t* q_codes, const float* q_scales,
@@ -219,13 +250,44 @@ void PrepareIndexQuery(const uint8_t* q_codes, const float* q_scales,
   const float dim_scale = 1.0f / std::sqrt(float(dim));
   alignas(64) uint16_t row[64];
   for (int h = 0; h < heads; ++h) {
-    uint16_t* dst = reinterpret_cast<uint16_t*>(&out->q[size_t(h) * out->pairs]);
+    uint16_t* dst =
+        reinterpret_cast<uint16_t*>(&out->q[size_t(h) * out->pairs]);
     for (int d0 = 0; d0 < dp; d0 += 64) {
-      DecodeCodes64(q_codes + size_t(h) * dim + d0, std::max(0, std::min(64, dim - d0)),
-                    row);
+      DecodeCodes64(q_codes + size_t(h) * dim + d0,
+                    std::max(0, std::min(64, dim - d0)), row);
       std::memcpy(dst + d0, row, size_t(std::min(64, dp - d0)) * 2);
     }
     out->coef[h] = (weights[h] * dim_scale) * q_scales[h];
+  }
+  out->qb.clear();
+  if (KeyRowShape(heads, dim)) {
+    const int chunks = dim / 32;
+    // bf16 of every code's value times 256 (exact: a power-of-two
+    // multiple of an fp8 value).
+    static const struct Times256 {
+      uint16_t v[256];
+      Times256() {
+        for (int c = 0; c < 256; ++c) {
+          v[c] = FloatToBf16(Fp8E4M3ToFloat(uint8_t(c)) * 256.0f);
+        }
+      }
+    } times256;
+    out->qb.assign(size_t(chunks) * 2 * 16 * 32, 0);
+    for (int k = 0; k < chunks; ++k) {
+      for (int half = 0; half < 2; ++half) {
+        uint16_t* tile = &out->qb[size_t(2 * k + half) * 16 * 32];
+        for (int h = 0; h < heads; ++h) {
+          const uint8_t* codes = q_codes + size_t(h) * dim + 32 * k;
+          for (int i = 0; i < 32; ++i) {
+            tile[(i / 2) * 32 + (8 * half + h) * 2 + i % 2] =
+                times256.v[codes[RowDim(i)]];
+          }
+        }
+      }
+    }
+    for (int l = 0; l < 16; ++l) {
+      out->coef16[l] = l % 8 < heads ? out->coef[l % 8] : 0.0f;
+    }
   }
 }
 
@@ -262,8 +324,8 @@ inline void DecodeTransposed32(const uint8_t* const* key, int dim,
   // Slot 8 L + r of a transposed register: key 4 L + r (r < 4), else
   // 16 + 4 L + r - 4.
   static constexpr uint8_t kLaneKey[32] = {
-      0,  1,  2,  3,  16, 17, 18, 19, 4,  5,  6,  7,  20, 21, 22, 23,
-      8,  9,  10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+      0, 1, 2,  3,  16, 17, 18, 19, 4,  5,  6,  7,  20, 21, 22, 23,
+      8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
   const Fp8Bf16Bytes& t = Fp8Bytes();
   const __m512i tlo0 = _mm512_load_si512(t.lo);
   const __m512i tlo1 = _mm512_load_si512(t.lo + 64);
@@ -327,8 +389,7 @@ inline void DecodeTransposed32(const uint8_t* const* key, int dim,
         // bit moves do not cover (0-7 and 127).
         const __m512i u = _mm512_add_epi8(_mm512_and_si512(cd, low7), bias);
         __m512i lo, hi;
-        if (__builtin_expect(_mm512_cmplt_epu8_mask(u, first_normal) == 0,
-                             1)) {
+        if (__builtin_expect(_mm512_cmplt_epu8_mask(u, first_normal) == 0, 1)) {
           lo = _mm512_gf2p8affine_epi64_epi8(cd, affine_lo, 0);
           hi = _mm512_add_epi8(_mm512_gf2p8affine_epi64_epi8(cd, affine_hi, 0),
                                exp_bias);
@@ -374,10 +435,10 @@ void LoadKeyBlock(const LayerView& view, int s0, int b, int end, int dim,
     for (int i = 0; i < kKeyBlock;) {
       const int s = s0 + i;
       const int run = std::min(kKeyBlock - i, tpp - s % tpp);
-      const float* src = reinterpret_cast<const float*>(
-                             view.PageData(s / tpp) +
-                             view.layout->iscale_offset) +
-                         s % tpp;
+      const float* src =
+          reinterpret_cast<const float*>(view.PageData(s / tpp) +
+                                         view.layout->iscale_offset) +
+          s % tpp;
       std::memcpy(&kb->scale[i], src, size_t(run) * 4);
       i += run;
     }
@@ -417,10 +478,10 @@ void LoadKeyBlock(const LayerView& view, int s0, int b, int end, int dim,
   for (int i = 0; i < b;) {
     const int s = s0 + i;
     const int run = std::min(b - i, tpp - s % tpp);
-    const float* src = reinterpret_cast<const float*>(
-                           view.PageData(s / tpp) +
-                           view.layout->iscale_offset) +
-                       s % tpp;
+    const float* src =
+        reinterpret_cast<const float*>(view.PageData(s / tpp) +
+                                       view.layout->iscale_offset) +
+        s % tpp;
     std::memcpy(&kb->scale[i], src, size_t(run) * 4);
     i += run;
   }
@@ -549,6 +610,504 @@ void TileStoreDots(const IndexQuery& iq, float* dots) {
     _tile_stored(3, dots + 16 * kKeyBlock + 16, kKeyBlock * 4);
   }
 }
+
+// --- The key-row tile path (<= 8 heads, whole 32-dim chunks) ---------------
+//
+// For few heads the keys themselves are the A operand: a 32-dim chunk of
+// a key, widened to 32 bf16, is one 64-byte A row, so a block needs no
+// transpose (see PairDots for the tiles). C then holds keys x heads, and
+// the head terms of each key are summed across lanes (HeadSums16).
+//
+// Widening without shuffles: a 16-bit word w of codes holds an even code
+// in its low byte and the next (odd) code in its high byte. For a normal
+// code in the high byte (exponent field e in 1-15, not NaN),
+//   (sra(w, 4) & 0x87F0) | 0x3800 = sign | (112 + e) << 7 | m << 4,
+// the bf16 of the code's value / 256; the even codes go the same way from
+// the words one byte earlier. So a chunk's row holds the even dims, then
+// the odd ones (RowDim), and the query's B rows follow that order with its
+// values times 256: each product is the same exact value. A group of 64
+// codes with one the bit moves do not cover (zero, subnormal, NaN) is
+// widened through a table of the same bf16 values instead.
+//
+// For the tiny shape (8 heads x 32) that is about 4 vector operations per
+// key to widen and 3 to reduce, against some 10 shuffles per key for the
+// transposing path; at long contexts the scan is then bound by the misses
+// in flight of the key runs (PrefetchKeys).
+
+// The bf16 bytes of every code's value / 256 (as Fp8Bf16Bytes, for
+// vpermi2b), and the word order of a row (RowDim).
+struct Fp8RowBytes {
+  alignas(64) uint8_t lo[128];
+  alignas(64) uint8_t hi[128];
+  alignas(64) uint16_t row[32];
+  Fp8RowBytes() {
+    for (int c = 0; c < 128; ++c) {
+      const uint16_t b =
+          FloatToBf16(Fp8E4M3ToFloat(uint8_t(c)) * (1.0f / 256.0f));
+      lo[c] = uint8_t(b & 0xFF);
+      hi[c] = uint8_t(b >> 8);
+    }
+    for (int i = 0; i < 32; ++i) row[i] = uint16_t(RowDim(i));
+  }
+};
+const Fp8RowBytes& Fp8RowTables() {
+  static const Fp8RowBytes t;
+  return t;
+}
+
+// Widens 64 codes (two 32-dim chunks) into two 64-byte rows at out[0..31]
+// and out[32..63] (only the first when `two` is false): `w` holds the
+// codes, `v` the words one byte earlier (loaded from one byte before, or
+// w << 8), whose high bytes are the even codes.
+inline void WidenChunks(__m512i w, __m512i v, uint16_t* out, bool two) {
+  const __m512i keep = _mm512_set1_epi16(short(0x87F0));
+  const __m512i exp = _mm512_set1_epi16(0x3800);
+  // (a & b) | c
+  const __m512i odd =
+      _mm512_ternarylogic_epi32(_mm512_srai_epi16(w, 4), keep, exp, 0xEA);
+  const __m512i even =
+      _mm512_ternarylogic_epi32(_mm512_srai_epi16(v, 4), keep, exp, 0xEA);
+  auto* o = reinterpret_cast<__m256i*>(out);
+  _mm256_store_si256(o, _mm512_castsi512_si256(even));
+  _mm256_store_si256(o + 1, _mm512_castsi512_si256(odd));
+  if (two) {
+    _mm256_store_si256(o + 2, _mm512_extracti64x4_epi64(even, 1));
+    _mm256_store_si256(o + 3, _mm512_extracti64x4_epi64(odd, 1));
+  }
+}
+
+// The same rows through the byte tables, for any codes (`count`: 64, or 32
+// for one chunk). Returns whether any of them is NaN.
+__attribute__((always_inline)) inline bool WidenChunksByTable(
+    const uint8_t* codes, int count, uint16_t* out) {
+  const Fp8RowBytes& t = Fp8RowTables();
+  const __m512i order = _mm512_load_si512(Fp8Bytes().order);
+  const __m512i row = _mm512_load_si512(t.row);
+  const __mmask64 m = count >= 64 ? ~__mmask64(0) : __mmask64(0xFFFFFFFFull);
+  __m512i c = _mm512_maskz_loadu_epi8(m, codes);
+  const __m512i low7 = _mm512_set1_epi8(0x7F);
+  const bool nan =
+      _mm512_mask_cmpeq_epi8_mask(m, _mm512_and_si512(c, low7), low7) != 0;
+  c = _mm512_permutexvar_epi8(order, c);
+  const __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512(t.lo), c,
+                                              _mm512_load_si512(t.lo + 64));
+  __m512i hi = _mm512_permutex2var_epi8(_mm512_load_si512(t.hi), c,
+                                        _mm512_load_si512(t.hi + 64));
+  hi = _mm512_ternarylogic_epi32(hi, c, _mm512_set1_epi8(char(0x80)), 0xF8);
+  _mm512_store_si512(
+      out, _mm512_permutexvar_epi16(row, _mm512_unpacklo_epi8(lo, hi)));
+  if (count >= 64) {
+    _mm512_store_si512(
+        out + 32, _mm512_permutexvar_epi16(row, _mm512_unpackhi_epi8(lo, hi)));
+  }
+  return nan;
+}
+
+// A key position as (page, offset in the page), advanced without
+// dividing.
+struct KeyPos {
+  int page = 0, off = 0;
+  KeyPos(int s, int tpp) : page(s / tpp), off(s % tpp) {}
+  void Advance(int n, int tpp) {
+    off += n;
+    while (off >= tpp) {
+      off -= tpp;
+      ++page;
+    }
+  }
+};
+
+// Keys the row path prefetches into L1 ahead of the ones it widens
+// (every line), and into L2 further ahead (one line in four: that starts
+// the L2 streamer on each run without holding more L1 fill buffers).
+// Measured on the tiny shape, one core: 48-80 keys ahead beat 32 and
+// 96-384 for L1; the sparse L2 prefetch 256-1024 keys ahead takes another
+// 5-10% off at 64K-128K keys, prefetching every line that far ahead adds
+// time. (When the keys already sit in L2, at 16K, the prefetches cost
+// about 10%.)
+constexpr int kRowPrefetchAhead = 2 * kKeyBlock;
+constexpr int kRowFarAhead = 16 * kKeyBlock;
+
+// A prefetch the compiler keeps: GCC treats _mm_prefetch as free of side
+// effects and deletes a loop that does nothing else.
+inline void PrefetchLine(const void* p) {
+  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+}
+inline void PrefetchLineL2(const void* p) {
+  asm volatile("prefetcht2 %0" : : "m"(*static_cast<const char*>(p)));
+}
+
+// Prefetches the codes and scales of the n keys from `p`: every line into
+// L1, or (kL2) one line in four into L2.
+template <bool kL2>
+inline void PrefetchKeys(const LayerView& view, KeyPos p, int n, int dim) {
+  const KvLayout& l = *view.layout;
+  while (n > 0) {
+    const int run = std::min(n, l.tokens_per_page - p.off);
+    const uint8_t* page = view.PageData(p.page);
+    const char* k = reinterpret_cast<const char*>(page + l.ikey_offset) +
+                    size_t(p.off) * dim;
+    const char* sc = reinterpret_cast<const char*>(page + l.iscale_offset) +
+                     size_t(p.off) * 4;
+    if (kL2) {
+      for (int off = 0; off < run * dim; off += 256) PrefetchLineL2(k + off);
+      PrefetchLineL2(sc);
+    } else {
+      for (int off = 0; off < run * dim; off += 64) PrefetchLine(k + off);
+      PrefetchLine(sc);
+      PrefetchLine(sc + size_t(run - 1) * 4);
+    }
+    n -= run;
+    p.page++;
+    p.off = 0;
+  }
+}
+
+// Prefetches keys up to `target` (exclusive) from `*reached` (whose
+// position is `*pos`) and advances both.
+template <bool kL2>
+inline void PrefetchUpTo(const LayerView& view, int target, int dim,
+                         int* reached, KeyPos* pos) {
+  if (target <= *reached) return;
+  PrefetchKeys<kL2>(view, *pos, target - *reached, dim);
+  pos->Advance(target - *reached, view.layout->tokens_per_page);
+  *reached = target;
+}
+
+// A block of keys widened for the row path: key j's chunk k at rows[j *
+// dim + 32 k] (in RowDim order), and the keys' scales.
+struct KeyRows {
+  uint16_t* rows = nullptr;  // 32 x dim bf16, 64-byte aligned
+  alignas(64) float scale[kKeyBlock] = {};
+  bool has_nan = false;  // some key has a NaN code
+};
+
+// Widens keys [s0, s0 + b) (b <= 32; `p` is s0's position) into rows: key
+// j's chunk k at kb->rows[j * dim + 32 k], in RowDim order; rows past b
+// are zero. Also their scales (0 past b).
+void LoadKeyRows(const LayerView& view, KeyPos p, int b, int dim, KeyRows* kb) {
+  const KvLayout& l = *view.layout;
+  uint16_t* rows = kb->rows;
+  const __m512i one = _mm512_set1_epi8(1);
+  const __m512i high = _mm512_set1_epi8(0x70);
+  kb->has_nan = false;
+  for (int j = 0; j < b;) {
+    const int run = std::min(b - j, l.tokens_per_page - p.off);
+    const uint8_t* page = view.PageData(p.page);
+    const uint8_t* codes = page + l.ikey_offset + size_t(p.off) * dim;
+    uint16_t* out = rows + size_t(j) * dim;
+    const int bytes = run * dim;
+    // The line before a run holds no codes (and may lie outside the
+    // page): the first group shifts its even codes up instead.
+    int i = 0;
+    for (; i + 64 <= bytes; i += 64) {
+      const __m512i w = _mm512_loadu_si512(codes + i);
+      const __m512i v =
+          i == 0 ? _mm512_slli_epi16(w, 8) : _mm512_loadu_si512(codes + i - 1);
+      // (code + 1) & 0x70 is 0 for zero, subnormal and NaN codes (and for
+      // normal codes of exponent 1, which the tables widen just the same).
+      if (__builtin_expect(
+              _mm512_testn_epi8_mask(_mm512_add_epi8(w, one), high) == 0, 1)) {
+        WidenChunks(w, v, out + i, true);
+      } else {
+        kb->has_nan |= WidenChunksByTable(codes + i, 64, out + i);
+      }
+    }
+    if (i < bytes) {  // one 32-dim chunk left
+      const __m512i w = _mm512_castsi256_si512(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + i)));
+      const __m512i v = _mm512_slli_epi16(w, 8);
+      if (_mm512_mask_testn_epi8_mask(__mmask64(0xFFFFFFFFull),
+                                      _mm512_add_epi8(w, one), high) == 0) {
+        WidenChunks(w, v, out + i, false);
+      } else {
+        kb->has_nan |= WidenChunksByTable(codes + i, 32, out + i);
+      }
+    }
+    const float* sc =
+        reinterpret_cast<const float*>(page + l.iscale_offset) + p.off;
+    for (int k = 0; k < run; k += 16) {
+      const __mmask16 m =
+          run - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (run - k)) - 1);
+      _mm512_mask_storeu_ps(&kb->scale[j + k], m,
+                            _mm512_maskz_loadu_ps(m, sc + k));
+    }
+    j += run;
+    p.Advance(run, l.tokens_per_page);
+  }
+  if (b < kKeyBlock) {
+    std::memset(rows + size_t(b) * dim, 0, size_t(kKeyBlock - b) * dim * 2);
+    for (int i = b; i < kKeyBlock; ++i) kb->scale[i] = 0.0f;
+  }
+}
+
+// Row path tiles, all 16 rows x 64 bytes: C (0, 1), A (2-3, and 6-7 for
+// Di = 32) and the query's B tiles (LoadQueryTiles). A block's keys 0-15
+// go through C 0 and keys 16-31 through C 1. Blocks are paired: the B
+// tile [Q | 0] (heads in columns 0-7) takes the first block's keys and
+// [0 | Q] (columns 8-15) the second's, so C row m collects key m (or
+// 16 + m) of the first block in columns 0-7 and of the second in 8-15,
+// and two tile stores take both blocks. An element's other products are
+// then exact zeros, so each dot equals the key's own chunk products
+// accumulated in chunk order, as scoring a block alone (SoloDots, keys in
+// columns 0-7) gives them. A NaN code would turn those zero products
+// into NaN, so a pair with one is scored block by block.
+inline void LoadQueryTiles(const IndexQuery& iq, int chunks) {
+  const uint16_t* qb = iq.qb.data();
+  _tile_loadd(4, qb, 64);
+  _tile_loadd(5, qb + 16 * 32, 64);
+  if (chunks > 1) {
+    _tile_loadd(6, qb + 2 * 16 * 32, 64);
+    _tile_loadd(7, qb + 3 * 16 * 32, 64);
+  }
+}
+
+// C 0 and 1 = the dots of blocks a (columns 0-7) and b (8-15).
+inline void PairDots(const KeyRows& a, const KeyRows& b, int dim) {
+  const size_t stride = size_t(dim) * 2;
+  const uint16_t* al = a.rows;
+  const uint16_t* ah = al + size_t(16) * dim;
+  const uint16_t* bl = b.rows;
+  const uint16_t* bh = bl + size_t(16) * dim;
+  _tile_zero(0);
+  _tile_zero(1);
+  if (dim == 32) {
+    _tile_loadd(2, al, stride);
+    _tile_loadd(3, ah, stride);
+    _tile_loadd(6, bl, stride);
+    _tile_loadd(7, bh, stride);
+    _tile_dpbf16ps(0, 2, 4);
+    _tile_dpbf16ps(1, 3, 4);
+    _tile_dpbf16ps(0, 6, 5);
+    _tile_dpbf16ps(1, 7, 5);
+  } else {  // 64: B tiles 4-5 hold chunk 0, 6-7 chunk 1
+    _tile_loadd(2, al, stride);
+    _tile_loadd(3, ah, stride);
+    _tile_dpbf16ps(0, 2, 4);
+    _tile_dpbf16ps(1, 3, 4);
+    _tile_loadd(2, bl, stride);
+    _tile_loadd(3, bh, stride);
+    _tile_dpbf16ps(0, 2, 5);
+    _tile_dpbf16ps(1, 3, 5);
+    _tile_loadd(2, al + 32, stride);
+    _tile_loadd(3, ah + 32, stride);
+    _tile_dpbf16ps(0, 2, 6);
+    _tile_dpbf16ps(1, 3, 6);
+    _tile_loadd(2, bl + 32, stride);
+    _tile_loadd(3, bh + 32, stride);
+    _tile_dpbf16ps(0, 2, 7);
+    _tile_dpbf16ps(1, 3, 7);
+  }
+}
+
+// C 0 and 1 = the dots of block a alone (columns 0-7).
+inline void SoloDots(const KeyRows& a, int dim) {
+  const size_t stride = size_t(dim) * 2;
+  const uint16_t* al = a.rows;
+  const uint16_t* ah = al + size_t(16) * dim;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_loadd(2, al, stride);
+  _tile_loadd(3, ah, stride);
+  _tile_dpbf16ps(0, 2, 4);
+  _tile_dpbf16ps(1, 3, 4);
+  if (dim > 32) {
+    _tile_loadd(2, al + 32, stride);
+    _tile_loadd(3, ah + 32, stride);
+    _tile_dpbf16ps(0, 2, 6);
+    _tile_dpbf16ps(1, 3, 6);
+  }
+}
+
+// dots: C 0 (16 x 16 fp32), then C 1.
+constexpr int kPairDots = 2 * 16 * 16;
+inline void StorePairDots(float* dots) {
+  _tile_stored(0, dots, 64);
+  _tile_stored(1, dots + 16 * 16, 64);
+}
+
+// Head sums of 16 rows of dots (row m: key x_m's heads in columns 0-7,
+// y_m's in 8-15): x = x_0..15, y = y_0..15. With t[h] = c[h] *
+// max(dot[h], 0) (absent heads give +0), each sum is
+//   ((t0 + t1) + (t2 + t3)) + ((t4 + t5) + (t6 + t7)).
+inline void HeadSums16(const float* dots, __m512 c, __m512* x, __m512* y) {
+  const __m512 zero = _mm512_setzero_ps();
+  // Per 128-bit lane, adjacent elements are summed by pairing the even
+  // and the odd elements of two registers.
+  __m512 s[8];
+  for (int i = 0; i < 8; ++i) {
+    const __m512 a =
+        _mm512_mul_ps(c, _mm512_max_ps(_mm512_load_ps(dots + 32 * i), zero));
+    const __m512 d = _mm512_mul_ps(
+        c, _mm512_max_ps(_mm512_load_ps(dots + 32 * i + 16), zero));
+    s[i] = _mm512_add_ps(_mm512_shuffle_ps(a, d, 0x88),
+                         _mm512_shuffle_ps(a, d, 0xDD));
+  }
+  __m512 t[4];
+  for (int j = 0; j < 4; ++j) {
+    t[j] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * j], s[2 * j + 1], 0x88),
+                         _mm512_shuffle_ps(s[2 * j], s[2 * j + 1], 0xDD));
+  }
+  // t[j], lane L, element e: heads 4 (L % 2) .. + 3 of x_(4 j + e) (L < 2)
+  // or y_(4 j + e). Adding lanes 0 + 1 and 2 + 3 of t[0] and t[1] leaves
+  // x 0-3, y 0-3, x 4-7, y 4-7; of t[2] and t[3], x 8-11, y 8-11, x 12-15,
+  // y 12-15.
+  __m512 f[2];
+  for (int k = 0; k < 2; ++k) {
+    f[k] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], 0xDD));
+  }
+  *x = _mm512_shuffle_f32x4(f[0], f[1], 0x88);
+  *y = _mm512_shuffle_f32x4(f[0], f[1], 0xDD);
+}
+
+// Writes the first b of a block's 32 head sums (keys 0-15 in lo, 16-31
+// in hi) times the keys' scales to out.
+inline void StoreScores(__m512 lo, __m512 hi, const float* scale, int b,
+                        float* out) {
+  lo = _mm512_mul_ps(lo, _mm512_load_ps(scale));
+  hi = _mm512_mul_ps(hi, _mm512_load_ps(scale + 16));
+  if (b == kKeyBlock) {
+    _mm512_storeu_ps(out, lo);
+    _mm512_storeu_ps(out + 16, hi);
+  } else if (b > 0) {
+    const __mmask16 m0 = b >= 16 ? 0xFFFF : __mmask16((1u << b) - 1);
+    const __mmask16 m1 = b <= 16 ? 0 : __mmask16((1u << (b - 16)) - 1);
+    _mm512_mask_storeu_ps(out, m0, lo);
+    _mm512_mask_storeu_ps(out + 16, m1, hi);
+  }
+}
+
+// Scores of a pair (blocks a: b_a keys to out_a, b: b_b keys to out_b)
+// from its dots.
+inline void ReducePair(const float* dots, const IndexQuery& iq,
+                       const KeyRows& a, int b_a, float* out_a,
+                       const KeyRows& b, int b_b, float* out_b) {
+  const __m512 c = _mm512_load_ps(iq.coef16);
+  __m512 a0, b0, a1, b1;
+  HeadSums16(dots, c, &a0, &b0);
+  HeadSums16(dots + 16 * 16, c, &a1, &b1);
+  StoreScores(a0, a1, a.scale, b_a, out_a);
+  StoreScores(b0, b1, b.scale, b_b, out_b);
+}
+
+// Scores block a alone (b keys to out).
+inline void ScoreSolo(const KeyRows& a, const IndexQuery& iq, int dim, int b,
+                      float* out, float* dots) {
+  SoloDots(a, dim);
+  StorePairDots(dots);
+  const __m512 c = _mm512_load_ps(iq.coef16);
+  __m512 lo, hi, unused;
+  HeadSums16(dots, c, &lo, &unused);
+  HeadSums16(dots + 16 * 16, c, &hi, &unused);
+  StoreScores(lo, hi, a.scale, b, out);
+}
+
+// ScoreKeyRange for KeyRowShape queries on the tile unit. With one query
+// it is software-pipelined by pairs of blocks: the tile unit computes pair
+// i while pair i + 1 is widened (its dots are stored between the two
+// blocks' widening), and pair i - 1's dots are reduced after, so neither
+// unit waits on the other. (That order measured best.)
+void ScoreKeyRows(const LayerView& view, int dim, int k_begin, int stop,
+                  const IndexQuery* queries, int nq, const int* limit,
+                  float* const* out) {
+  const int nblocks = (stop - k_begin + kKeyBlock - 1) / kKeyBlock;
+  auto block_keys = [&](int blk) {
+    return blk < nblocks
+               ? std::min(kKeyBlock, stop - (k_begin + blk * kKeyBlock))
+               : 0;
+  };
+  const int chunks = dim / 32;
+  static const TileConfig config(16);
+  _tile_loadconfig(&config);
+  // Three pairs: the one reduced, the one on the tile unit, the one
+  // widened.
+  constexpr int kRing = 6;
+  // One buffer for the ring's rows and, zero, those of `empty`, the
+  // partner of an odd last block.
+  const int nring = std::min(kRing, nblocks);
+  AlignedVector<uint16_t> buffer(size_t(nring + 1) * kKeyBlock * dim);
+  KeyRows ring[kRing], empty;
+  for (int i = 0; i < nring; ++i) {
+    ring[i].rows = buffer.data() + size_t(i) * kKeyBlock * dim;
+  }
+  empty.rows = buffer.data() + size_t(nring) * kKeyBlock * dim;
+  auto slot = [&](int blk) -> const KeyRows& {
+    return blk < nblocks ? ring[blk % kRing] : empty;
+  };
+  alignas(64) float dots[3][kPairDots];
+  // Positions of the next block to widen and of the next keys to
+  // prefetch into L1 and L2 (a page holds its keys in one short run
+  // between KV entries, too short for the hardware prefetchers to ramp up
+  // on by themselves).
+  const int tpp = view.layout->tokens_per_page;
+  KeyPos next(k_begin, tpp);
+  int near = std::min(stop, k_begin + kRowPrefetchAhead);
+  int far = std::min(stop, k_begin + kRowFarAhead);
+  KeyPos near_pos(near, tpp), far_pos(far, tpp);
+  auto load = [&](int blk) {
+    if (blk >= nblocks) return;
+    const int b = block_keys(blk);
+    const int end = k_begin + blk * kKeyBlock + b;
+    PrefetchUpTo<false>(view, std::min(stop, end + kRowPrefetchAhead), dim,
+                        &near, &near_pos);
+    PrefetchUpTo<true>(view, std::min(stop, end + kRowFarAhead), dim, &far,
+                       &far_pos);
+    LoadKeyRows(view, next, b, dim, &ring[blk % kRing]);
+    next.Advance(b, tpp);
+  };
+  auto start = [&](int blk) { return out[0] + k_begin + blk * kKeyBlock; };
+  if (nq == 1) {
+    LoadQueryTiles(queries[0], chunks);
+    const int npairs = (nblocks + 1) / 2;
+    load(0);
+    load(1);
+    int pending = -1;  // a pair whose dots await reduction
+    for (int p = 0; p < npairs; ++p) {
+      const int a = 2 * p, b = 2 * p + 1;
+      const bool solo = slot(a).has_nan || slot(b).has_nan;
+      if (!solo) PairDots(slot(a), slot(b), dim);
+      load(a + 2);
+      if (!solo) StorePairDots(dots[p % 2]);
+      load(b + 2);
+      if (pending >= 0) {
+        ReducePair(dots[pending % 2], queries[0], slot(2 * pending),
+                   block_keys(2 * pending), start(2 * pending),
+                   slot(2 * pending + 1), block_keys(2 * pending + 1),
+                   start(std::min(2 * pending + 1, nblocks - 1)));
+        pending = -1;
+      }
+      if (!solo) {
+        pending = p;
+      } else {
+        ScoreSolo(slot(a), queries[0], dim, block_keys(a), start(a), dots[2]);
+        if (b < nblocks) {
+          ScoreSolo(slot(b), queries[0], dim, block_keys(b), start(b), dots[2]);
+        }
+      }
+    }
+    if (pending >= 0) {
+      ReducePair(dots[pending % 2], queries[0], slot(2 * pending),
+                 block_keys(2 * pending), start(2 * pending),
+                 slot(2 * pending + 1), block_keys(2 * pending + 1),
+                 start(std::min(2 * pending + 1, nblocks - 1)));
+    }
+  } else {
+    for (int blk = 0; blk < nblocks; ++blk) {
+      const int s0 = k_begin + blk * kKeyBlock, b = block_keys(blk);
+      load(blk);
+      const KeyRows& kb = ring[blk % kRing];
+      for (int i = 0; i < nq; ++i) {
+        if (limit[i] <= s0) continue;
+        LoadQueryTiles(queries[i], chunks);
+        ScoreSolo(kb, queries[i], dim, std::min(b, limit[i] - s0), out[i] + s0,
+                  dots[0]);
+      }
+    }
+  }
+  _tile_release();
+}
+
 #else
 constexpr bool kHaveTileUnit = false;
 #endif
@@ -566,8 +1125,8 @@ bool UseTileUnit() { return kHaveTileUnit && g_tile_unit; }
 
 // Head terms of the 32 keys of `kb` from their dots (dots[h * 32 + j],
 // from TileDots), times the keys' scales; writes the first `b` to out.
-void FinishKeyBlock(const KeyBlock& kb, const IndexQuery& iq, int b,
-                    float* out, const float* dots) {
+void FinishKeyBlock(const KeyBlock& kb, const IndexQuery& iq, int b, float* out,
+                    const float* dots) {
   __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
   const __m512 zero = _mm512_setzero_ps();
   for (int h = 0; h < iq.heads; ++h) {
@@ -602,8 +1161,7 @@ void ScoreKeyBlock(const KeyBlock& kb, const IndexQuery& iq, int b,
                            &s0, &s1);
   }
   for (; h + 4 <= iq.heads; h += 4) {
-    ScoreHeads<4>(kt, pairs, &iq.q[size_t(h) * pairs], &iq.coef[h], &s0,
-                  &s1);
+    ScoreHeads<4>(kt, pairs, &iq.q[size_t(h) * pairs], &iq.coef[h], &s0, &s1);
   }
   for (; h < iq.heads; ++h) {
     ScoreHeads<1>(kt, pairs, &iq.q[size_t(h) * pairs], &iq.coef[h], &s0, &s1);
@@ -658,6 +1216,10 @@ void ScoreKeyRange(const LayerView& view, int dim, int k_begin, int k_end,
     return;
   }
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+  if (KeyRowShape(max_heads, dim)) {
+    ScoreKeyRows(view, dim, k_begin, stop, queries, nq, limit, out);
+    return;
+  }
   constexpr int kRing = 3;  // blocks decoded ahead: kRing - 1
   std::vector<KeyBlock> ring(size_t(std::min(kRing, nblocks)), KeyBlock(dp));
   AlignedVector<float> dots(size_t((max_heads + 15) / 16 * 16) * kKeyBlock);
@@ -721,8 +1283,8 @@ namespace {
 // out[0 ..) (room for n + 16); returns their count.
 int CompressAtLeast(const float* scores, int n, float t, int32_t* out) {
   const __m512 vt = _mm512_set1_ps(t);
-  __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
-                                  13, 14, 15);
+  __m512i idx =
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i step = _mm512_set1_epi32(16);
   int s = 0, count = 0;
   for (; s + 16 <= n; s += 16) {
@@ -856,18 +1418,22 @@ void SelectTopK(const float* scores, int n, int k, std::vector<int32_t>* out) {
 // --- Gather + Attend (absorbed MLA, §III-D) ----------------------------------
 //
 // Arithmetic: see MlaAttend in attention.h; blocking and splitting do not
-// change it.
+// change it. Two paths: the vector unit's (below) and, where the kernel
+// grants it, the matrix tile unit's (AttendChunkTiles; about twice as fast
+// on the 128-head shape, which is compute-bound, and somewhat faster on
+// the small one).
 //
-// Per fixed chunk of 256 selected entries (split over cores by chunk),
-// two passes. Scores: 16 selected entries at a time are gathered from
-// their pages, transposed as bf16 pairs and widened to fp32 into an L1
-// tile (one lane per entry); every head's fma chains run over the tile, 8 heads at a time so
-// that 8 independent chains fill both FMA ports. Weighted sum: the chunk's
-// entries are read again (now cache-resident), widened on the fly, and
-// each loaded vector feeds 8 heads' accumulators. The chunks' (max,
-// denominator, unnormalised sum) are then merged in chunk order (on the
-// calling thread unless the merge is large). The gathered data crosses
-// memory once; the cores take chunks as they finish the previous one.
+// Vector path. Per fixed chunk of 256 selected entries (split over cores
+// by chunk), two passes. Scores: 16 selected entries at a time are
+// gathered from their pages, transposed as bf16 pairs and widened to fp32
+// into an L1 tile (one lane per entry); every head's fma chains run over
+// the tile, 8 heads at a time so that 8 independent chains fill both FMA
+// ports. Weighted sum: the chunk's entries are read again (now
+// cache-resident), widened on the fly, and each loaded vector feeds 8
+// heads' accumulators. The chunks' (max, denominator, unnormalised sum)
+// are then merged in chunk order (on the calling thread unless the merge
+// is large). The gathered data crosses memory once; the cores take chunks
+// as they finish the previous one.
 
 namespace {
 
@@ -883,16 +1449,17 @@ constexpr float kExpP[6] = {1.9875691500e-4f, 1.3981999507e-3f,
 // KernelExp on 16 lanes, operation for operation.
 inline __m512 KernelExp16(__m512 x) {
   const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-104.0f),
-                                            _CMP_LT_OQ);
+  const __mmask16 tiny =
+      _mm512_cmp_ps_mask(x, _mm512_set1_ps(-104.0f), _CMP_LT_OQ);
   const __m512 xc = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(
-      _mm512_mul_ps(xc, _mm512_set1_ps(kLog2e)),
-      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 n =
+      _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(kLog2e)),
+                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Hi), xc);
   r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Lo), r);
   __m512 p = _mm512_set1_ps(kExpP[0]);
-  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpP[i]));
+  for (int i = 1; i < 6; ++i)
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpP[i]));
   __m512 y = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
   y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
   __m512 e = _mm512_scalef_ps(y, n);
@@ -949,9 +1516,8 @@ void LoadEntryTile(const uint16_t* const* entries, int count, int kv_dim,
 // heads [h, h + HB): s[h][0..31] = (q[h] . e) * scale. Two blocks per q
 // broadcast keep the loads below the FMA rate.
 template <int HB>
-inline void TileScores(const float* tile, int kv_dim, const float* q,
-                       int q_dim, float scale, float* s, size_t s_stride,
-                       bool second) {
+inline void TileScores(const float* tile, int kv_dim, const float* q, int q_dim,
+                       float scale, float* s, size_t s_stride, bool second) {
   __m512 acc0[HB], acc1[HB];
 #pragma GCC unroll 16
   for (int i = 0; i < HB; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
@@ -979,9 +1545,9 @@ inline void TileScores(const float* tile, int kv_dim, const float* q,
 // o[h][d0 .. d0 + 16 NV) = sum_j p[h][j] e_j for heads [h, h + HB) (fma
 // chain in selection order); entries widened from bf16 as they are read.
 template <int NV, int HB>
-void WeightedSum(const uint16_t* const* entries, int nsel,
-                 const float* p, size_t p_stride, int d0, int width,
-                 float* o, size_t o_stride) {
+void WeightedSum(const uint16_t* const* entries, int nsel, const float* p,
+                 size_t p_stride, int d0, int width, float* o,
+                 size_t o_stride) {
   __m512 acc[HB][NV];
 #pragma GCC unroll 32
   for (int h = 0; h < HB; ++h) {
@@ -996,8 +1562,8 @@ void WeightedSum(const uint16_t* const* entries, int nsel,
 #pragma GCC unroll 16
     for (int i = 0; i < NV; ++i) {
       const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(e + 16 * i))),
+          _mm512_cvtepu16_epi32(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(e + 16 * i))),
           16));
 #pragma GCC unroll 16
       for (int h = 0; h < HB; ++h) {
@@ -1043,20 +1609,17 @@ void WeightedSumTail(const uint16_t* const* entries, int nsel, const float* p,
 }
 
 template <int HB>
-void WeightedSumHeads(const uint16_t* const* entries, int nsel,
-                      const float* p, size_t p_stride, int lora, float* o,
-                      size_t o_stride) {
+void WeightedSumHeads(const uint16_t* const* entries, int nsel, const float* p,
+                      size_t p_stride, int lora, float* o, size_t o_stride) {
   // The widening loads read 16 values at a time; entries are padded in
   // their page only to the end of the KV section, so the last partial
   // vector of a row goes through the masked path (NV of the tail = 1).
   int d0 = 0;
   for (; d0 + 128 <= lora; d0 += 128) {
-    WeightedSum<8, HB>(entries, nsel, p, p_stride, d0, 128, o + d0,
-                       o_stride);
+    WeightedSum<8, HB>(entries, nsel, p, p_stride, d0, 128, o + d0, o_stride);
   }
   for (; d0 + 16 <= lora; d0 += 16) {
-    WeightedSum<1, HB>(entries, nsel, p, p_stride, d0, 16, o + d0,
-                       o_stride);
+    WeightedSum<1, HB>(entries, nsel, p, p_stride, d0, 16, o + d0, o_stride);
   }
   if (d0 < lora) {
     // Tail narrower than a vector: widen through a padded copy.
@@ -1096,10 +1659,11 @@ namespace {
 // One chunk of the selection (entries ent[0, n), n <= kAttendChunk) for
 // every head: scores, the chunk's max m[h], p = KernelExp(s - m[h]), the
 // 16-lane denominator z[h] and the unnormalised sums o[h][0, lora) (stride
-// lora). `ahead` entries from ent[0] may be prefetched. s: heads x kAttendChunk scratch; tile: the transposed entry tile.
-void AttendChunk(const uint16_t* const* ent, int n, int ahead,
-                 const float* q, const AttnShapes& shapes, float* s,
-                 float* tile, float* m, float* z, float* o) {
+// lora). `ahead` entries from ent[0] may be prefetched. s: heads x kAttendChunk
+// scratch; tile: the transposed entry tile.
+void AttendChunk(const uint16_t* const* ent, int n, int ahead, const float* q,
+                 const AttnShapes& shapes, float* s, float* tile, float* m,
+                 float* z, float* o) {
   const int heads = shapes.heads, kv_dim = shapes.kv_dim;
   const size_t s_stride = kAttendChunk;
   // Scores, 32 entries (two 16-entry blocks) per tile.
@@ -1116,8 +1680,8 @@ void AttendChunk(const uint16_t* const* ent, int n, int ahead,
     }
     LoadEntryTile(ent + j0, std::min(kEntryBlock, n - j0), kv_dim, tile, 32);
     if (second) {
-      LoadEntryTile(ent + j0 + 16, std::min(kEntryBlock, n - j0 - 16),
-                    kv_dim, tile + 16, 32);
+      LoadEntryTile(ent + j0 + 16, std::min(kEntryBlock, n - j0 - 16), kv_dim,
+                    tile + 16, 32);
     }
     int h = 0;
     for (; h + 8 <= heads; h += 8) {
@@ -1148,7 +1712,8 @@ void AttendChunk(const uint16_t* const* ent, int n, int ahead,
       const int cnt = std::min(16, n - blk * 16);
       const __mmask16 valid = cnt >= 16 ? 0xFFFF : __mmask16((1u << cnt) - 1);
       const __m512 p = _mm512_maskz_mov_ps(
-          valid, KernelExp16(_mm512_sub_ps(_mm512_loadu_ps(sh + blk * 16), vmh)));
+          valid,
+          KernelExp16(_mm512_sub_ps(_mm512_loadu_ps(sh + blk * 16), vmh)));
       _mm512_storeu_ps(sh + blk * 16, p);
       vz = _mm512_add_ps(vz, p);
     }
@@ -1162,8 +1727,8 @@ void AttendChunk(const uint16_t* const* ent, int n, int ahead,
   const int chunks = lora / 32;
   for (int g = 0; g < full_groups; ++g) {
     for (int c = 0; c < chunks; ++c) {
-      WeightedSum<2, 8>(ent, n, s + size_t(g) * 8 * s_stride, s_stride,
-                        c * 32, 32, o + size_t(g) * 8 * os + c * 32, os);
+      WeightedSum<2, 8>(ent, n, s + size_t(g) * 8 * s_stride, s_stride, c * 32,
+                        32, o + size_t(g) * 8 * os + c * 32, os);
     }
     if (chunks * 32 < lora) {
       WeightedSumTail<8>(ent, n, s + size_t(g) * 8 * s_stride, s_stride,
@@ -1181,11 +1746,530 @@ void AttendChunk(const uint16_t* const* ent, int n, int ahead,
   }
 }
 
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+// --- The tile-unit path (MlaAttendUsesTileUnit) ---
+//
+// Scores: entries are the A operand in their natural layout (row = entry,
+// 32 bf16 dims per tile row), copied from their pages 32 at a time into an
+// L1 block; the query parts are the B operand (dim pairs x columns, column
+// part * H + h), prepared once per call. One accumulator tile holds 16
+// entries x 16 columns; the columns are combined into ((hi + mid) + lo) *
+// scale per (entry, head) and transposed to head-major rows for the
+// softmax (the vector path's code). Weighted sum: the numerators' parts
+// are the A operand (row part * H + h, 32 entries per tile row), the
+// entries' latent part the B operand, two consecutive entries interleaved
+// by 16-bit element (a vpermt2w per 16 dims, while copying). Tile
+// registers: 0-3 accumulators (2 x 2 blocks), 4-5 A, 6-7 B, so every tile
+// load feeds two TDPBF16PS. The copies are interleaved with the tile
+// instructions (a few entry pairs after each group of four), so that the
+// core copies the next block while the tile unit works on this one; the
+// entries of the chunk a core takes next are prefetched into L2 meanwhile.
+// Measured here (noisy shared machine, one core): dsa-tiny's shape about
+// 10% faster than the vector path, dsv32's (128 heads, compute-bound)
+// about 1.9x. The tiny shape's time goes to the copies (every entry is
+// written twice into the scratch: rows for the scores, interleaved pairs
+// for the weighted sum), the softmax, and the TDPBF16PS: per 16 entries
+// and 32 dims two for the scores (the three parts make 24 query columns,
+// more than one 16-column tile) and one and a half for the weighted sum
+// (24 numerator rows: a 16-row and an 8-row tile); the tile unit does not
+// overlap the core's copies as much as its own throughput would allow.
+
+struct alignas(64) AttendTileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  // Rows of the first (tiles 0, 1, 4) and second (2, 3, 5) A / C blocks;
+  // the B tiles (6, 7) always hold 16 pairs.
+  AttendTileConfig(int rows0, int rows1) {
+    for (int i = 0; i < 8; ++i) colsb[i] = 64;
+    rows[0] = rows[1] = rows[4] = uint8_t(rows0);
+    rows[2] = rows[3] = rows[5] = uint8_t(rows1 > 0 ? rows1 : rows0);
+    rows[6] = rows[7] = 16;
+  }
+};
+
+// ldtilecfg's intrinsic declares a read of 8 bytes only: the compiler must
+// be told that the whole block is read, or it may drop stores to it.
+inline void LoadTileConfig(const AttendTileConfig* cfg) {
+  asm volatile("" : : "r"(cfg) : "memory");
+  _tile_loadconfig(cfg);
+}
+
+constexpr int kParts = 3;
+
+// Exact three-part split of 16 fp32 values into values that are exact in
+// bf16 (x = hi + mid + lo; each part keeps the next 8 significant bits).
+inline void SplitParts(__m512 x, __m512* hi, __m512* mid, __m512* lo) {
+  const __m512i top = _mm512_set1_epi32(int(0xFFFF0000u));
+  *hi = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), top));
+  const __m512 r = _mm512_sub_ps(x, *hi);
+  *mid = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(r), top));
+  *lo = _mm512_sub_ps(r, *mid);
+}
+
+// 32 values exact in bf16 (a: 0..15, b: 16..31) as 32 bf16.
+inline __m512i PackBf16(__m512 a, __m512 b) {
+  return (__m512i)_mm512_cvtne2ps_pbh(b, a);
+}
+
+// Sizes of the tile path's operands for one shape.
+struct TileAttendDims {
+  int heads, kv_dim, lora;
+  int kp;      // kv_dim padded to 32 (one A tile row per 32 dims)
+  int cols;    // query columns, kParts x heads, padded to 32
+  int lp;      // lora padded to 32
+  int mtiles;  // 16-row blocks of the kParts x heads numerator rows
+  int lines;   // cache lines of one entry
+  // Small shapes (at most two numerator row blocks, lora <= 128): the
+  // weighted sums run one 32-entry block at a time, their accumulators
+  // stored and reloaded between blocks, so that every scratch buffer stays
+  // in L1 and the entries are copied block by block. Larger ones keep the
+  // accumulators in tiles over the whole chunk (that scratch lives in L2).
+  bool ws_blocked;
+  explicit TileAttendDims(const AttnShapes& s)
+      : heads(s.heads),
+        kv_dim(s.kv_dim),
+        lora(s.kv_lora),
+        kp((s.kv_dim + 31) / 32 * 32),
+        cols((kParts * s.heads + 31) / 32 * 32),
+        lp((s.kv_lora + 31) / 32 * 32),
+        mtiles((kParts * s.heads + 15) / 16),
+        lines((s.kv_dim * 2 + 63) / 64),
+        ws_blocked(mtiles <= 2 && lp <= 128) {}
+};
+
+// The query parts as the score's B operand: qb[r * cols + c] holds the bf16
+// pair (dims 2r, 2r + 1) of column c = part * H + h; zero past kv_dim and
+// past kParts x H columns. `rows` is scratch (cols x kp bf16).
+void PrepareTileQuery(const float* q, int q_dim, const TileAttendDims& t,
+                      uint16_t* rows, uint32_t* qb) {
+  // Rows past kParts x H stay zero; the others are written whole below.
+  std::memset(rows + size_t(kParts * t.heads) * t.kp, 0,
+              size_t(t.cols - kParts * t.heads) * t.kp * 2);
+  for (int h = 0; h < t.heads; ++h) {
+    for (int d0 = 0; d0 < t.kv_dim; d0 += 32) {
+      auto load = [&](int d) {
+        const int cnt = std::max(0, std::min(16, t.kv_dim - d));
+        const __mmask16 m = cnt >= 16 ? 0xFFFF : __mmask16((1u << cnt) - 1);
+        return _mm512_maskz_loadu_ps(m, q + size_t(h) * q_dim + d);
+      };
+      __m512 a[kParts], b[kParts];
+      SplitParts(load(d0), &a[0], &a[1], &a[2]);
+      SplitParts(load(d0 + 16), &b[0], &b[1], &b[2]);
+      for (int p = 0; p < kParts; ++p) {
+        _mm512_store_si512(rows + size_t(p * t.heads + h) * t.kp + d0,
+                           PackBf16(a[p], b[p]));
+      }
+    }
+  }
+  // Rows of 16 pairs -> columns: a 32-bit transpose per 16 x 16 block.
+  const int pairs = t.kp / 2;
+  for (int c0 = 0; c0 < t.cols; c0 += 16) {
+    for (int r0 = 0; r0 < pairs; r0 += 16) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) {
+        r[i] = _mm512_load_si512(rows + size_t(c0 + i) * t.kp + 2 * r0);
+      }
+      Transpose16(r);
+      for (int i = 0; i < 16; ++i) {
+        _mm512_store_si512(qb + size_t(r0 + i) * t.cols + c0, r[i]);
+      }
+    }
+  }
+}
+
+// Per-thread scratch of the tile path.
+struct TileAttendScratch {
+  AlignedVector<uint16_t> erow;  // 2 x 32 x kp: entry rows, two blocks
+  AlignedVector<uint16_t> ev;    // pairs x 2 lp: the entries pair-interleaved
+                                 // (two blocks, or the whole chunk)
+  AlignedVector<float> sbuf;     // 2 x 32 x cols: score accumulators
+  AlignedVector<float> se;       // 32 x heads padded to 16: combined scores
+  AlignedVector<float> s;        // heads x kAttendChunk: scores, then p
+  AlignedVector<uint16_t> p3;    // mtiles * 16 x kAttendChunk: p's parts
+  AlignedVector<float> o3;       // mtiles * 16 x lp: weighted sums' parts
+  void Size(const TileAttendDims& t) {
+    erow.resize(size_t(64) * t.kp);
+    ev.resize(size_t(t.ws_blocked ? 64 : kAttendChunk) * t.lp);
+    sbuf.resize(size_t(2 * 32) * t.cols);
+    se.resize(size_t(32) * ((t.heads + 15) / 16 * 16));
+    s.resize(size_t(t.heads) * kAttendChunk);
+    p3.resize(size_t(t.mtiles) * 16 * kAttendChunk, 0);
+    o3.resize(size_t(t.mtiles) * 16 * t.lp);
+  }
+};
+
+inline void PrefetchEntry(const uint16_t* e, int lines, int hint) {
+  const char* a = reinterpret_cast<const char*>(e);
+  if (hint == 0) {
+    for (int l = 0; l < lines; ++l) _mm_prefetch(a + 64 * l, _MM_HINT_T0);
+  } else {
+    for (int l = 0; l < lines; ++l) _mm_prefetch(a + 64 * l, _MM_HINT_T1);
+  }
+}
+
+// A chunk's copy into the scratch, a few entry pairs at a time, so that it
+// can be interleaved with tile instructions: entries j, j + 1 go to rows
+// j, j + 1 (modulo erow_ring) of erow (kp each; zero rows past n) and,
+// their first lp dims interleaved by element, to row j / 2 (modulo
+// ev_ring; 0: none) of ev (2 lp). Either may be null. Alongside, the
+// entries at the same index in `pf` (pf_n of them) are prefetched into L2,
+// and the chunk's own entries 8 ahead into L1.
+struct ChunkCopy {
+  const uint16_t* const* ent = nullptr;
+  int n = 0;
+  uint16_t* erow = nullptr;
+  int erow_ring = 0;
+  uint16_t* ev = nullptr;
+  int ev_ring = 0;
+  const uint16_t* const* pf = nullptr;
+  int pf_n = 0;
+  int j = 0;    // next entry (even)
+  int end = 0;  // copy up to here (a multiple of 32)
+
+  // Copies up to `pairs` pairs below `end`.
+  void Run(const TileAttendDims& t, int pairs) {
+    if (j >= end) return;
+    // vpermt2w indices: elements 0..15 (16..31) of a and b interleaved.
+    alignas(64) static const struct Idx {
+      uint16_t lo[32], hi[32];
+      Idx() {
+        for (int i = 0; i < 16; ++i) {
+          lo[2 * i] = uint16_t(i);
+          lo[2 * i + 1] = uint16_t(32 + i);
+          hi[2 * i] = uint16_t(16 + i);
+          hi[2 * i + 1] = uint16_t(48 + i);
+        }
+      }
+    } idx;
+    const __m512i ilo = _mm512_load_si512(idx.lo);
+    const __m512i ihi = _mm512_load_si512(idx.hi);
+    constexpr int kAhead = 8;
+    const int width = erow != nullptr ? t.kp : t.lp;
+    for (int p = 0; p < pairs && j < end; ++p, j += 2) {
+      for (int jj = j + kAhead; jj < std::min(n, j + kAhead + 2); ++jj) {
+        PrefetchEntry(ent[jj], t.lines, 0);
+      }
+      for (int k = j; k < std::min(pf_n, j + 2); ++k) {
+        PrefetchEntry(pf[k], t.lines, 1);
+      }
+      const uint16_t* a = j < n ? ent[j] : nullptr;
+      const uint16_t* b = j + 1 < n ? ent[j + 1] : nullptr;
+      uint16_t* ra =
+          erow != nullptr ? erow + size_t(j % erow_ring) * t.kp : nullptr;
+      uint16_t* v =
+          ev != nullptr ? ev + size_t(j / 2 % ev_ring) * 2 * t.lp : nullptr;
+      for (int d0 = 0; d0 < width; d0 += 32) {
+        const int cnt = std::min(32, t.kv_dim - d0);
+        const __mmask32 m =
+            cnt >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << cnt) - 1);
+        const __m512i va = a != nullptr ? _mm512_maskz_loadu_epi16(m, a + d0)
+                                        : _mm512_setzero_si512();
+        const __m512i vb = b != nullptr ? _mm512_maskz_loadu_epi16(m, b + d0)
+                                        : _mm512_setzero_si512();
+        if (ra != nullptr) {
+          _mm512_store_si512(ra + d0, va);
+          _mm512_store_si512(ra + t.kp + d0, vb);
+        }
+        if (v != nullptr && d0 < t.lp) {
+          _mm512_store_si512(v + 2 * d0,
+                             _mm512_permutex2var_epi16(va, ilo, vb));
+          _mm512_store_si512(v + 2 * d0 + 32,
+                             _mm512_permutex2var_epi16(va, ihi, vb));
+        }
+      }
+    }
+  }
+};
+
+// One chunk on the tile unit: as AttendChunk (m, z, o of every head). `pf`
+// (pf_n entries, none at the end) is the chunk this core takes next,
+// prefetched into L2 meanwhile. The tile configuration is loaded here; the
+// caller releases the unit.
+void AttendChunkTiles(const uint16_t* const* ent, int n,
+                      const uint16_t* const* pf, int pf_n, const uint32_t* qb,
+                      const AttnShapes& shapes, const TileAttendDims& t,
+                      TileAttendScratch* sc, float* m, float* z, float* o) {
+  const int heads = t.heads;
+  const int padded = (n + 31) / 32 * 32;
+  uint16_t* erow = sc->erow.data();
+  uint16_t* ev = sc->ev.data();
+  // The copy for the scores: block 0 first, then block b + 1 while the
+  // tile unit scores block b (two blocks of rows in turn); with the whole
+  // chunk's pair-interleaved entries unless the weighted sums copy them
+  // block by block.
+  ChunkCopy cur;
+  cur.ent = ent;
+  cur.n = n;
+  cur.erow = erow;
+  cur.erow_ring = 64;
+  if (!t.ws_blocked) {
+    cur.ev = ev;
+    cur.ev_ring = kAttendChunk / 2;
+  }
+  cur.pf = pf;
+  cur.pf_n = pf_n;
+  cur.end = 32;
+  cur.Run(t, 16);
+
+  // Scores, 32 entries x 32 columns per accumulator block.
+  static const AttendTileConfig full(16, 16);
+  LoadTileConfig(&full);
+  float* sbuf = sc->sbuf.data();
+  float* se = sc->se.data();
+  float* s = sc->s.data();
+  const size_t s_stride = kAttendChunk;
+  const int h16 = (heads + 15) / 16 * 16;
+  const int esteps = t.kp / 32;
+  const size_t erow_b = size_t(t.kp) * 2, qb_b = size_t(t.cols) * 4;
+  const __m512 scale = _mm512_set1_ps(shapes.softmax_scale);
+  // Per entry and head of block j0 (accumulators in sbuf half j0 / 32 % 2):
+  // ((hi + mid) + lo) * scale, entry-major, then transposed to head-major.
+  auto combine = [&](int j0) {
+    const float* sb = sbuf + size_t(j0 / 32 % 2) * 32 * t.cols;
+    for (int j = 0; j < 32; ++j) {
+      const float* row = sb + size_t(j) * t.cols;
+      for (int h0 = 0; h0 < h16; h0 += 16) {
+        const int cnt = std::min(16, heads - h0);
+        const __mmask16 mk = cnt >= 16 ? 0xFFFF : __mmask16((1u << cnt) - 1);
+        __m512 v = _mm512_add_ps(_mm512_maskz_loadu_ps(mk, row + h0),
+                                 _mm512_maskz_loadu_ps(mk, row + heads + h0));
+        v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mk, row + 2 * heads + h0));
+        _mm512_store_ps(se + size_t(j) * h16 + h0, _mm512_mul_ps(v, scale));
+      }
+    }
+    for (int half = 0; half < 2; ++half) {
+      for (int h0 = 0; h0 < h16; h0 += 16) {
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i) {
+          r[i] = _mm512_castps_si512(
+              _mm512_load_ps(se + size_t(16 * half + i) * h16 + h0));
+        }
+        Transpose16(r);
+        for (int i = 0; i < std::min(16, heads - h0); ++i) {
+          _mm512_store_si512(s + size_t(h0 + i) * s_stride + j0 + 16 * half,
+                             r[i]);
+        }
+      }
+    }
+  };
+  // Software pipeline: while the tile unit scores block j0, the core
+  // copies block j0 + 32 (a few pairs after each group of four
+  // TDPBF16PS) and finishes block j0 - 32.
+  {
+    const int groups = (t.cols / 32) * esteps;
+    const int per_group = (16 + groups - 1) / groups;
+    for (int j0 = 0; j0 < padded; j0 += 32) {
+      const bool copy = j0 + 32 < padded;
+      cur.end = std::min(padded, j0 + 64);
+      const uint16_t* e0 = erow + size_t(j0 % 64) * t.kp;
+      float* sb = sbuf + size_t(j0 / 32 % 2) * 32 * t.cols;
+      for (int c0 = 0; c0 < t.cols; c0 += 32) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int k = 0; k < esteps; ++k) {
+          _tile_loadd(4, e0 + 32 * k, erow_b);
+          _tile_loadd(5, e0 + 16 * size_t(t.kp) + 32 * k, erow_b);
+          const uint32_t* bq = qb + size_t(16 * k) * t.cols + c0;
+          _tile_loadd(6, bq, qb_b);
+          _tile_loadd(7, bq + 16, qb_b);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+          if (copy) cur.Run(t, per_group);
+        }
+        if (c0 + 32 >= t.cols) {
+          if (copy) cur.Run(t, 16);
+          if (j0 > 0) combine(j0 - 32);
+        }
+        _tile_stored(0, sb + c0, qb_b);
+        _tile_stored(1, sb + c0 + 16, qb_b);
+        _tile_stored(2, sb + 16 * size_t(t.cols) + c0, qb_b);
+        _tile_stored(3, sb + 16 * size_t(t.cols) + c0 + 16, qb_b);
+      }
+    }
+  }
+  combine(padded - 32);
+
+  // The chunk's softmax numerators (as AttendChunk), split into parts:
+  // p3[(part * H + h) * kAttendChunk + j], zero for j in [n, padded).
+  uint16_t* p3 = sc->p3.data();
+  const int nb16 = (n + 15) / 16;
+  for (int h = 0; h < heads; ++h) {
+    float* sh = s + h * s_stride;
+    __m512 vm = _mm512_set1_ps(-INFINITY);
+    for (int blk = 0; blk < nb16; ++blk) {
+      const int cnt = std::min(16, n - blk * 16);
+      const __mmask16 valid = cnt >= 16 ? 0xFFFF : __mmask16((1u << cnt) - 1);
+      vm = _mm512_mask_max_ps(vm, valid, vm, _mm512_load_ps(sh + blk * 16));
+    }
+    const float mh = _mm512_reduce_max_ps(vm);
+    const __m512 vmh = _mm512_set1_ps(mh);
+    __m512 vz = _mm512_setzero_ps();
+    for (int blk = 0; blk < padded / 16; blk += 2) {
+      __m512 p[2];
+      for (int u = 0; u < 2; ++u) {
+        const int cnt = std::max(0, std::min(16, n - (blk + u) * 16));
+        const __mmask16 valid = cnt >= 16 ? 0xFFFF : __mmask16((1u << cnt) - 1);
+        p[u] = _mm512_maskz_mov_ps(
+            valid, KernelExp16(_mm512_sub_ps(
+                       _mm512_load_ps(sh + (blk + u) * 16), vmh)));
+        vz = _mm512_add_ps(vz, p[u]);
+      }
+      __m512 a[kParts], b[kParts];
+      SplitParts(p[0], &a[0], &a[1], &a[2]);
+      SplitParts(p[1], &b[0], &b[1], &b[2]);
+      for (int pt = 0; pt < kParts; ++pt) {
+        _mm512_store_si512(
+            p3 + size_t(pt * heads + h) * kAttendChunk + blk * 16,
+            PackBf16(a[pt], b[pt]));
+      }
+    }
+    m[h] = mh;
+    z[h] = LaneTreeSum(vz);
+  }
+
+  // Weighted sums: (part * H + h) x 16 dims per accumulator.
+  float* o3 = sc->o3.data();
+  const int rows_total = kParts * heads;
+  const int nb = padded / 32;
+  const size_t p3_b = size_t(kAttendChunk) * 2, ev_b = size_t(t.lp) * 4,
+               o3_b = size_t(t.lp) * 4;
+  if (t.ws_blocked) {
+    // Entry blocks outermost (the accumulators go through o3, in L1); the
+    // block's pair-interleaved entries are copied while the tile unit
+    // works on the previous block. One or two row blocks: one tile
+    // configuration.
+    const int r0 = std::min(16, rows_total);
+    const int r1 = t.mtiles > 1 ? rows_total - 16 : 0;
+    static thread_local AttendTileConfig cfg(16, 16);
+    cfg = AttendTileConfig(r0, r1);
+    LoadTileConfig(&cfg);
+    ChunkCopy wc;
+    wc.ent = ent;
+    wc.n = n;
+    wc.ev = ev;
+    wc.ev_ring = 32;
+    wc.end = 32;
+    wc.Run(t, 16);
+    const uint16_t* a1 = p3 + size_t(16) * kAttendChunk;
+    const int groups = t.lp / 32;
+    const int per_group = (16 + groups - 1) / groups;
+    for (int b = 0; b < nb; ++b) {
+      const bool copy = b + 1 < nb;
+      wc.end = std::min(padded, 32 * (b + 2));
+      const uint16_t* bv0 = ev + size_t(b % 2) * 16 * 2 * t.lp;
+      for (int d0 = 0; d0 < t.lp; d0 += 32) {
+        float* c = o3 + d0;
+        if (b == 0) {
+          _tile_zero(0);
+          _tile_zero(1);
+          if (r1 > 0) {
+            _tile_zero(2);
+            _tile_zero(3);
+          }
+        } else {
+          _tile_loadd(0, c, o3_b);
+          _tile_loadd(1, c + 16, o3_b);
+          if (r1 > 0) {
+            _tile_loadd(2, c + size_t(16) * t.lp, o3_b);
+            _tile_loadd(3, c + size_t(16) * t.lp + 16, o3_b);
+          }
+        }
+        _tile_loadd(4, p3 + 32 * b, p3_b);
+        _tile_loadd(6, bv0 + 2 * d0, ev_b);
+        _tile_loadd(7, bv0 + 2 * d0 + 32, ev_b);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (r1 > 0) {
+          _tile_loadd(5, a1 + 32 * b, p3_b);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+        if (copy) wc.Run(t, per_group);
+        _tile_stored(0, c, o3_b);
+        _tile_stored(1, c + 16, o3_b);
+        if (r1 > 0) {
+          _tile_stored(2, c + size_t(16) * t.lp, o3_b);
+          _tile_stored(3, c + size_t(16) * t.lp + 16, o3_b);
+        }
+      }
+      if (copy) wc.Run(t, 16);
+    }
+  } else {
+    int loaded0 = 16, loaded1 = 16;
+    for (int mt = 0; mt < t.mtiles; mt += 2) {
+      const int r0 = std::min(16, rows_total - 16 * mt);
+      const int r1 =
+          mt + 1 < t.mtiles ? std::min(16, rows_total - 16 * (mt + 1)) : 0;
+      if (r0 != loaded0 || (r1 != 0 && r1 != loaded1)) {
+        static thread_local AttendTileConfig cfg(16, 16);
+        cfg = AttendTileConfig(r0, r1);
+        LoadTileConfig(&cfg);
+        loaded0 = r0;
+        loaded1 = r1 != 0 ? r1 : r0;
+      }
+      const uint16_t* a0 = p3 + size_t(16 * mt) * kAttendChunk;
+      const uint16_t* a1 = a0 + size_t(16) * kAttendChunk;
+      for (int d0 = 0; d0 < t.lp; d0 += 32) {
+        _tile_zero(0);
+        _tile_zero(1);
+        if (r1 > 0) {
+          _tile_zero(2);
+          _tile_zero(3);
+        }
+        for (int k = 0; k < nb; ++k) {
+          _tile_loadd(4, a0 + 32 * k, p3_b);
+          const uint16_t* bv = ev + size_t(16 * k) * 2 * t.lp + 2 * d0;
+          _tile_loadd(6, bv, ev_b);
+          _tile_loadd(7, bv + 32, ev_b);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          if (r1 > 0) {
+            _tile_loadd(5, a1 + 32 * k, p3_b);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        float* c = o3 + size_t(16 * mt) * t.lp + d0;
+        _tile_stored(0, c, o3_b);
+        _tile_stored(1, c + 16, o3_b);
+        if (r1 > 0) {
+          _tile_stored(2, c + size_t(16) * t.lp, o3_b);
+          _tile_stored(3, c + size_t(16) * t.lp + 16, o3_b);
+        }
+      }
+    }
+  }
+  // o[h][d] = (hi + mid) + lo.
+  const int lora = t.lora;
+  for (int h = 0; h < heads; ++h) {
+    const float* p0 = o3 + size_t(h) * t.lp;
+    const float* p1 = o3 + size_t(heads + h) * t.lp;
+    const float* p2 = o3 + size_t(2 * heads + h) * t.lp;
+    for (int d0 = 0; d0 < lora; d0 += 16) {
+      const int cnt = std::min(16, lora - d0);
+      const __mmask16 mk = cnt >= 16 ? 0xFFFF : __mmask16((1u << cnt) - 1);
+      const __m512 v = _mm512_add_ps(
+          _mm512_add_ps(_mm512_load_ps(p0 + d0), _mm512_load_ps(p1 + d0)),
+          _mm512_load_ps(p2 + d0));
+      _mm512_mask_storeu_ps(o + size_t(h) * lora + d0, mk, v);
+    }
+  }
+}
+#endif  // __AMX_BF16__ && __AMX_TILE__
 }  // namespace
+
+bool MlaAttendUsesTileUnit() { return UseTileUnit(); }
 
 void MlaAttend(const LayerView& view, const int32_t* sel, int nsel,
                const float* q, const AttnShapes& shapes, float* o_lat,
-               CorePool* pool) {
+               CorePool* pool, AttendUnit unit) {
   const int heads = shapes.heads, lora = shapes.kv_lora;
   const size_t os = size_t(shapes.out_dim);
   if (nsel <= 0) {
@@ -1199,7 +2283,7 @@ void MlaAttend(const LayerView& view, const int32_t* sel, int nsel,
   // Reused per calling thread: a fresh buffer would be mapped and
   // page-faulted on every call, which costs more than the work.
   thread_local std::vector<const uint16_t*> entries;
-  thread_local AlignedVector<float> partial;  // chunk x head x lora
+  thread_local AlignedVector<float> partial;    // chunk x head x lora
   thread_local std::vector<float> maxes, sums;  // chunk x head
   entries.resize(nsel);
   partial.resize(size_t(nchunks) * heads * lora);
@@ -1217,61 +2301,110 @@ void MlaAttend(const LayerView& view, const int32_t* sel, int nsel,
   // not hold the rest up (which core computes a chunk does not matter).
   std::atomic<int> next{0};
   const int parts = pool != nullptr ? std::min(pool->cores(), nchunks) : 1;
-  ParallelFor(pool, parts, 1, [&](int64_t, int64_t) {
-    thread_local AlignedVector<float> tile, scratch;
-    tile.resize(tile_size);
-    scratch.resize(s_size);
-    for (int c = next.fetch_add(1, std::memory_order_relaxed); c < nchunks;
-         c = next.fetch_add(1, std::memory_order_relaxed)) {
-      const int j0 = c * kAttendChunk;
-      const int n = std::min(kAttendChunk, nsel - j0);
-      // The chunk's entry addresses once (a page-table lookup and a
-      // division each).
-      for (int j = j0; j < j0 + n; ++j) entries_out[j] = view.Kv(sel[j]);
-      AttendChunk(ent + j0, n, n, q,
-                  shapes, scratch.data(), tile.data(), mx + c * heads,
-                  zs + c * heads, part + size_t(c) * heads * lora);
-    }
-  });
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+  // Below the threshold the tile path's fixed costs (the query's parts, a
+  // whole 32-entry block, the configuration) outweigh its speed.
+  const bool tiles =
+      UseTileUnit() &&
+      (unit == AttendUnit::kTileUnit ||
+       (unit == AttendUnit::kAuto && MlaAttendTileWorthIt(heads, nsel)));
+#else
+  const bool tiles = false;
+#endif
+  if (tiles) {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    const TileAttendDims t(shapes);
+    thread_local AlignedVector<uint16_t> qrows;
+    thread_local AlignedVector<uint32_t> qbuf;
+    qrows.resize(size_t(t.cols) * t.kp);
+    qbuf.resize(size_t(t.cols) * t.kp / 2);
+    PrepareTileQuery(q, shapes.q_dim, t, qrows.data(), qbuf.data());
+    const uint32_t* qb = qbuf.data();
+    ParallelFor(pool, parts, 1, [&](int64_t, int64_t) {
+      thread_local TileAttendScratch scratch;
+      scratch.Size(t);
+      auto addresses = [&](int c) {
+        const int j0 = c * kAttendChunk;
+        const int n = std::min(kAttendChunk, nsel - j0);
+        for (int j = j0; j < j0 + n; ++j) entries_out[j] = view.Kv(sel[j]);
+        return n;
+      };
+      // Each core claims its next chunk before working on the current one,
+      // so that the next chunk's entries can be prefetched meanwhile.
+      int c = next.fetch_add(1, std::memory_order_relaxed);
+      int n = c < nchunks ? addresses(c) : 0;
+      while (c < nchunks) {
+        const int c2 = next.fetch_add(1, std::memory_order_relaxed);
+        const int n2 = c2 < nchunks ? addresses(c2) : 0;
+        AttendChunkTiles(ent + size_t(c) * kAttendChunk, n,
+                         ent + size_t(std::min(c2, nchunks - 1)) * kAttendChunk,
+                         n2, qb, shapes, t, &scratch, mx + c * heads,
+                         zs + c * heads, part + size_t(c) * heads * lora);
+        c = c2;
+        n = n2;
+      }
+      _tile_release();
+    });
+#endif
+  } else {
+    ParallelFor(pool, parts, 1, [&](int64_t, int64_t) {
+      thread_local AlignedVector<float> tile, scratch;
+      tile.resize(tile_size);
+      scratch.resize(s_size);
+      for (int c = next.fetch_add(1, std::memory_order_relaxed); c < nchunks;
+           c = next.fetch_add(1, std::memory_order_relaxed)) {
+        const int j0 = c * kAttendChunk;
+        const int n = std::min(kAttendChunk, nsel - j0);
+        // The chunk's entry addresses once (a page-table lookup and a
+        // division each).
+        for (int j = j0; j < j0 + n; ++j) entries_out[j] = view.Kv(sel[j]);
+        AttendChunk(ent + j0, n, n, q, shapes, scratch.data(), tile.data(),
+                    mx + c * heads, zs + c * heads,
+                    part + size_t(c) * heads * lora);
+      }
+    });
+  }
   // Merge the chunks in order, split by heads where that is worth waking
   // the cores for.
   ParallelFor(PoolFor(pool, double(nchunks) * heads * lora), heads, 1,
               [&](int64_t b, int64_t e) {
-    for (int64_t h = b; h < e; ++h) {
-      float mh = -INFINITY;
-      for (int c = 0; c < nchunks; ++c) mh = std::max(mh, mx[c * heads + h]);
-      // The chunks' weights, kept per calling thread (merge_w).
-      thread_local std::vector<float> merge_w;
-      merge_w.resize(nchunks);
-      float z = 0.0f;
-      for (int c = 0; c < nchunks; ++c) {
-        merge_w[c] = KernelExp(mx[c * heads + h] - mh);
-        z = std::fma(merge_w[c], zs[c * heads + h], z);
-      }
-      const __m512 inv = _mm512_set1_ps(1.0f / z);
-      float* out = o_lat + h * os;
-      for (int d0 = 0; d0 < lora; d0 += 16) {
-        const int cnt = std::min(16, lora - d0);
-        const __mmask16 mk = cnt >= 16 ? 0xFFFF : __mmask16((1u << cnt) - 1);
-        __m512 acc = _mm512_setzero_ps();
-        for (int c = 0; c < nchunks; ++c) {
-          const __m512 w = _mm512_set1_ps(merge_w[c]);
-          acc = _mm512_fmadd_ps(
-              w,
-              _mm512_maskz_loadu_ps(
-                  mk, part + (size_t(c) * heads + h) * lora + d0),
-              acc);
-        }
-        _mm512_mask_storeu_ps(out + d0, mk, _mm512_mul_ps(acc, inv));
-      }
-    }
-  });
+                for (int64_t h = b; h < e; ++h) {
+                  float mh = -INFINITY;
+                  for (int c = 0; c < nchunks; ++c)
+                    mh = std::max(mh, mx[c * heads + h]);
+                  // The chunks' weights, kept per calling thread (merge_w).
+                  thread_local std::vector<float> merge_w;
+                  merge_w.resize(nchunks);
+                  float z = 0.0f;
+                  for (int c = 0; c < nchunks; ++c) {
+                    merge_w[c] = KernelExp(mx[c * heads + h] - mh);
+                    z = std::fma(merge_w[c], zs[c * heads + h], z);
+                  }
+                  const __m512 inv = _mm512_set1_ps(1.0f / z);
+                  float* out = o_lat + h * os;
+                  for (int d0 = 0; d0 < lora; d0 += 16) {
+                    const int cnt = std::min(16, lora - d0);
+                    const __mmask16 mk =
+                        cnt >= 16 ? 0xFFFF : __mmask16((1u << cnt) - 1);
+                    __m512 acc = _mm512_setzero_ps();
+                    for (int c = 0; c < nchunks; ++c) {
+                      const __m512 w = _mm512_set1_ps(merge_w[c]);
+                      acc = _mm512_fmadd_ps(
+                          w,
+                          _mm512_maskz_loadu_ps(
+                              mk, part + (size_t(c) * heads + h) * lora + d0),
+                          acc);
+                    }
+                    _mm512_mask_storeu_ps(out + d0, mk,
+                                          _mm512_mul_ps(acc, inv));
+                  }
+                }
+              });
 }
 
 absl::Status RunIndexer(const AttnShapes& shapes, int layer, int pos_start,
                         int n, const IndexInputs& in, SessionCache* cache,
-                        SelectionState* sel, CorePool* pool,
-                        KernelCost* cost) {
+                        SelectionState* sel, CorePool* pool, KernelCost* cost) {
   if (shapes.index_dim == 0) {
     return absl::FailedPreconditionError("the model has no DSA indexer");
   }
@@ -1280,15 +2413,14 @@ absl::Status RunIndexer(const AttnShapes& shapes, int layer, int pos_start,
         absl::StrCat("bad segment: pos_start ", pos_start, ", n ", n));
   }
   if (pos_start > cache->length(layer)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "layer ", layer, " holds ", cache->length(layer),
-        " positions; a segment cannot start at ", pos_start));
+    return absl::FailedPreconditionError(
+        absl::StrCat("layer ", layer, " holds ", cache->length(layer),
+                     " positions; a segment cannot start at ", pos_start));
   }
   const int hi = shapes.index_heads, di = shapes.index_dim;
   for (int i = 0; i < n; ++i) {
-    RETURN_IF_ERROR(cache->WriteIndexKey(layer, pos_start + i,
-                                         in.k_codes + size_t(i) * di,
-                                         in.k_scales[i]));
+    RETURN_IF_ERROR(cache->WriteIndexKey(
+        layer, pos_start + i, in.k_codes + size_t(i) * di, in.k_scales[i]));
   }
   // Index keys of this layer are valid up to pos_start + n; the KV entries
   // follow in RunAttention, which sets the layer's length.
@@ -1324,9 +2456,9 @@ absl::Status RunIndexer(const AttnShapes& shapes, int layer, int pos_start,
     for (int i = 0; i < nq; ++i) work += double(limit[i]) * hi * di;
     ParallelFor(PoolFor(pool, work), ctx_max, kKeyBlock,
                 [&](int64_t b, int64_t e) {
-      ScoreKeyRange(view, di, int(b), int(e), queries.data(), nq, limit.data(),
-                    outs.data());
-    });
+                  ScoreKeyRange(view, di, int(b), int(e), queries.data(), nq,
+                                limit.data(), outs.data());
+                });
     ParallelFor(pool, nq, 1, [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) {
         SelectTopK(outs[i], limit[i], shapes.index_topk,
@@ -1344,8 +2476,8 @@ absl::Status RunIndexer(const AttnShapes& shapes, int layer, int pos_start,
 
 absl::Status RunAttention(const AttnShapes& shapes, int layer, int pos_start,
                           int n, const AttnInputs& in, SessionCache* cache,
-                          const SelectionState* sel, float* out,
-                          CorePool* pool, KernelCost* cost) {
+                          const SelectionState* sel, float* out, CorePool* pool,
+                          KernelCost* cost) {
   if (shapes.kv_dim == 0) {
     return absl::UnimplementedError(
         "only the mla_dsa attention form is served by this build");
@@ -1360,15 +2492,15 @@ absl::Status RunAttention(const AttnShapes& shapes, int layer, int pos_start,
         absl::StrCat("bad segment: pos_start ", pos_start, ", n ", n));
   }
   if (pos_start > cache->length(layer)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "layer ", layer, " holds ", cache->length(layer),
-        " positions; a segment cannot start at ", pos_start));
+    return absl::FailedPreconditionError(
+        absl::StrCat("layer ", layer, " holds ", cache->length(layer),
+                     " positions; a segment cannot start at ", pos_start));
   }
   if (sel != nullptr &&
       (sel->pos_start != pos_start || int(sel->per_token.size()) != n)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "layer ", layer, ": no index selection for positions ", pos_start,
-        "..", pos_start + n - 1));
+    return absl::FailedPreconditionError(
+        absl::StrCat("layer ", layer, ": no index selection for positions ",
+                     pos_start, "..", pos_start + n - 1));
   }
   for (int i = 0; i < n; ++i) {
     RETURN_IF_ERROR(cache->WriteKv(layer, pos_start + i,
@@ -1409,8 +2541,9 @@ absl::Status RunAttention(const AttnShapes& shapes, int layer, int pos_start,
       entries += sel != nullptr ? double(sel->per_token[i].size())
                                 : double(pos_start + i + 1);
     }
-    cost->bytes += entries * shapes.kv_dim * 2 +
-                   double(n) * shapes.heads * (shapes.q_dim + shapes.out_dim) * 4;
+    cost->bytes +=
+        entries * shapes.kv_dim * 2 +
+        double(n) * shapes.heads * (shapes.q_dim + shapes.out_dim) * 4;
     cost->flops += entries * shapes.heads *
                    (2.0 * shapes.kv_dim + 2.0 * shapes.kv_lora + 4.0);
   }

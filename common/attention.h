@@ -18,14 +18,14 @@ namespace karat {
 // Sizes of the per-token data-plane arrays for one layer (MODEL.md: indexer
 // query as fp8 codes + scales, attention Q and outputs as fp32, KV in bf16).
 struct AttnShapes {
-  int heads = 0;          // attention heads H
-  int kv_dim = 0;         // kv_lora + rope (mla_dsa)
+  int heads = 0;   // attention heads H
+  int kv_dim = 0;  // kv_lora + rope (mla_dsa)
   int kv_lora = 0;
   int rope = 0;
-  int q_dim = 0;          // per head: kv_lora + rope (absorbed)
-  int out_dim = 0;        // per head: kv_lora (o_lat)
-  int index_heads = 0;    // Hi
-  int index_dim = 0;      // Di
+  int q_dim = 0;        // per head: kv_lora + rope (absorbed)
+  int out_dim = 0;      // per head: kv_lora (o_lat)
+  int index_heads = 0;  // Hi
+  int index_dim = 0;    // Di
   int index_topk = 0;
   float softmax_scale = 0;
   // GQA forms (gqa_block, gqa_dense): q_dim = head_dim (+ block_index_dim
@@ -39,14 +39,14 @@ AttnShapes MakeAttnShapes(const ModelConfig& config);
 
 // The GPU -> KARAT payload of one segment and layer, token-major. Spans
 // point into a frame or into the GPU node's step buffers.
-struct IndexInputs {      // frame kIndexQK; only on layers with an indexer
+struct IndexInputs {  // frame kIndexQK; only on layers with an indexer
   const uint8_t* q_codes = nullptr;  // n x Hi x Di
   const float* q_scales = nullptr;   // n x Hi
   const float* weights = nullptr;    // n x Hi (already x Hi^-0.5)
   const uint8_t* k_codes = nullptr;  // n x Di
   const float* k_scales = nullptr;   // n
 };
-struct AttnInputs {       // frame kAttnQKV
+struct AttnInputs {              // frame kAttnQKV
   const float* q = nullptr;      // n x H x q_dim  ([q_abs | q_pe] per head)
   const uint16_t* kv = nullptr;  // n x kv_dim bf16
 };
@@ -127,11 +127,44 @@ float KernelExp(float x);
 // Then, chunks in increasing order: M = max m_c, w_c = KernelExp(m_c - M),
 // z = fma(w_c, z_c, z), a[d] = fma(w_c, o_c[d], a[d]) (from +0), and
 // o[h][d] = a[d] * (1 / z). With one chunk w = 1 and o = o_c * (1 / z).
+// That is the vector path. Where the kernel grants the matrix tile unit
+// (AMX-BF16; MlaAttendUsesTileUnit()), each chunk's dot products and
+// weighted sums run as TDPBF16PS instead, on fp32 operands split exactly
+// into three bf16 parts (x = hi + mid + lo: hi = x with its low 16 bits
+// cleared, mid = (x - hi) likewise, lo = x - hi - mid, each exact in
+// bf16; the entries are bf16 already, so every product is exact in fp32):
+//   S_part[h,j] = part(q[h]) . e_j over 32-dim steps in increasing order
+//   (kv_dim padded with zeros), from 0; s = ((S_hi + S_mid) + S_lo) *
+//   scale; m_c, p and z_c as above; O_part[h][d] = sum_j part(p[h][j])
+//   e_j[d] over 32-entry steps in chunk order, from 0; o_c[h][d] =
+//   (O_hi + O_mid) + O_lo; then the same merge. Within a TDPBF16PS the
+//   accumulation order is the hardware's own (fixed for given inputs, no
+//   simpler scalar model; denormal inputs read as zero), so this path
+//   agrees with the vector path to fp32 rounding, not bit for bit.
+// `unit`: kAuto takes the tile unit where it is granted and the call is
+// large enough to repay its setup (MlaAttendTileWorthIt: at least 16 heads
+// and heads x nsel >= kMlaAttendTileMinWork, e.g. 128 heads from 128
+// entries; with 8 heads the three-part split fills the tiles poorly and the
+// vector path measured faster, so dsa-tiny stays there), else the vector
+// unit; the choice depends only on the shape and nsel, so every process on
+// one machine makes the same one. kVector and kTileUnit force
+// a path (kTileUnit falls back to the vector unit without a tile unit);
+// tests use them to compare the two.
 // `pool` (optional) splits the chunks, then the heads of the merge, over
 // cores; the chunks are fixed, so the result does not depend on it.
 constexpr int kMlaAttendChunk = 256;
+constexpr double kMlaAttendTileMinWork = 16384;
+constexpr int kMlaAttendTileMinHeads = 16;
+inline bool MlaAttendTileWorthIt(int heads, int nsel) {
+  return heads >= kMlaAttendTileMinHeads &&
+         double(heads) * nsel >= kMlaAttendTileMinWork;
+}
+enum class AttendUnit { kAuto, kVector, kTileUnit };
 void MlaAttend(const LayerView& view, const int32_t* sel, int nsel,
                const float* q, const AttnShapes& shapes, float* o_lat,
-               CorePool* pool = nullptr);
+               CorePool* pool = nullptr, AttendUnit unit = AttendUnit::kAuto);
+// Whether MlaAttend can run on the matrix tile unit (granted by the kernel;
+// decided once per process).
+bool MlaAttendUsesTileUnit();
 
 }  // namespace karat

@@ -1,13 +1,13 @@
 // Hand-worked and brute-force checks of the KARAT-side kernels.
-#include <catch2/catch.hpp>
+#include "common/attention.h"
 
 #include <algorithm>
 #include <atomic>
+#include <catch2/catch.hpp>
 #include <cmath>
 #include <cstring>
 #include <random>
 
-#include "common/attention.h"
 #include "common/core_pool.h"
 #include "common/kv_store.h"
 #include "common/numeric.h"
@@ -85,9 +85,79 @@ std::vector<float> ScalarMlaAttend(const LayerView& v,
       z = std::fma(w, zs[c], z);
       for (int d = 0; d < lora; ++d) a[d] = std::fma(w, os[c][d], a[d]);
     }
-    for (int d = 0; d < lora; ++d) out[size_t(h) * lora + d] = a[d] * (1.0f / z);
+    for (int d = 0; d < lora; ++d)
+      out[size_t(h) * lora + d] = a[d] * (1.0f / z);
   }
   return out;
+}
+
+// MlaAttend in double: the softmax-weighted latents of every head, and
+// per output element the bound sum_j p[j] |e_j[d]| / z of its rounding.
+void DoubleMlaAttend(const LayerView& v, const std::vector<int32_t>& sel,
+                     const float* q, const AttnShapes& sh,
+                     std::vector<double>* out, std::vector<double>* mag) {
+  const int lora = sh.kv_lora, n = int(sel.size());
+  out->assign(size_t(sh.heads) * lora, 0.0);
+  mag->assign(size_t(sh.heads) * lora, 0.0);
+  std::vector<float> e(size_t(n) * sh.kv_dim);
+  for (int j = 0; j < n; ++j) {
+    Bf16ToFloat(v.Kv(sel[j]), sh.kv_dim, &e[size_t(j) * sh.kv_dim]);
+  }
+  for (int h = 0; h < sh.heads; ++h) {
+    std::vector<double> s(n);
+    double mx = -1e300;
+    for (int j = 0; j < n; ++j) {
+      double dot = 0;
+      for (int d = 0; d < sh.kv_dim; ++d) {
+        dot += double(q[h * sh.q_dim + d]) * e[size_t(j) * sh.kv_dim + d];
+      }
+      s[j] = dot * sh.softmax_scale;
+      mx = std::max(mx, s[j]);
+    }
+    double z = 0;
+    for (int j = 0; j < n; ++j) z += (s[j] = std::exp(s[j] - mx));
+    for (int j = 0; j < n; ++j) {
+      for (int d = 0; d < lora; ++d) {
+        const double x = s[j] / z * e[size_t(j) * sh.kv_dim + d];
+        (*out)[size_t(h) * lora + d] += x;
+        (*mag)[size_t(h) * lora + d] += std::fabs(x);
+      }
+    }
+  }
+}
+
+// Error allowed against the double reference, relative to sum_j p_j |e_j|:
+// a few times what the fp32 vector path shows (~1.5e-6 at most here). A
+// two-part split of q or p (16 significant bits) misses it.
+constexpr double kAttendTolerance = 4e-6;
+
+// Checks MlaAttend's output `got` with AttendUnit::kTileUnit for a
+// selection: without a tile unit (the vector path) it must equal the
+// scalar model `want` bit for bit; on the tile unit (whose accumulation
+// has no scalar model) it must be as close to a double reference as the
+// vector path is, up to a small factor.
+void CheckAttendPath(const LayerView& v, const std::vector<int32_t>& sel,
+                     const float* q, const AttnShapes& sh,
+                     const std::vector<float>& want,
+                     const std::vector<float>& got) {
+  REQUIRE(got.size() == want.size());
+  if (!MlaAttendUsesTileUnit()) {
+    CHECK(std::memcmp(want.data(), got.data(), want.size() * 4) == 0);
+    return;
+  }
+  std::vector<double> ref, mag;
+  DoubleMlaAttend(v, sel, q, sh, &ref, &mag);
+  double worst_vec = 0, worst_tile = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double bound = mag[i] * kAttendTolerance + 1e-30;
+    worst_vec = std::max(worst_vec, std::fabs(want[i] - ref[i]) / bound);
+    worst_tile = std::max(worst_tile, std::fabs(got[i] - ref[i]) / bound);
+  }
+  INFO("vector error " << worst_vec << ", tile error " << worst_tile
+                       << " (units of " << kAttendTolerance
+                       << " x sum_j p_j |e_j|)");
+  CHECK(worst_vec <= 1.0);
+  CHECK(worst_tile <= 1.0);
 }
 
 // The indexer's defined arithmetic (attention.h), one key at a time:
@@ -123,8 +193,8 @@ float ScalarIndexScore(const uint8_t* q_codes, const float* q_scales,
 // alone, in lane 0 of a fresh block, and within fp32 noise of a double
 // reference.
 void CheckIndexScores(const float* got, int n, const uint8_t* q_codes,
-                      const float* q_scales, const float* w, int heads,
-                      int dim, const std::vector<uint8_t>& key_codes,
+                      const float* q_scales, const float* w, int heads, int dim,
+                      const std::vector<uint8_t>& key_codes,
                       const std::vector<float>& keys,
                       const std::vector<float>& scales) {
   if (!IndexerUsesTileUnit()) {
@@ -139,9 +209,9 @@ void CheckIndexScores(const float* got, int n, const uint8_t* q_codes,
   REQUIRE(alone.cache->Reserve(1).ok());
   const float dim_scale = 1.0f / std::sqrt(float(dim));
   for (int s = 0; s < n; ++s) {
-    REQUIRE(alone.cache
-                ->WriteIndexKey(0, 0, &key_codes[size_t(s) * dim], scales[s])
-                .ok());
+    REQUIRE(
+        alone.cache->WriteIndexKey(0, 0, &key_codes[size_t(s) * dim], scales[s])
+            .ok());
     float one;
     IndexerScore(alone.cache->View(0), 1, q_codes, q_scales, w, heads, dim,
                  &one);
@@ -219,7 +289,8 @@ TEST_CASE("top-k equals brute force on tie-free random data", "[attention]") {
     SelectTopK(s.data(), n, k, &top);
     std::vector<int32_t> idx(n);
     for (int i = 0; i < n; ++i) idx[i] = i;
-    std::sort(idx.begin(), idx.end(), [&](int a, int b) { return s[a] > s[b]; });
+    std::sort(idx.begin(), idx.end(),
+              [&](int a, int b) { return s[a] > s[b]; });
     idx.resize(std::min(k, n));
     std::sort(idx.begin(), idx.end());
     CHECK(top == idx);
@@ -256,7 +327,8 @@ TEST_CASE("MLA absorbed equals the naive expansion", "[attention]") {
           k += double(uk[(size_t(h) * nope + i) * lora + j]) * c[t * lora + j];
         dot += qn[h * nope + i] * k;
       }
-      for (int i = 0; i < rope; ++i) dot += double(qpe[h * rope + i]) * kpe[t * rope + i];
+      for (int i = 0; i < rope; ++i)
+        dot += double(qpe[h * rope + i]) * kpe[t * rope + i];
       s[t] = dot * scale;
       mx = std::max(mx, s[t]);
     }
@@ -301,7 +373,8 @@ TEST_CASE("MLA absorbed equals the naive expansion", "[attention]") {
         a += uk[(size_t(h) * nope + i) * lora + j] * qn[h * nope + i];
       q[h * sh.q_dim + j] = a;
     }
-    for (int i = 0; i < rope; ++i) q[h * sh.q_dim + lora + i] = qpe[h * rope + i];
+    for (int i = 0; i < rope; ++i)
+      q[h * sh.q_dim + lora + i] = qpe[h * rope + i];
   }
   std::vector<int32_t> sel(T);
   for (int t = 0; t < T; ++t) sel[t] = t;
@@ -334,7 +407,8 @@ TEST_CASE("blocked kernels equal the one-position-at-a-time arithmetic",
     for (auto& v : k) v = nd(rng);
     uint8_t* codes = &key_codes[size_t(s) * kDim];
     scales[s] = QuantizeFp8(k.data(), kDim, codes);
-    for (int d = 0; d < kDim; ++d) keys[size_t(s) * kDim + d] = Fp8E4M3ToFloat(codes[d]);
+    for (int d = 0; d < kDim; ++d)
+      keys[size_t(s) * kDim + d] = Fp8E4M3ToFloat(codes[d]);
     REQUIRE(st.cache->WriteIndexKey(0, s, codes, scales[s]).ok());
     std::vector<float> e(kLora + kRope);
     for (auto& v : e) v = nd(rng);
@@ -354,8 +428,8 @@ TEST_CASE("blocked kernels equal the one-position-at-a-time arithmetic",
   std::vector<float> got(kN);
   IndexerScore(st.cache->View(0), kN, qc.data(), qs.data(), w.data(), kHeads,
                kDim, got.data());
-  CheckIndexScores(got.data(), kN, qc.data(), qs.data(), w.data(), kHeads,
-                   kDim, key_codes, keys, scales);
+  CheckIndexScores(got.data(), kN, qc.data(), qs.data(), w.data(), kHeads, kDim,
+                   key_codes, keys, scales);
   // Scoring a prefix gives the same values as scoring everything.
   std::vector<float> prefix(77);
   IndexerScore(st.cache->View(0), 77, qc.data(), qs.data(), w.data(), kHeads,
@@ -375,10 +449,16 @@ TEST_CASE("blocked kernels equal the one-position-at-a-time arithmetic",
   std::vector<int32_t> sel;
   for (int s = 0; s < kN; s += 3) sel.push_back(s);
   std::vector<float> o(size_t(sh.heads) * kLora);
-  MlaAttend(st.cache->View(0), sel.data(), int(sel.size()), q.data(), sh, o.data());
+  MlaAttend(st.cache->View(0), sel.data(), int(sel.size()), q.data(), sh,
+            o.data(), nullptr, AttendUnit::kVector);
   const std::vector<float> want =
       ScalarMlaAttend(st.cache->View(0), sel, q.data(), sh);
   CHECK(std::memcmp(want.data(), o.data(), want.size() * 4) == 0);
+  // The tile unit's path, where there is one: within fp32 rounding of a
+  // double reference.
+  MlaAttend(st.cache->View(0), sel.data(), int(sel.size()), q.data(), sh,
+            o.data(), nullptr, AttendUnit::kTileUnit);
+  CheckAttendPath(st.cache->View(0), sel, q.data(), sh, want, o);
 }
 
 TEST_CASE("attend: several chunks, odd heads and widths, any core count",
@@ -415,16 +495,24 @@ TEST_CASE("attend: several chunks, odd heads and widths, any core count",
   REQUIRE(sel.size() > size_t(4 * kMlaAttendChunk));
   const std::vector<float> want =
       ScalarMlaAttend(st.cache->View(0), sel, q.data(), sh);
-  std::vector<float> o(want.size());
+  std::vector<float> o(want.size()), vec(want.size());
   MlaAttend(st.cache->View(0), sel.data(), int(sel.size()), q.data(), sh,
-            o.data());
-  CHECK(std::memcmp(want.data(), o.data(), want.size() * 4) == 0);
+            vec.data(), nullptr, AttendUnit::kVector);
+  CHECK(std::memcmp(want.data(), vec.data(), want.size() * 4) == 0);
+  MlaAttend(st.cache->View(0), sel.data(), int(sel.size()), q.data(), sh,
+            o.data(), nullptr, AttendUnit::kTileUnit);
+  CheckAttendPath(st.cache->View(0), sel, q.data(), sh, want, o);
   for (const int cores : {2, 3}) {
     CorePool pool(cores, /*min_parallel_work=*/0);
     std::vector<float> split(want.size(), -1.0f);
     MlaAttend(st.cache->View(0), sel.data(), int(sel.size()), q.data(), sh,
-              split.data(), &pool);
+              split.data(), &pool, AttendUnit::kVector);
     CHECK(std::memcmp(want.data(), split.data(), want.size() * 4) == 0);
+    // Either path: the same bits for any core count.
+    std::fill(split.begin(), split.end(), -1.0f);
+    MlaAttend(st.cache->View(0), sel.data(), int(sel.size()), q.data(), sh,
+              split.data(), &pool, AttendUnit::kTileUnit);
+    CHECK(std::memcmp(o.data(), split.data(), o.size() * 4) == 0);
   }
   // The outputs are convex combinations of the latents: a loose sanity
   // check that the merge weighs the chunks.
@@ -433,9 +521,11 @@ TEST_CASE("attend: several chunks, odd heads and widths, any core count",
 
 TEST_CASE("indexer: odd shapes and page sizes keep the defined arithmetic",
           "[attention]") {
-  struct Shape { int heads, dim, tpp, n; };
-  for (const Shape sh : {Shape{13, 20, 7, 100}, Shape{64, 128, 64, 70},
-                         Shape{3, 64, 5, 33}}) {
+  struct Shape {
+    int heads, dim, tpp, n;
+  };
+  for (const Shape sh :
+       {Shape{13, 20, 7, 100}, Shape{64, 128, 64, 70}, Shape{3, 64, 5, 33}}) {
     Store st(8, sh.dim, sh.tpp);
     REQUIRE(st.cache->Reserve(sh.n).ok());
     std::mt19937 rng(sh.heads * 100 + sh.dim);
@@ -463,8 +553,8 @@ TEST_CASE("indexer: odd shapes and page sizes keep the defined arithmetic",
     std::vector<float> got(sh.n);
     IndexerScore(st.cache->View(0), sh.n, qc.data(), qs.data(), w.data(),
                  sh.heads, sh.dim, got.data());
-    CheckIndexScores(got.data(), sh.n, qc.data(), qs.data(), w.data(),
-                     sh.heads, sh.dim, key_codes, keys, scales);
+    CheckIndexScores(got.data(), sh.n, qc.data(), qs.data(), w.data(), sh.heads,
+                     sh.dim, key_codes, keys, scales);
     CorePool pool(3, /*min_parallel_work=*/0);
     std::vector<float> split(sh.n);
     IndexerScore(st.cache->View(0), sh.n, qc.data(), qs.data(), w.data(),
@@ -473,8 +563,10 @@ TEST_CASE("indexer: odd shapes and page sizes keep the defined arithmetic",
   }
 }
 
-TEST_CASE("indexer: every fp8 code scores the same in whole and partial "
-          "blocks", "[attention]") {
+TEST_CASE(
+    "indexer: every fp8 code scores the same in whole and partial "
+    "blocks",
+    "[attention]") {
   // Whole 32-key blocks widen normal codes by bit moves and fall back to
   // the byte tables for zero, subnormal and NaN codes; a key scored alone
   // (a partial block) always goes through the tables. Keys here hold every
@@ -489,7 +581,7 @@ TEST_CASE("indexer: every fp8 code scores the same in whole and partial "
       if (s < 8 * 32) {
         c = uint8_t((s * kDim + d) % 256);  // every code, NaNs included
       } else {
-        c = uint8_t(8 + rng() % 119);       // normal: exponent 1-15, not NaN
+        c = uint8_t(8 + rng() % 119);  // normal: exponent 1-15, not NaN
         if (rng() % 2) c |= 0x80;
       }
       codes[size_t(s) * kDim + d] = c;
@@ -515,8 +607,8 @@ TEST_CASE("indexer: every fp8 code scores the same in whole and partial "
                   .ok());
     }
     std::vector<float> got(kN);
-    IndexerScore(st.cache->View(0), kN, qc.data(), qs.data(), w.data(),
-                 kHeads, kDim, got.data());
+    IndexerScore(st.cache->View(0), kN, qc.data(), qs.data(), w.data(), kHeads,
+                 kDim, got.data());
     Store alone(8, kDim, 4);
     REQUIRE(alone.cache->Reserve(1).ok());
     int differ = 0;
@@ -571,11 +663,20 @@ TEST_CASE("top-k: small-k heap path equals brute force", "[attention]") {
         std::vector<float> s(n);
         for (int i = 0; i < n; ++i) {
           switch (pattern) {
-            case 0: s[i] = d(rng); break;
-            case 1: s[i] = float(i); break;                    // rising
-            case 2: s[i] = float(n - i); break;                // falling
-            case 3: s[i] = std::round(d(rng) * 2.0f); break;  // few values
-            default: s[i] = (i % 3 == 0) ? -0.0f : 0.0f;       // signed zeros
+            case 0:
+              s[i] = d(rng);
+              break;
+            case 1:
+              s[i] = float(i);
+              break;  // rising
+            case 2:
+              s[i] = float(n - i);
+              break;  // falling
+            case 3:
+              s[i] = std::round(d(rng) * 2.0f);
+              break;  // few values
+            default:
+              s[i] = (i % 3 == 0) ? -0.0f : 0.0f;  // signed zeros
           }
         }
         std::vector<int32_t> top;
@@ -648,8 +749,7 @@ SessionRun RunSession(const std::vector<int>& segments, CorePool* pool) {
   std::mt19937 rng(21);
   std::normal_distribution<float> nd;
   std::vector<uint8_t> qc(size_t(total) * kHi * kDi), kc(size_t(total) * kDi);
-  std::vector<float> qs(size_t(total) * kHi), w(size_t(total) * kHi),
-      ks(total);
+  std::vector<float> qs(size_t(total) * kHi), w(size_t(total) * kHi), ks(total);
   std::vector<float> q(size_t(total) * kHeads * sh.q_dim);
   std::vector<uint16_t> kv(size_t(total) * sh.kv_dim);
   for (int t = 0; t < total; ++t) {
@@ -697,14 +797,15 @@ SessionRun RunSession(const std::vector<int>& segments, CorePool* pool) {
   return run;
 }
 
-TEST_CASE("indexer and attention: same bits for any core count and any "
-          "segmentation", "[attention][core_pool]") {
-  const SessionRun ref = RunSession({1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
-                                     1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
-                                     1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
-                                     1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
-                                     1, 1, 1, 1, 1, 1, 1, 1, 150, 1, 1, 1},
-                                    nullptr);
+TEST_CASE(
+    "indexer and attention: same bits for any core count and any "
+    "segmentation",
+    "[attention][core_pool]") {
+  const SessionRun ref = RunSession(
+      {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,   1, 1, 1, 1, 1,
+       1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,   1, 1, 1, 1, 1,
+       1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 150, 1, 1, 1},
+      nullptr);
   REQUIRE(ref.selections.size() == 213);
   CHECK(ref.selections.back().size() == 24);
   for (const int cores : {1, 2, 3}) {
@@ -720,11 +821,90 @@ TEST_CASE("indexer and attention: same bits for any core count and any "
   }
 }
 
+TEST_CASE(
+    "attend: the tile unit agrees with the vector path to fp32 "
+    "rounding, any shape and core count",
+    "[attention][core_pool]") {
+  // dsa-tiny's shape, an odd one (27 part rows: a 16-row and an 11-row
+  // block; lora 40: a padded 32-dim pair), a wide one (48 heads: the
+  // whole-chunk weighted sums), two heads and one entry, over several
+  // chunks, with scores large enough that the softmax is peaked (an
+  // inexact split of q or p would show).
+  struct Case {
+    int heads, lora, rope, n;
+    float q_scale;
+  };
+  for (const Case& c : {Case{8, 128, 16, 2100, 3.0f}, Case{9, 40, 8, 700, 2.0f},
+                        Case{48, 64, 16, 400, 1.0f}, Case{2, 16, 0, 40, 4.0f},
+                        Case{8, 128, 16, 1, 3.0f}}) {
+    CAPTURE(c.heads, c.lora, c.rope, c.n);
+    Store st(c.lora + c.rope, 32, 64);
+    const int tokens = c.n + c.n / 16 + 2;
+    REQUIRE(st.cache->Reserve(tokens).ok());
+    std::mt19937 rng(c.heads * 1000 + c.lora);
+    std::normal_distribution<float> nd;
+    for (int s = 0; s < tokens; ++s) {
+      std::vector<float> e(c.lora + c.rope);
+      for (auto& v : e) v = nd(rng);
+      std::vector<uint16_t> b(e.size());
+      FloatToBf16(e.data(), e.size(), b.data());
+      REQUIRE(st.cache->WriteKv(0, s, b.data()).ok());
+    }
+    st.cache->SetLength(0, tokens);
+    AttnShapes sh;
+    sh.heads = c.heads;
+    sh.kv_lora = c.lora;
+    sh.rope = c.rope;
+    sh.kv_dim = sh.q_dim = c.lora + c.rope;
+    sh.out_dim = c.lora;
+    sh.softmax_scale = 1.0f / std::sqrt(float(sh.kv_dim));
+    std::vector<float> q(size_t(sh.heads) * sh.q_dim);
+    for (auto& v : q) v = c.q_scale * nd(rng);
+    // Every position but a scattered few, in increasing order.
+    std::vector<int32_t> sel;
+    for (int s = 0; s < tokens && int(sel.size()) < c.n; ++s) {
+      if (s % 17 != 3) sel.push_back(s);
+    }
+    REQUIRE(int(sel.size()) == c.n);
+    const LayerView view = st.cache->View(0);
+    const std::vector<float> want = ScalarMlaAttend(view, sel, q.data(), sh);
+    std::vector<float> vec(want.size()), got(want.size());
+    MlaAttend(view, sel.data(), c.n, q.data(), sh, vec.data(), nullptr,
+              AttendUnit::kVector);
+    CHECK(std::memcmp(want.data(), vec.data(), want.size() * 4) == 0);
+    MlaAttend(view, sel.data(), c.n, q.data(), sh, got.data(), nullptr,
+              AttendUnit::kTileUnit);
+    CheckAttendPath(view, sel, q.data(), sh, want, got);
+    // kAuto takes the tile unit only for large enough calls.
+    std::vector<float> deflt(want.size());
+    MlaAttend(view, sel.data(), c.n, q.data(), sh, deflt.data());
+    const bool large = MlaAttendTileWorthIt(c.heads, c.n);
+    CHECK(std::memcmp(deflt.data(), large ? got.data() : vec.data(),
+                      deflt.size() * 4) == 0);
+    if (c.n == 1) {
+      // A one-entry selection is that entry's latent, exactly, either way.
+      std::vector<float> e(sh.kv_dim);
+      Bf16ToFloat(view.Kv(sel[0]), sh.kv_dim, e.data());
+      for (int h = 0; h < sh.heads; ++h) {
+        CHECK(std::memcmp(&got[size_t(h) * c.lora], e.data(), c.lora * 4) == 0);
+        CHECK(std::memcmp(&vec[size_t(h) * c.lora], e.data(), c.lora * 4) == 0);
+      }
+    }
+    for (const int cores : {2, 3}) {
+      CorePool pool(cores, /*min_parallel_work=*/0);
+      std::vector<float> split(want.size(), -1.0f);
+      MlaAttend(view, sel.data(), c.n, q.data(), sh, split.data(), &pool,
+                AttendUnit::kTileUnit);
+      CHECK(std::memcmp(got.data(), split.data(), got.size() * 4) == 0);
+    }
+  }
+}
+
 TEST_CASE("KernelExp: vector lanes equal the scalar function, near exp",
           "[attention]") {
   std::mt19937 rng(9);
   std::uniform_real_distribution<float> d(-120.0f, 90.0f);
-  std::vector<float> xs = {0.0f, -0.0f, 1.0f, -1.0f, -103.9f, -104.0f,
+  std::vector<float> xs = {0.0f,    -0.0f, 1.0f,  -1.0f,     -103.9f,  -104.0f,
                            -104.1f, 88.0f, 89.0f, -INFINITY, INFINITY, NAN};
   for (int i = 0; i < 20000; ++i) xs.push_back(d(rng));
   for (const float x : xs) {
@@ -746,7 +926,8 @@ TEST_CASE("KernelExp: vector lanes equal the scalar function, near exp",
 
 TEST_CASE("page arena: all-or-nothing reservations", "[kv_store]") {
   Store st(8, 4, 4, /*layers=*/2);
-  auto arena = *PageArena::Create(st.layout.page_bytes * 6, st.layout.page_bytes);
+  auto arena =
+      *PageArena::Create(st.layout.page_bytes * 6, st.layout.page_bytes);
   SessionCache a(&st.layout, arena.get());
   REQUIRE(a.Reserve(8).ok());  // 2 pages x 2 layers
   CHECK(arena->free_pages() == 2);
