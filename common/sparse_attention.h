@@ -172,7 +172,9 @@ std::unique_ptr<SparseAttention> NewClusterKvAttention(
 // retrieved (collides in at least two of L tables of K bits):
 // p = (1 - theta/pi)^K, w = 1 - (1-p)^(L-1) (L p + 1 - p).
 double MagicPigRetrievalProbability(double theta, int bits, int tables);
-// Quest's upper bound of q . k over a page: sum_i max(q_i M_i, q_i m_i).
+// Quest's upper bound of q . k over a page: sum_i max(q_i M_i, q_i m_i),
+// evaluated as acc = fma(q_i, q_i >= 0 ? M_i : m_i, acc) in channel order
+// from +0, which Select's kernel reproduces bit for bit (attn_quest.cc).
 float QuestBound(const float* q, const float* min, const float* max, int d);
 
 }  // namespace karat
