@@ -325,9 +325,8 @@ class State {
 };
 
 // ---------------------------------------------------------------------------
-// Control pushes made in the background (SetPeers, SetMicroBatches, the link
-// table after a registration), so that no client stream and no lock waits on
-// a node. Tasks are coalesced by key:
+// Control pushes made in the background (SetPeers, SetMicroBatches), so that
+// no client stream and no lock waits on a node. Tasks are coalesced by key:
 // a task posted again before it ran replaces the waiting one.
 
 class ControlPusher {
@@ -498,21 +497,58 @@ std::vector<std::string> PushLinks(const State* s,
   return failed;
 }
 
-// Pushes the link table after a registration (to the node that just
-// registered, and to the KARAT nodes that must learn its name), on the
-// control pusher's thread.
-void PushLinksAfterRegistration(State* s) {
-  // Give a node that just registered a moment to serve its RPCs.
-  absl::SleepFor(absl::Milliseconds(100));
-  std::vector<LinkPushTarget> targets;
-  cl::SetLinksRequest req;
-  {
-    absl::MutexLock lock(&s->mu_);
-    if (s->links_.empty()) return;
-    req = LinkPushLocked(s, &targets);
+// Pushes the table in the background after registrations (a node that just
+// registered, and the KARAT nodes that must learn its name).
+class LinkPusher {
+ public:
+  explicit LinkPusher(State* s) : s_(s), thread_([this] { Loop(); }) {}
+  ~LinkPusher() { Stop(); }
+
+  void Request() {
+    absl::MutexLock lock(&mu_);
+    pending_ = true;
   }
-  PushLinks(s, req, targets);
-}
+
+  void Stop() {
+    {
+      absl::MutexLock lock(&mu_);
+      if (stop_) return;
+      stop_ = true;
+    }
+    thread_.join();
+  }
+
+ private:
+  void Loop() {
+    for (;;) {
+      {
+        absl::MutexLock lock(&mu_);
+        auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return pending_ || stop_;
+        };
+        mu_.Await(absl::Condition(&ready));
+        if (stop_) return;
+        pending_ = false;
+      }
+      // Give a node that just registered a moment to serve its RPCs.
+      absl::SleepFor(absl::Milliseconds(100));
+      std::vector<LinkPushTarget> targets;
+      cl::SetLinksRequest req;
+      {
+        absl::MutexLock lock(&s_->mu_);
+        if (s_->links_.empty()) continue;
+        req = LinkPushLocked(s_, &targets);
+      }
+      PushLinks(s_, req, targets);
+    }
+  }
+
+  State* const s_;
+  absl::Mutex mu_;
+  bool pending_ ABSL_GUARDED_BY(mu_) = false;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
 
 // karat.cluster.Admin: link emulation at run time.
 class AdminService final : public cl::Admin::Service {
@@ -577,6 +613,7 @@ class MembershipService final : public cl::Coordinator::Service {
   explicit MembershipService(State* state) : s_(state) {}
 
   // Told after every registration (pushes the link table; GPU peers).
+  void set_link_pusher(LinkPusher* pusher) { pusher_ = pusher; }
   void set_control_pusher(ControlPusher* pusher) { control_ = pusher; }
 
   grpc::Status RegisterNode(grpc::ServerContext*,
@@ -682,10 +719,7 @@ class MembershipService final : public cl::Coordinator::Service {
     resp->set_heartbeat_interval_ms(s_->options().heartbeat_interval_ms);
     s_->nodes_.emplace(n.id, std::move(n));
     s_->capacity_epoch_++;
-    if (control_ != nullptr && !s_->links_.empty()) {
-      State* s = s_;
-      control_->Post("links", [s] { PushLinksAfterRegistration(s); });
-    }
+    if (pusher_ != nullptr && !s_->links_.empty()) pusher_->Request();
     if (role == NodeRole::kGpu && control_ != nullptr) {
       State* s = s_;
       control_->Post("peers", [s] { PushPeers(s); });
@@ -714,6 +748,7 @@ class MembershipService final : public cl::Coordinator::Service {
 
  private:
   State* s_;
+  LinkPusher* pusher_ = nullptr;
   ControlPusher* control_ = nullptr;
 };
 
@@ -1606,7 +1641,9 @@ class CoordinatorImpl final : public Coordinator {
       : state_(options),
         karat_(&state_),
         membership_(&state_),
-        admin_(&state_) {
+        admin_(&state_),
+        link_pusher_(&state_) {
+    membership_.set_link_pusher(&link_pusher_);
     membership_.set_control_pusher(&control_pusher_);
     karat_.set_control_pusher(&control_pusher_);
   }
@@ -1651,6 +1688,7 @@ class CoordinatorImpl final : public Coordinator {
       server_->Shutdown(absl::ToChronoTime(absl::Now() + deadline));
       server_->Wait();
     }
+    link_pusher_.Stop();
     control_pusher_.Stop();
     KLOG(Info, kLog) << "shut down";
   }
@@ -1664,6 +1702,7 @@ class CoordinatorImpl final : public Coordinator {
   KaratService karat_;
   MembershipService membership_;
   AdminService admin_;
+  LinkPusher link_pusher_;
   ControlPusher control_pusher_;
   std::unique_ptr<grpc::Server> server_;
   std::string address_;
