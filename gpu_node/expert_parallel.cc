@@ -294,12 +294,20 @@ absl::Status ExpertParallel::Impl::Run(int mb, WaitHooks* hooks, uint64_t step,
     Peer peer;
     {
       absl::MutexLock lock(&peers_mu);
-      peer = peers[plan.rank];
+      const int r = plan.rank;
+      auto known = [this, r]() ABSL_SHARED_LOCKS_REQUIRED(peers_mu) {
+        return peers[r].known;
+      };
+      peers_mu.AwaitWithTimeout(absl::Condition(&known), options.peer_wait);
+      peer = peers[r];
     }
     if (!peer.known) {
-      return finish(absl::UnavailableError(absl::StrCat(
-          "layer ", work.layer, " routes rows to the experts of GPU rank ",
-          plan.rank, ", which has no data-plane address (no SetPeers entry)")));
+      return finish(absl::UnavailableError(
+          absl::StrCat("layer ", work.layer,
+                       " routes rows to the experts of GPU rank ", plan.rank,
+                       ", which has no data-plane address (no SetPeers entry "
+                       "within ",
+                       absl::FormatDuration(options.peer_wait), ")")));
     }
     std::vector<int32_t> ids, counts, indices;
     std::vector<int> distinct;

@@ -56,6 +56,10 @@ struct ExpertParallelOptions {
   // Bound on waiting for another rank's combine; past it the layer fails
   // with UNAVAILABLE naming the rank.
   absl::Duration timeout = absl::Seconds(30);
+  // Bound on waiting for a rank's address (GpuNode.SetPeers): a rank that
+  // has just joined may start its first turn before the coordinator's
+  // table reaches it.
+  absl::Duration peer_wait = absl::Seconds(5);
   // Largest frame to send; 0 means the transport's MaxMessageSize() (a
   // smaller value still applies the transport's bound too).
   size_t max_frame_bytes = 0;

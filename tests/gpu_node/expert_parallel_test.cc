@@ -56,9 +56,9 @@ struct Cluster {
     std::unique_ptr<ExpertParallel> ep;
   };
 
+  // Without `set_peers` no rank has its table yet (SetPeers(peers) later).
   Cluster(const ModelFiles& f, int ranks,
-          const ExpertParallelOptions& options = {}) {
-    std::vector<cluster::GpuPeer> peers;
+          const ExpertParallelOptions& options = {}, bool set_peers = true) {
     for (int r = 0; r < ranks; ++r) {
       Rank rank;
       rank.runner = MakeRunner(f, r, ranks);
@@ -77,7 +77,9 @@ struct Cluster {
       peers.push_back(p);
       this->ranks.push_back(std::move(rank));
     }
-    for (Rank& rank : this->ranks) REQUIRE(rank.ep->SetPeers(peers).ok());
+    if (set_peers) {
+      for (Rank& rank : this->ranks) REQUIRE(rank.ep->SetPeers(peers).ok());
+    }
   }
   ~Cluster() {
     // Deliveries stop before the ExpertParallel objects go.
@@ -86,6 +88,7 @@ struct Cluster {
 
   FakeFabric fabric;
   std::vector<Rank> ranks;
+  std::vector<cluster::GpuPeer> peers;
 };
 
 std::vector<int32_t> Prompt(uint64_t session, int len) {
@@ -383,6 +386,27 @@ absl::Status PrefillOnRank0(const ModelRunner& runner, ExpertBackend* experts) {
   return RunStream(runner, experts, stream, &logits);
 }
 
+TEST_CASE("a rank table that arrives during the first step is waited for",
+          "[expert_parallel]") {
+  const ModelFiles& f = Files("dsa-small");
+  ExpertParallelOptions options;
+  options.peer_wait = absl::Seconds(30);  // a bound, not an expectation
+  Cluster cluster(f, 2, options, /*set_peers=*/false);
+  absl::Status status = absl::UnknownError("not run");
+  std::thread step([&] {
+    status = PrefillOnRank0(*cluster.ranks[0].runner,
+                            cluster.ranks[0].ep->ForMicroBatch(0, nullptr));
+  });
+  // Long enough for rank 0 to reach its first MoE layer and wait there.
+  absl::SleepFor(absl::Milliseconds(300));
+  for (auto& rank : cluster.ranks) {
+    REQUIRE(rank.ep->SetPeers(cluster.peers).ok());
+  }
+  step.join();
+  CHECK(status.ok());
+  CHECK(cluster.ranks[1].ep->Stats()["moe_dispatches_served"] > 0);
+}
+
 TEST_CASE("a dead or missing peer fails the step with UNAVAILABLE",
           "[expert_parallel]") {
   const ModelFiles& f = Files("dsa-small");
@@ -392,14 +416,16 @@ TEST_CASE("a dead or missing peer fails the step with UNAVAILABLE",
   auto t1 = fabric.NewEndpoint("gpu1");  // no handler: frames vanish
   ExpertParallelOptions options;
   options.timeout = absl::Milliseconds(200);
+  options.peer_wait = absl::Milliseconds(100);
   ExpertParallel ep(runner.get(), t0.get(), options);
   ep.set_node_id(kNodeIdBase);
   t0->SetReceiveHandler([&ep](std::string_view m) { ep.OnMessage(m); });
 
-  SECTION("no rank table") {
+  SECTION("no rank table within the bound") {
     absl::Status s = PrefillOnRank0(*runner, ep.ForMicroBatch(0, nullptr));
     CHECK(s.code() == absl::StatusCode::kUnavailable);
     CHECK(s.message().find("rank 1") != std::string::npos);
+    CHECK(s.message().find("SetPeers") != std::string::npos);
   }
 
   cluster::GpuPeer p1;
