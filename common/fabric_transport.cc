@@ -500,6 +500,11 @@ class FabricTransport final : public Transport {
   RecvSlot* delivering_ = nullptr;
   bool delivering_held_ = false;
   int held_ = 0;  // progress thread only
+  // Buffers not posted (FabricOptions::posted_receives): each replaces a
+  // held one; `unreplaced_` holds found no spare, and their buffers are
+  // posted again on release. Progress thread only after Open().
+  std::vector<RecvSlot*> spare_;
+  int unreplaced_ = 0;
   std::shared_ptr<ReleasedSlots> released_ = std::make_shared<ReleasedSlots>();
   std::atomic<uint64_t> messages_held_{0}, holds_returned_{0};
   // Progress thread only: receive buffers to re-post once the provider
@@ -561,6 +566,10 @@ absl::Status FabricTransport::Open() {
   if (options_.receive_buffers < 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "receive_buffers must be at least 1, got ", options_.receive_buffers));
+  }
+  if (options_.posted_receives < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "posted_receives must be at least 1, got ", options_.posted_receives));
   }
   if (options_.send_timeout_ms <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -653,8 +662,14 @@ absl::Status FabricTransport::Open() {
     absl::MutexLock lock(&released_->mu);
     released_->wake_fd = wake_fd_.get();
   }
-  for (auto& slot : recv_slots_) {
-    RETURN_IF_ERROR(PostRecv(slot.get()));
+  const int posted =
+      std::min(options_.posted_receives, options_.receive_buffers);
+  for (int i = 0; i < options_.receive_buffers; ++i) {
+    if (i < posted) {
+      RETURN_IF_ERROR(PostRecv(recv_slots_[i].get()));
+    } else {
+      spare_.push_back(recv_slots_[i].get());
+    }
   }
 
   char straddr[256];
@@ -1518,7 +1533,14 @@ void FabricTransport::DeliverReceived(RecvSlot* slot, size_t len,
   delivering_held_ = false;
   CallHandler(from, std::string_view(slot->buffer.get(), len));
   delivering_ = nullptr;
-  if (!delivering_held_) RepostRecv(slot);
+  if (!delivering_held_) {
+    RepostRecv(slot);
+  } else if (!spare_.empty()) {
+    RepostRecv(spare_.back());
+    spare_.pop_back();
+  } else {
+    ++unreplaced_;
+  }
 }
 
 std::shared_ptr<const void> FabricTransport::HoldMessage() {
@@ -1554,7 +1576,12 @@ void FabricTransport::RepostReleased() {
   }
   for (RecvSlot* slot : slots) {
     --held_;
-    RepostRecv(slot);
+    if (unreplaced_ > 0) {
+      --unreplaced_;
+      RepostRecv(slot);
+    } else {
+      spare_.push_back(slot);
+    }
   }
   holds_returned_.fetch_add(slots.size(), std::memory_order_relaxed);
 }

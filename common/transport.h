@@ -135,6 +135,13 @@ struct FabricOptions {
   std::string node;
   size_t max_message_size = 8 << 20;
   int receive_buffers = 16;
+  // Receive buffers posted to the provider at a time (1 ..
+  // receive_buffers); the others stand in for buffers a handler holds
+  // (HoldMessage). Few posted buffers keep large messages landing in the
+  // same, cache-warm memory instead of cycling through all of them; a
+  // message that finds none posted waits in the provider until the
+  // progress thread re-posts one, right after the handler.
+  int posted_receives = 1;
   // Send fails with UNAVAILABLE after this long without completion.
   int send_timeout_ms = 10000;
   // SendShared() hands messages of at least this many bytes to the provider

@@ -4,7 +4,8 @@
 //
 //   karat-bench-fabric [--providers shm,tcp] [--sizes 64,4096,...]
 //                      [--quick] [--no-fi-pingpong] [--repeat N]
-//                      [--receive-buffers N] [--no-table] [--no-ingest]
+//                      [--receive-buffers N] [--posted-receives N]
+//                      [--no-table] [--no-ingest]
 //                      [--ingest-tokens N] [--ingest-chunk N] [--spin-us N]
 //
 // For every provider and message size, two processes (this one and a forked
@@ -26,8 +27,10 @@
 //     and client on localhost; its usec/xfer and MB/sec columns.
 // Ratios: our bandwidth / fi_pingpong's MB/sec, our latency / its usec/xfer.
 // With --repeat N every measurement is taken N times and the best kept.
-// --receive-buffers sets FabricOptions::receive_buffers (default 16): large
-// messages land in that many rotating buffers, fi_pingpong reuses one.
+// --receive-buffers sets FabricOptions::receive_buffers (default 16) and
+// --posted-receives FabricOptions::posted_receives (default 1): large
+// messages cycle through the posted buffers only, so with few posted they
+// land in cache-warm memory, as fi_pingpong's one buffer does.
 //
 // KV ingestion (after the table; --no-ingest skips it, --no-table runs only
 // it): the KV entries and DSA index keys of one turn of --ingest-tokens new
@@ -125,6 +128,7 @@ std::optional<std::string> ReadString(int fd) {
 }
 
 int g_receive_buffers = FabricOptions().receive_buffers;
+int g_posted_receives = FabricOptions().posted_receives;
 int g_spin_us = FabricOptions().spin_us;
 
 FabricOptions Options(const std::string& provider, size_t size,
@@ -134,6 +138,7 @@ FabricOptions Options(const std::string& provider, size_t size,
   if (provider == "tcp") o.node = "127.0.0.1";
   o.max_message_size = std::max<size_t>(size, 4096);
   o.receive_buffers = g_receive_buffers;
+  o.posted_receives = g_posted_receives;
   o.use_rma = rma;
   o.spin_us = g_spin_us;
   return o;
@@ -761,6 +766,11 @@ int Main(int argc, char** argv) {
           g_receive_buffers < 1) {
         return 2;
       }
+    } else if (flag == "--posted-receives") {
+      if (!absl::SimpleAtoi(value(), &g_posted_receives) ||
+          g_posted_receives < 1) {
+        return 2;
+      }
     } else if (flag == "--spin-us") {
       if (!absl::SimpleAtoi(value(), &g_spin_us) || g_spin_us < 0) return 2;
     } else if (flag == "--no-table") {
@@ -781,7 +791,8 @@ int Main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: karat-bench-fabric [--providers shm,tcp] "
                    "[--sizes N,...] [--quick] [--no-fi-pingpong] "
-                   "[--repeat N] [--receive-buffers N] [--no-table] "
+                   "[--repeat N] [--receive-buffers N] "
+                   "[--posted-receives N] [--no-table] "
                    "[--no-ingest] [--ingest-tokens N] [--ingest-chunk N] "
                    "[--spin-us N]\n");
       return 2;

@@ -247,6 +247,10 @@ TEST_CASE("shm: invalid options are refused", "[fabric]") {
   o.send_timeout_ms = 0;
   CHECK(OpenFabricTransport(o).status().code() ==
         absl::StatusCode::kInvalidArgument);
+  o = Options("shm");
+  o.posted_receives = 0;
+  CHECK(OpenFabricTransport(o).status().code() ==
+        absl::StatusCode::kInvalidArgument);
   o = Options("no-such-provider");
   CHECK(OpenFabricTransport(o).status().code() ==
         absl::StatusCode::kUnavailable);
