@@ -2356,8 +2356,18 @@ void MlaAttend(const LayerView& view, const int32_t* sel, int nsel,
         const int j0 = c * kAttendChunk;
         const int n = std::min(kAttendChunk, nsel - j0);
         // The chunk's entry addresses once (a page-table lookup and a
-        // division each).
-        for (int j = j0; j < j0 + n; ++j) entries_out[j] = view.Kv(sel[j]);
+        // division each), each entry's lines requested into L2 right
+        // away: the entries are scattered over the pages, and asking for
+        // all of them first lets their misses overlap each other instead
+        // of arriving a pair at a time.
+        const int lines = (shapes.kv_dim * 2 + 63) / 64;
+        for (int j = j0; j < j0 + n; ++j) {
+          const uint16_t* e = view.Kv(sel[j]);
+          entries_out[j] = e;
+          const char* a = reinterpret_cast<const char*>(e);
+          for (int l = 0; l < lines; ++l) PrefetchLineL2(a + 64 * l);
+          PrefetchLineL2(a + shapes.kv_dim * 2 - 1);
+        }
         AttendChunk(ent + j0, n, n, q, shapes, scratch.data(), tile.data(),
                     mx + c * heads, zs + c * heads,
                     part + size_t(c) * heads * lora);
