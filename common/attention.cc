@@ -2351,16 +2351,17 @@ void MlaAttend(const LayerView& view, const int32_t* sel, int nsel,
       thread_local AlignedVector<float> tile, scratch;
       tile.resize(tile_size);
       scratch.resize(s_size);
-      for (int c = next.fetch_add(1, std::memory_order_relaxed); c < nchunks;
-           c = next.fetch_add(1, std::memory_order_relaxed)) {
+      // A chunk's entry addresses once (a page-table lookup and a division
+      // each), each entry's lines requested into L2 right away: the
+      // entries are scattered over the pages, and asking for all of them
+      // at once lets their misses overlap. A core claims its next chunk
+      // and requests it before computing the current one, so those misses
+      // also overlap the arithmetic.
+      const int lines = (shapes.kv_dim * 2 + 63) / 64;
+      auto request = [&](int c) {
+        if (c >= nchunks) return;
         const int j0 = c * kAttendChunk;
         const int n = std::min(kAttendChunk, nsel - j0);
-        // The chunk's entry addresses once (a page-table lookup and a
-        // division each), each entry's lines requested into L2 right
-        // away: the entries are scattered over the pages, and asking for
-        // all of them first lets their misses overlap each other instead
-        // of arriving a pair at a time.
-        const int lines = (shapes.kv_dim * 2 + 63) / 64;
         for (int j = j0; j < j0 + n; ++j) {
           const uint16_t* e = view.Kv(sel[j]);
           entries_out[j] = e;
@@ -2368,9 +2369,18 @@ void MlaAttend(const LayerView& view, const int32_t* sel, int nsel,
           for (int l = 0; l < lines; ++l) PrefetchLineL2(a + 64 * l);
           PrefetchLineL2(a + shapes.kv_dim * 2 - 1);
         }
+      };
+      int c = next.fetch_add(1, std::memory_order_relaxed);
+      request(c);
+      while (c < nchunks) {
+        const int c_next = next.fetch_add(1, std::memory_order_relaxed);
+        request(c_next);
+        const int j0 = c * kAttendChunk;
+        const int n = std::min(kAttendChunk, nsel - j0);
         AttendChunk(ent + j0, n, n, q, shapes, scratch.data(), tile.data(),
                     mx + c * heads, zs + c * heads,
                     part + size_t(c) * heads * lora);
+        c = c_next;
       }
     });
   }
