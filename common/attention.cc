@@ -1656,6 +1656,22 @@ float KernelExp(float x) {
 
 namespace {
 
+// Requests every cache line that an entry of `bytes` bytes at `e` touches
+// (entries need not start on a line) into L1 (kL1) or L2.
+template <bool kL1>
+inline void PrefetchEntryLines(const void* e, size_t bytes) {
+  const uintptr_t first = reinterpret_cast<uintptr_t>(e) & ~uintptr_t(63);
+  const uintptr_t last =
+      (reinterpret_cast<uintptr_t>(e) + bytes - 1) & ~uintptr_t(63);
+  for (uintptr_t p = first; p <= last; p += 64) {
+    if constexpr (kL1) {
+      PrefetchLine(reinterpret_cast<const void*>(p));
+    } else {
+      PrefetchLineL2(reinterpret_cast<const void*>(p));
+    }
+  }
+}
+
 // One chunk of the selection (entries ent[0, n), n <= kAttendChunk) for
 // every head: scores, the chunk's max m[h], p = KernelExp(s - m[h]), the
 // 16-lane denominator z[h] and the unnormalised sums o[h][0, lora) (stride
@@ -1672,11 +1688,7 @@ void AttendChunk(const uint16_t* const* ent, int n, int ahead, const float* q,
     // The next pair's entries, scattered over the pages: prefetched so
     // that their misses overlap this pair's arithmetic.
     for (int j = j0 + 32; j < std::min(ahead, j0 + 64); ++j) {
-      const char* a = reinterpret_cast<const char*>(ent[j]);
-      for (int off = 0; off < kv_dim * 2; off += 64) {
-        _mm_prefetch(a + off, _MM_HINT_T0);
-      }
-      _mm_prefetch(a + kv_dim * 2 - 1, _MM_HINT_T0);
+      PrefetchEntryLines<true>(ent[j], size_t(kv_dim) * 2);
     }
     LoadEntryTile(ent + j0, std::min(kEntryBlock, n - j0), kv_dim, tile, 32);
     if (second) {
@@ -1817,11 +1829,11 @@ inline __m512i PackBf16(__m512 a, __m512 b) {
 // Sizes of the tile path's operands for one shape.
 struct TileAttendDims {
   int heads, kv_dim, lora;
-  int kp;      // kv_dim padded to 32 (one A tile row per 32 dims)
-  int cols;    // query columns, kParts x heads, padded to 32
-  int lp;      // lora padded to 32
-  int mtiles;  // 16-row blocks of the kParts x heads numerator rows
-  int lines;   // cache lines of one entry
+  int kp;              // kv_dim padded to 32 (one A tile row per 32 dims)
+  int cols;            // query columns, kParts x heads, padded to 32
+  int lp;              // lora padded to 32
+  int mtiles;          // 16-row blocks of the kParts x heads numerator rows
+  size_t entry_bytes;  // one entry (kv_dim bf16)
   // Small shapes (at most two numerator row blocks, lora <= 128): the
   // weighted sums run one 32-entry block at a time, their accumulators
   // stored and reloaded between blocks, so that every scratch buffer stays
@@ -1836,7 +1848,7 @@ struct TileAttendDims {
         cols((kParts * s.heads + 31) / 32 * 32),
         lp((s.kv_lora + 31) / 32 * 32),
         mtiles((kParts * s.heads + 15) / 16),
-        lines((s.kv_dim * 2 + 63) / 64),
+        entry_bytes(size_t(s.kv_dim) * 2),
         ws_blocked(mtiles <= 2 && lp <= 128) {}
 };
 
@@ -1901,15 +1913,6 @@ struct TileAttendScratch {
   }
 };
 
-inline void PrefetchEntry(const uint16_t* e, int lines, int hint) {
-  const char* a = reinterpret_cast<const char*>(e);
-  if (hint == 0) {
-    for (int l = 0; l < lines; ++l) _mm_prefetch(a + 64 * l, _MM_HINT_T0);
-  } else {
-    for (int l = 0; l < lines; ++l) _mm_prefetch(a + 64 * l, _MM_HINT_T1);
-  }
-}
-
 // A chunk's copy into the scratch, a few entry pairs at a time, so that it
 // can be interleaved with tile instructions: entries j, j + 1 go to rows
 // j, j + 1 (modulo erow_ring) of erow (kp each; zero rows past n) and,
@@ -1950,10 +1953,10 @@ struct ChunkCopy {
     const int width = erow != nullptr ? t.kp : t.lp;
     for (int p = 0; p < pairs && j < end; ++p, j += 2) {
       for (int jj = j + kAhead; jj < std::min(n, j + kAhead + 2); ++jj) {
-        PrefetchEntry(ent[jj], t.lines, 0);
+        PrefetchEntryLines<true>(ent[jj], t.entry_bytes);
       }
       for (int k = j; k < std::min(pf_n, j + 2); ++k) {
-        PrefetchEntry(pf[k], t.lines, 1);
+        PrefetchEntryLines<false>(pf[k], t.entry_bytes);
       }
       const uint16_t* a = j < n ? ent[j] : nullptr;
       const uint16_t* b = j + 1 < n ? ent[j + 1] : nullptr;
@@ -2357,17 +2360,13 @@ void MlaAttend(const LayerView& view, const int32_t* sel, int nsel,
       // at once lets their misses overlap. A core claims its next chunk
       // and requests it before computing the current one, so those misses
       // also overlap the arithmetic.
-      const int lines = (shapes.kv_dim * 2 + 63) / 64;
       auto request = [&](int c) {
         if (c >= nchunks) return;
         const int j0 = c * kAttendChunk;
         const int n = std::min(kAttendChunk, nsel - j0);
         for (int j = j0; j < j0 + n; ++j) {
-          const uint16_t* e = view.Kv(sel[j]);
-          entries_out[j] = e;
-          const char* a = reinterpret_cast<const char*>(e);
-          for (int l = 0; l < lines; ++l) PrefetchLineL2(a + 64 * l);
-          PrefetchLineL2(a + shapes.kv_dim * 2 - 1);
+          entries_out[j] = view.Kv(sel[j]);
+          PrefetchEntryLines<false>(entries_out[j], size_t(shapes.kv_dim) * 2);
         }
       };
       int c = next.fetch_add(1, std::memory_order_relaxed);

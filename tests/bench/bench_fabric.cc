@@ -532,17 +532,18 @@ class IngestStore {
   // its receive buffer) to the device's worker, which stores it.
   absl::Mutex mu;
   std::deque<ReceivedBytes> queue;  // guarded by mu
+  bool stop = false;                // guarded by mu
   std::thread worker([&] {
     for (;;) {
       ReceivedBytes m;
       {
         absl::MutexLock lock(&mu);
-        mu.Await(absl::Condition(
-            +[](decltype(queue)* q) { return !q->empty(); }, &queue));
+        auto ready = [&] { return stop || !queue.empty(); };
+        mu.Await(absl::Condition(&ready));
+        if (queue.empty()) return;  // stopped
         m = std::move(queue.front());
         queue.pop_front();
       }
-      if (m.view() == "Q") return;
       bool check = false;
       const std::string reply = store.OnMessage(m.view(), &check);
       const PeerId p = parent.load(std::memory_order_acquire);
@@ -572,7 +573,7 @@ class IngestStore {
   transport->Shutdown();
   {
     absl::MutexLock lock(&mu);
-    queue.push_back(ReceivedBytes(nullptr, "Q", size_t(-1)));
+    stop = true;
   }
   worker.join();
   _exit(0);
