@@ -516,12 +516,23 @@ int main(int argc, char** argv) {
   using namespace karat;
   // --warm: time Score and Attend with the caches as the previous run left
   // them (earlier versions of this table), not cold.
+  // --only NAME: just the rows of one shape (tiny, dsv32) or of the
+  // metadata scoring (meta), for quicker comparisons while tuning a kernel.
   bool warm = false;
+  std::string only;
   for (int i = 1; i < argc; ++i) {
-    if (std::string(argv[i]) == "--warm") {
+    const std::string arg = argv[i];
+    if (arg == "--warm") {
       warm = true;
+    } else if (arg == "--only" && i + 1 < argc &&
+               (std::string(argv[i + 1]) == "tiny" ||
+                std::string(argv[i + 1]) == "dsv32" ||
+                std::string(argv[i + 1]) == "meta")) {
+      only = argv[++i];
     } else {
-      std::fprintf(stderr, "usage: karat-bench-kernels [--warm]\n");
+      std::fprintf(stderr,
+                   "usage: karat-bench-kernels [--warm] "
+                   "[--only tiny|dsv32|meta]\n");
       return 2;
     }
   }
@@ -551,6 +562,7 @@ int main(int argc, char** argv) {
   std::vector<Row> rows;
   std::vector<std::string> summaries;
   for (const Shape& sh : shapes) {
+    if (!only.empty() && only != sh.name) continue;
     auto st = MakeStore(sh, contexts[2]);
     if (st == nullptr) {
       std::printf("cannot allocate the %s store\n", sh.name);
@@ -643,7 +655,7 @@ int main(int argc, char** argv) {
     summaries.push_back(line);
   }
 
-  {
+  if (only.empty() || only == "meta") {
     if (!BenchMetadataScoring("minimax-tiny", "mm-block", contexts, 3, &pool,
                               &flusher, &rows) ||
         !BenchMetadataScoring("llama-tiny-quest", "ll-quest", contexts, 3,
