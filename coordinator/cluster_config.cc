@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "common/link_rules.h"
 #include "common/weights.h"
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
@@ -39,42 +40,6 @@ absl::Status Invalid(const std::string& field, const std::string& problem) {
 }
 
 }  // namespace
-
-const cluster::LinkConfig* EffectiveLink(
-    const google::protobuf::RepeatedPtrField<cluster::LinkConfig>& links,
-    const std::string& source, const std::string& destination) {
-  // Specificity: exact source and destination, exact source, exact
-  // destination, "*" -> "*"; of equally specific rules the last, as the
-  // nodes resolve them (ResolveLink in common/link_emulation.h).
-  const cluster::LinkConfig* best = nullptr;
-  int best_rank = -1;
-  for (const auto& l : links) {
-    const bool src = l.source() == source, dst = l.destination() == destination;
-    if (!(src || l.source() == "*") || !(dst || l.destination() == "*"))
-      continue;
-    const int rank = src && dst ? 3 : src ? 2 : dst ? 1 : 0;
-    if (rank >= best_rank) {
-      best = &l;
-      best_rank = rank;
-    }
-  }
-  return best;
-}
-
-absl::Status ValidateLinkConfig(const cluster::LinkConfig& l,
-                                const std::string& f) {
-  if (l.source().empty())
-    return Invalid(f + ".source", "must be a node name or *");
-  if (l.destination().empty())
-    return Invalid(f + ".destination", "must be a node name or *");
-  if (l.latency_us() < 0) return Invalid(f + ".latency_us", "must be >= 0");
-  if (l.jitter_us() < 0) return Invalid(f + ".jitter_us", "must be >= 0");
-  if (!(l.bandwidth_mbps() >= 0) || std::isinf(l.bandwidth_mbps()))
-    return Invalid(f + ".bandwidth_mbps", "must be >= 0 and finite");
-  if (!(l.loss() >= 0 && l.loss() <= 1))
-    return Invalid(f + ".loss", "must be within [0, 1]");
-  return absl::OkStatus();
-}
 
 absl::Status ValidateClusterConfig(const cluster::ClusterConfig& config) {
   const auto& c = config.coordinator();
@@ -117,8 +82,8 @@ absl::Status ValidateClusterConfig(const cluster::ClusterConfig& config) {
     }
   }
   for (int i = 0; i < config.links_size(); ++i) {
-    absl::Status link =
-        ValidateLinkConfig(config.links(i), absl::StrCat("links[", i, "]"));
+    absl::Status link = ValidateLinkRule(LinkRuleFromProto(config.links(i)),
+                                         absl::StrCat("links[", i, "]"));
     if (!link.ok()) return link;
   }
   const std::string& mode = config.mode();
@@ -154,16 +119,15 @@ absl::Status ValidateClusterConfig(const cluster::ClusterConfig& config) {
           f, "must be > 0 in gpu_only mode (the rank's KV lives in it)");
   }
   if (!gpu_only && config.karat_nodes_size() > 0) {
+    // The rules resolve as on the nodes (the links were checked above).
+    std::vector<LinkRule> rules;
+    for (const auto& l : config.links()) rules.push_back(LinkRuleFromProto(l));
     for (int i = 0; i < config.gpu_nodes_size(); ++i) {
       const std::string& g = config.gpu_nodes(i).name();
       bool reachable = false;
       for (const auto& k : config.karat_nodes()) {
-        const cluster::LinkConfig* to =
-            EffectiveLink(config.links(), g, k.name());
-        const cluster::LinkConfig* from =
-            EffectiveLink(config.links(), k.name(), g);
-        if ((to == nullptr || !to->down()) &&
-            (from == nullptr || !from->down()))
+        if (!ResolveLink(rules, g, k.name()).down &&
+            !ResolveLink(rules, k.name(), g).down)
           reachable = true;
       }
       if (!reachable)

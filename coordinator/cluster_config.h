@@ -46,18 +46,4 @@ absl::Status ValidateClusterConfigForModel(const cluster::ClusterConfig& config,
 absl::Status CheckClusterConfigAgainstModel(
     const cluster::ClusterConfig& config, const std::string& model_dir);
 
-// The effective link rule from `source` to `destination` among `links`
-// (the most specific one, as cluster.proto's LinkConfig describes; the last
-// of equally specific ones, as the nodes take it), or nullptr when none
-// applies.
-const cluster::LinkConfig* EffectiveLink(
-    const google::protobuf::RepeatedPtrField<cluster::LinkConfig>& links,
-    const std::string& source, const std::string& destination);
-
-// Checks one link-emulation rule (names not empty, latency, jitter and
-// bandwidth >= 0, loss within [0, 1]); `field` prefixes the message
-// ("links[2].loss: must be within [0, 1]").
-absl::Status ValidateLinkConfig(const cluster::LinkConfig& link,
-                                const std::string& field);
-
 }  // namespace karat::coordinator

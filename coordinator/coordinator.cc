@@ -20,6 +20,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "cluster.grpc.pb.h"
+#include "common/link_rules.h"
 #include "common/log.h"
 #include "common/tokenizer.h"
 #include "coordinator/cluster_config.h"
@@ -557,7 +558,8 @@ class AdminService final : public cl::Admin::Service {
 
   grpc::Status SetLink(grpc::ServerContext*, const cl::SetLinkRequest* req,
                        cl::SetLinkResponse* resp) override {
-    const absl::Status valid = ValidateLinkConfig(req->link(), "link");
+    const absl::Status valid =
+        ValidateLinkRule(LinkRuleFromProto(req->link()), "link");
     if (!valid.ok()) return ToGrpc(valid);
     const cl::LinkConfig& link = req->link();
     std::vector<LinkPushTarget> targets;

@@ -101,6 +101,11 @@ TEST_CASE("rules resolve exact names before wildcards", "[link]") {
   bad.loss = 1.5;
   CHECK(ValidateLinkRule(Rule("a", "b", bad)).code() ==
         absl::StatusCode::kInvalidArgument);
+  // The message names the rule, or the field when one is given.
+  CHECK(ValidateLinkRule(Rule("a", "b", bad)).message() ==
+        "link a -> b: loss must be within [0, 1], got 1.5");
+  CHECK(ValidateLinkRule(Rule("a", "b", bad), "links[2]").message() ==
+        "links[2].loss: must be within [0, 1], got 1.5");
   bad = {};
   bad.latency_us = -1;
   CHECK(!ValidateLinkRule(Rule("a", "b", bad)).ok());

@@ -96,6 +96,11 @@ TEST_CASE("config: scale-out settings are checked by field") {
             .find("c: scheduling.queue_timeout_ms") == 0);
   CHECK(Refusal("gpu_nodes { name: \"g1\" hbm_bytes: -1 }") ==
         "c: gpu_nodes[1].hbm_bytes: must be >= 0");
+  CHECK(Refusal("links { source: \"g0\" destination: \"*\" }\n"
+                "links { source: \"g0\" destination: \"k0\" jitter_us: -2 }") ==
+        "c: links[1].jitter_us: must be >= 0");
+  CHECK(Refusal("links { source: \"\" destination: \"k0\" }") ==
+        "c: links[0].source: must be a node name or *");
 }
 
 TEST_CASE("config: a GPU node with every link to the KARAT nodes down") {

@@ -21,6 +21,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "cluster.grpc.pb.h"
+#include "common/link_rules.h"
 #include "common/link_stats.h"
 #include "coordinator/cluster_config.h"
 #include "tools/karatctl/bench.h"
@@ -313,26 +314,14 @@ int Status(Client& client, const std::string& address, const Flags& f) {
   return 0;
 }
 
-std::string DescribeLinkConfig(const cluster::LinkConfig& l) {
-  std::vector<std::string> parts;
-  if (l.latency_us() > 0)
-    parts.push_back(absl::StrCat("latency ", l.latency_us(), "us"));
-  if (l.jitter_us() > 0)
-    parts.push_back(absl::StrCat("jitter ", l.jitter_us(), "us"));
-  if (l.bandwidth_mbps() > 0)
-    parts.push_back(absl::StrFormat("bandwidth %gMb/s", l.bandwidth_mbps()));
-  if (l.loss() > 0) parts.push_back(absl::StrFormat("loss %g", l.loss()));
-  if (l.down()) parts.push_back("down");
-  return parts.empty() ? std::string("plain") : absl::StrJoin(parts, " ");
-}
-
 // One rule per line: "<indent>SOURCE -> DESTINATION SETTINGS".
 void PrintLinkRules(
     const google::protobuf::RepeatedPtrField<cluster::LinkConfig>& links,
     const char* indent) {
   for (const auto& l : links) {
     std::printf("%s%-12s -> %-12s %s\n", indent, l.source().c_str(),
-                l.destination().c_str(), DescribeLinkConfig(l).c_str());
+                l.destination().c_str(),
+                DescribeLink(LinkRuleFromProto(l).settings).c_str());
   }
 }
 
