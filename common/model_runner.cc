@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "common/linear.h"
 #include "common/numeric.h"
 #include "common/stable_hash.h"
@@ -111,7 +112,10 @@ struct Layer {
   bool moe = false;
   Ffn dense;
   LinearWeight router;
-  std::vector<Ffn> experts;  // the rank's own block, from Impl::first_expert
+  // By expert id: the routed experts whose weights this rank holds (its
+  // own block, and those it took over), null for the others. Guarded by
+  // ModelRunner::Impl::experts_mu.
+  std::vector<std::shared_ptr<const Ffn>> experts;
   bool has_shared = false;
   Ffn shared;
 };
@@ -231,6 +235,16 @@ struct ModelRunner::Impl {
   int ranks = 1;
   int experts_per_rank = 0;  // n_routed_experts / ranks
   int first_expert = 0;      // rank * experts_per_rank
+  // Routed-expert ownership (SetExpertOwners) and which experts' weights
+  // are held (also layers[l].experts).
+  mutable absl::Mutex experts_mu;
+  std::vector<int> owner ABSL_GUARDED_BY(experts_mu);  // by expert id
+  std::vector<char> held ABSL_GUARDED_BY(experts_mu);  // by expert id
+  absl::Mutex set_owners_mu;  // one SetExpertOwners at a time
+
+  bool OwnBlock(int e) const {
+    return e >= first_expert && e < first_expert + experts_per_rank;
+  }
 };
 
 ModelRunner::ModelRunner() : impl_(new Impl) {}
@@ -242,12 +256,97 @@ int ModelRunner::ranks() const { return impl_->ranks; }
 
 int ModelRunner::ExpertOwner(int expert) const {
   if (expert < 0 || expert >= impl_->cfg.n_routed_experts) return -1;
-  return expert / impl_->experts_per_rank;
+  absl::ReaderMutexLock lock(&impl_->experts_mu);
+  return impl_->owner[size_t(expert)];
 }
 
 bool ModelRunner::OwnsExpert(int expert) const {
-  return expert >= impl_->first_expert &&
-         expert < impl_->first_expert + impl_->experts_per_rank;
+  return ExpertOwner(expert) == impl_->rank;
+}
+
+bool ModelRunner::HoldsExpert(int expert) const {
+  if (expert < 0 || expert >= impl_->cfg.n_routed_experts) return false;
+  absl::ReaderMutexLock lock(&impl_->experts_mu);
+  return impl_->held[size_t(expert)] != 0;
+}
+
+std::vector<int> ModelRunner::ExpertOwners() const {
+  absl::ReaderMutexLock lock(&impl_->experts_mu);
+  return impl_->owner;
+}
+
+std::vector<int> ModelRunner::HeldExperts() const {
+  absl::ReaderMutexLock lock(&impl_->experts_mu);
+  std::vector<int> out;
+  for (size_t e = 0; e < impl_->held.size(); ++e)
+    if (impl_->held[e]) out.push_back(int(e));
+  return out;
+}
+
+absl::StatusOr<std::vector<int>> ModelRunner::MissingExperts(
+    const std::vector<int>& owners) const {
+  const Impl& m = *impl_;
+  const int E = m.cfg.n_routed_experts;
+  if (owners.size() != size_t(E)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("expert ownership lists ", owners.size(),
+                     " experts; the model has ", E, " routed experts"));
+  }
+  for (int e = 0; e < E; ++e) {
+    if (owners[size_t(e)] < 0 || owners[size_t(e)] >= m.ranks) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("expert ", e, " is given to rank ", owners[size_t(e)],
+                       ", outside [0, ", m.ranks, ")"));
+    }
+  }
+  absl::ReaderMutexLock lock(&m.experts_mu);
+  std::vector<int> missing;
+  for (int e = 0; e < E; ++e)
+    if (owners[size_t(e)] == m.rank && !m.held[size_t(e)]) missing.push_back(e);
+  return missing;
+}
+
+absl::Status ModelRunner::SetExpertOwners(const std::vector<int>& owners,
+                                          const ModelFiles& files) {
+  Impl& m = *impl_;
+  absl::MutexLock serial(&m.set_owners_mu);
+  ASSIGN_OR_RETURN(std::vector<int> missing, MissingExperts(owners));
+  // Packed outside the lock: steps go on meanwhile.
+  std::map<std::pair<int, int>, std::shared_ptr<const Ffn>> loaded;
+  for (int e : missing) {
+    for (int l = 0; l < m.cfg.num_hidden_layers; ++l) {
+      if (!m.cfg.IsMoeLayer(l)) continue;
+      const std::string prefix =
+          absl::StrCat("model.layers.", l, ".mlp.experts.", e, ".");
+      for (const char* part : {"gate_proj", "up_proj", "down_proj"}) {
+        const std::string name = absl::StrCat(prefix, part, ".weight");
+        if (files.tensors.find(name) == files.tensors.end()) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("rank ", m.rank, " takes over expert ", e,
+                           " but its weights lack tensor '", name, "'"));
+        }
+      }
+      loaded[{l, e}] = std::make_shared<const Ffn>(MakeFfn(files, prefix));
+    }
+  }
+  absl::MutexLock lock(&m.experts_mu);
+  for (auto& [le, ffn] : loaded) {
+    m.layers[size_t(le.first)].experts[size_t(le.second)] = std::move(ffn);
+  }
+  for (int e : missing) m.held[size_t(e)] = 1;
+  // Experts handed back are released; a step still computing one keeps its
+  // weights alive until it is done (shared_ptr).
+  for (int e = 0; e < m.cfg.n_routed_experts; ++e) {
+    if (!m.held[size_t(e)] || owners[size_t(e)] == m.rank || m.OwnBlock(e)) {
+      continue;
+    }
+    m.held[size_t(e)] = 0;
+    for (Layer& L : m.layers) {
+      if (L.moe) L.experts[size_t(e)].reset();
+    }
+  }
+  m.owner = owners;
+  return absl::OkStatus();
 }
 
 absl::Status ModelRunner::ApplyExpert(int layer, int expert, const float* x,
@@ -262,13 +361,18 @@ absl::Status ModelRunner::ApplyExpert(int layer, int expert, const float* x,
     return absl::InvalidArgumentError(absl::StrCat(
         "expert ", expert, " outside [0, ", m.cfg.n_routed_experts, ")"));
   }
-  if (!OwnsExpert(expert)) {
+  if (n < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("negative row count ", n));
+  }
+  std::shared_ptr<const Ffn> ffn;
+  {
+    absl::ReaderMutexLock lock(&m.experts_mu);
+    ffn = m.layers[layer].experts[size_t(expert)];
+  }
+  if (ffn == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat(
         "expert ", expert, " belongs to rank ", ExpertOwner(expert),
         ", not to rank ", m.rank, " of ", m.ranks));
-  }
-  if (n < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("negative row count ", n));
   }
   if (n == 0) return absl::OkStatus();
   const size_t D = size_t(m.cfg.hidden_size);
@@ -277,8 +381,7 @@ absl::Status ModelRunner::ApplyExpert(int layer, int expert, const float* x,
   for (int i = 0; i < n; ++i) {
     std::memcpy(&in[i * D], x + size_t(rows[i]) * D, sizeof(float) * D);
   }
-  m.layers[layer].experts[expert - m.first_expert].Apply(in.data(), n, out, &g,
-                                                         &u);
+  ffn->Apply(in.data(), n, out, &g, &u);
   return absl::OkStatus();
 }
 
@@ -314,6 +417,15 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   m.ranks = options.ranks;
   m.experts_per_rank = c.n_routed_experts / options.ranks;
   m.first_expert = options.rank * m.experts_per_rank;
+  {
+    absl::MutexLock lock(&m.experts_mu);
+    m.owner.resize(size_t(c.n_routed_experts));
+    m.held.assign(size_t(c.n_routed_experts), 0);
+    for (int e = 0; e < c.n_routed_experts; ++e) {
+      m.owner[size_t(e)] = e / m.experts_per_rank;
+      m.held[size_t(e)] = m.OwnBlock(e) ? 1 : 0;
+    }
+  }
   m.embed = Vec(f, "model.embed_tokens.weight");
   m.final_norm = Vec(f, "model.norm.weight");
   m.lm_head = Lin(f, "lm_head.weight");
@@ -364,9 +476,11 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
     const std::string mlp = p + "mlp.";
     if (L.moe) {
       L.router = Lin(f, mlp + "gate.weight");
+      L.experts.resize(size_t(c.n_routed_experts));
       for (int e = m.first_expert; e < m.first_expert + m.experts_per_rank;
            ++e) {
-        L.experts.push_back(MakeFfn(f, absl::StrCat(mlp, "experts.", e, ".")));
+        L.experts[size_t(e)] = std::make_shared<const Ffn>(
+            MakeFfn(f, absl::StrCat(mlp, "experts.", e, ".")));
       }
       L.has_shared = c.n_shared_experts > 0;
       if (L.has_shared) L.shared = MakeFfn(f, mlp + "shared_experts.");

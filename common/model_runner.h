@@ -94,15 +94,16 @@ class ExpertBackend {
 // Where a runner sits among the GPU ranks (DESIGN.md §4): data-parallel
 // attention, expert-parallel MoE. Rank r owns the routed experts
 // [r * E / ranks, (r + 1) * E / ranks) (E = n_routed_experts, which must be
-// a multiple of `ranks`); dense weights, the router and the shared expert
-// are on every rank.
+// a multiple of `ranks`) until ModelRunner::SetExpertOwners moves some;
+// dense weights, the router and the shared expert are on every rank.
 struct RunnerOptions {
   int rank = 0;
   int ranks = 1;
 };
 
-// Holds the packed weights. Immutable after Create; Step() is thread-safe
-// as long as each caller uses its own backends (attention and experts).
+// Holds the packed weights. Immutable after Create but for the routed
+// experts a rank holds (SetExpertOwners); Step() is thread-safe as long as
+// each caller uses its own backends (attention and experts).
 class ModelRunner {
  public:
   // Packs the weights; of the routed experts only the rank's own block.
@@ -120,13 +121,36 @@ class ModelRunner {
   // and whether it is this one. -1 / false for an id out of range.
   int ExpertOwner(int expert) const;
   bool OwnsExpert(int expert) const;
+  // Whether this rank holds the expert's weights (it owns it, or it is of
+  // its own block, which it always keeps).
+  bool HoldsExpert(int expert) const;
+  // owner[e] for every routed expert, as one consistent snapshot.
+  std::vector<int> ExpertOwners() const;
+  // The experts whose weights this rank holds, in increasing id.
+  std::vector<int> HeldExperts() const;
+
+  // Expert ownership over the alive ranks (DESIGN.md §7, GPU node lost):
+  // the experts `owners` gives this rank that it does not hold (the ones
+  // SetExpertOwners needs in `files`). INVALID_ARGUMENT unless `owners` has
+  // one rank in [0, ranks) per routed expert.
+  absl::StatusOr<std::vector<int>> MissingExperts(
+      const std::vector<int>& owners) const;
+  // Installs `owners`: packs the experts it gives this rank that it does
+  // not hold from `files` (their tensors: LoadExpertWeights) and releases
+  // the experts beyond its own block that it no longer owns (a step still
+  // computing one finishes with it). Steps may run meanwhile; a step that
+  // routes to an expert another rank owns sends it there. Errors leave the
+  // ownership as it was: INVALID_ARGUMENT as MissingExperts, or for a
+  // tensor missing from `files`.
+  absl::Status SetExpertOwners(const std::vector<int>& owners,
+                               const ModelFiles& files);
 
   // FFN_expert of rows x[rows[0]], ..., x[rows[n-1]] (x: rows of hidden
   // floats, normed) into out[0, n) (n x hidden), exactly as Step computes
   // it locally: the bits of a row do not depend on the other rows.
   // Thread-safe; its scratch is per thread and reused. INVALID_ARGUMENT for
   // a layer that is not an MoE layer, an expert id out of range or n < 0;
-  // FAILED_PRECONDITION when this rank does not own the expert.
+  // FAILED_PRECONDITION when this rank does not hold the expert.
   absl::Status ApplyExpert(int layer, int expert, const float* x,
                            const int32_t* rows, int n, float* out) const;
 

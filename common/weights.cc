@@ -7,6 +7,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <set>
 #include <string_view>
 
 #include "absl/strings/str_cat.h"
@@ -189,19 +191,17 @@ std::vector<TensorSpec> ExpectedTensors(const ModelConfig& c) {
   return s.Take();
 }
 
-int64_t RankWeightBytes(const ModelConfig& c, int rank, int ranks) {
-  const int64_t experts = c.n_routed_experts;
-  const int64_t first = ranks > 0 ? experts * rank / ranks : 0;
-  const int64_t last = ranks > 0 ? experts * (rank + 1) / ranks : experts;
+int RoutedExpertOfTensor(const std::string& name) {
   static constexpr std::string_view kExperts = ".mlp.experts.";
+  const size_t at = name.find(kExperts);
+  if (at == std::string::npos) return -1;
+  return int(std::strtol(name.c_str() + at + kExperts.size(), nullptr, 10));
+}
+
+int64_t ExpertWeightBytes(const ModelConfig& c, int expert) {
   int64_t bytes = 0;
   for (const TensorSpec& spec : ExpectedTensors(c)) {
-    const size_t at = spec.name.find(kExperts);
-    if (at != std::string::npos) {
-      const int64_t e =
-          std::strtoll(spec.name.c_str() + at + kExperts.size(), nullptr, 10);
-      if (e < first || e >= last) continue;
-    }
+    if (RoutedExpertOfTensor(spec.name) != expert) continue;
     int64_t n = 1;
     for (int64_t d : spec.shape) n *= d;
     bytes += n * static_cast<int64_t>(sizeof(float));
@@ -209,13 +209,36 @@ int64_t RankWeightBytes(const ModelConfig& c, int rank, int ranks) {
   return bytes;
 }
 
-absl::StatusOr<ModelFiles> LoadModel(const std::string& model_dir) {
+int64_t RankWeightBytes(const ModelConfig& c, int rank, int ranks) {
+  const int64_t experts = c.n_routed_experts;
+  const int64_t first = ranks > 0 ? experts * rank / ranks : 0;
+  const int64_t last = ranks > 0 ? experts * (rank + 1) / ranks : experts;
+  int64_t bytes = 0;
+  for (const TensorSpec& spec : ExpectedTensors(c)) {
+    const int64_t e = RoutedExpertOfTensor(spec.name);
+    if (e >= 0 && (e < first || e >= last)) continue;
+    int64_t n = 1;
+    for (int64_t d : spec.shape) n *= d;
+    bytes += n * static_cast<int64_t>(sizeof(float));
+  }
+  return bytes;
+}
+
+namespace {
+
+// LoadModel's body; `want` (null: every tensor) picks the tensors to load.
+absl::StatusOr<ModelFiles> LoadModelTensors(
+    const std::string& model_dir,
+    const std::function<bool(const std::string&)>& want,
+    const std::function<absl::Status(const ModelConfig&)>& check_config) {
   ModelFiles files;
   ASSIGN_OR_RETURN(files.config, LoadModelConfig(model_dir));
+  if (check_config) RETURN_IF_ERROR(check_config(files.config));
   const std::string path = model_dir + "/model.safetensors";
   ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> st,
                    SafetensorsFile::Open(path));
   for (TensorSpec& spec : ExpectedTensors(files.config)) {
+    if (want && !want(spec.name)) continue;
     const TensorView* view = st->Find(spec.name);
     if (view == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -234,6 +257,33 @@ absl::StatusOr<ModelFiles> LoadModel(const std::string& model_dir) {
     files.tensors.emplace(std::move(spec.name), std::move(t));
   }
   return files;
+}
+
+}  // namespace
+
+absl::StatusOr<ModelFiles> LoadModel(const std::string& model_dir) {
+  return LoadModelTensors(model_dir, nullptr, nullptr);
+}
+
+absl::StatusOr<ModelFiles> LoadExpertWeights(const std::string& model_dir,
+                                             const std::vector<int>& experts) {
+  std::set<int> wanted(experts.begin(), experts.end());
+  return LoadModelTensors(
+      model_dir,
+      [&wanted](const std::string& name) {
+        const int e = RoutedExpertOfTensor(name);
+        return e >= 0 && wanted.count(e) > 0;
+      },
+      [&wanted, &model_dir](const ModelConfig& config) {
+        for (int e : wanted) {
+          if (e < 0 || e >= config.n_routed_experts) {
+            return absl::InvalidArgumentError(absl::StrCat(
+                "expert ", e, " is outside [0, ", config.n_routed_experts,
+                ") of the model in ", model_dir));
+          }
+        }
+        return absl::OkStatus();
+      });
 }
 
 std::map<std::string, Tensor> GenerateWeights(const ModelConfig& config,

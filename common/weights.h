@@ -30,6 +30,14 @@ std::vector<TensorSpec> ExpectedTensors(const ModelConfig& config);
 // 0 <= rank < ranks and n_routed_experts divisible by ranks (callers check).
 int64_t RankWeightBytes(const ModelConfig& config, int rank, int ranks);
 
+// The routed expert a tensor of ExpectedTensors() belongs to
+// ("model.layers.L.mlp.experts.E."), or -1 for every other tensor.
+int RoutedExpertOfTensor(const std::string& name);
+
+// Bytes of routed expert `expert`'s tensors over every MoE layer, as fp32
+// (what a GPU rank that takes the expert over holds in addition).
+int64_t ExpertWeightBytes(const ModelConfig& config, int expert);
+
 // A dense fp32 tensor, row-major.
 struct Tensor {
   std::vector<int64_t> shape;
@@ -49,6 +57,12 @@ struct ModelFiles {
 // safetensors file, a missing tensor, a tensor whose shape disagrees with the
 // config. Extra tensors are ignored.
 absl::StatusOr<ModelFiles> LoadModel(const std::string& model_dir);
+
+// As LoadModel, but of the tensors only those of the routed experts in
+// `experts` (a GPU rank taking over a lost rank's experts). INVALID_ARGUMENT
+// for an expert id outside [0, n_routed_experts).
+absl::StatusOr<ModelFiles> LoadExpertWeights(const std::string& model_dir,
+                                             const std::vector<int>& experts);
 
 // Deterministic weights for `config` from `seed` (each tensor from its own
 // stream keyed by seed and name, so adding a tensor changes no other). Linear

@@ -10,6 +10,7 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <optional>
 #include <set>
 #include <thread>
 #include <vector>
@@ -18,6 +19,7 @@
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "cluster.grpc.pb.h"
 #include "common/link_rules.h"
@@ -35,6 +37,8 @@ namespace v1 = ::karat::v1;
 namespace cl = ::karat::cluster;
 
 constexpr char kLog[] = "coordinator";
+// Most times one turn moves to another GPU rank after a lost one.
+constexpr int kMaxTurnResumes = 3;
 
 struct Node {
   uint32_t id = 0;
@@ -54,6 +58,16 @@ struct Node {
   int rank = 0;
   int ranks = 1;
   int64_t kv_capacity_bytes = 0;
+  // GPU nodes: the model's routed experts (0: not reported), whether a
+  // failed probe found the node gone before its heartbeats ran out, and
+  // the expert ownership it acknowledged (State::owners_version_) or why
+  // it refused the last one (`owners_refused`: it answered, so a retry
+  // would not help).
+  int routed_experts = 0;
+  bool lost = false;
+  uint64_t owners_acked = 0;
+  std::string owners_error;
+  bool owners_refused = false;
 };
 
 struct Session {
@@ -264,7 +278,32 @@ class State {
   }
 
   bool AliveLocked(const Node& n) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return Now() - n.last_seen <= absl::Milliseconds(options_.node_timeout_ms);
+    return !n.lost &&
+           Now() - n.last_seen <= absl::Milliseconds(options_.node_timeout_ms);
+  }
+
+  // Alive GPU ranks: rank -> node id.
+  std::map<int, uint32_t> AliveRanksLocked() const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::map<int, uint32_t> alive;
+    for (const auto& [id, n] : nodes_)
+      if (n.role == NodeRole::kGpu && AliveLocked(n)) alive[n.rank] = id;
+    return alive;
+  }
+
+  // The routed experts when a lost rank's experts can move to the alive
+  // ranks, else 0: more than one rank, every rank registered at least once
+  // (a rank that has not started yet is not lost) and the GPU nodes
+  // reported the model's routed experts.
+  int MovableExpertsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const int ranks = RankCountLocked();
+    if (ranks < 2) return 0;
+    for (int r = 0; r < ranks; ++r)
+      if (ranks_seen_.count(r) == 0) return 0;
+    for (const auto& [id, n] : nodes_)
+      if (n.role == NodeRole::kGpu && AliveLocked(n) && n.routed_experts > 0)
+        return n.routed_experts;
+    return 0;
   }
 
   ClusterState SnapshotLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -297,6 +336,15 @@ class State {
   int64_t tokens_generated_ ABSL_GUARDED_BY(mu_) = 0;
   // Link-emulation rules (Admin API), pushed to every node.
   std::vector<cl::LinkConfig> links_ ABSL_GUARDED_BY(mu_);
+  // Expert ownership (DESIGN.md §7) last pushed with SetPeers: the table
+  // (empty: the block sharding), the alive ranks it was computed for (rank
+  // -> node id), its version (bumped when either changes; 0: none pushed
+  // yet) and when it was last pushed.
+  std::vector<int> owners_ ABSL_GUARDED_BY(mu_);
+  std::set<int> ranks_seen_ ABSL_GUARDED_BY(mu_);  // GPU ranks registered
+  std::map<int, uint32_t> owners_ranks_ ABSL_GUARDED_BY(mu_);
+  uint64_t owners_version_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Time owners_pushed_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
 
   // Scheduling: running turns by rank, the admission queue (turn ids, front
   // first) and the events that wake queued turns.
@@ -316,6 +364,8 @@ class State {
   int64_t turns_timed_out_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t turns_cancelled_queued_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t turns_refused_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t turns_resumed_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t gpu_ranks_lost_ ABSL_GUARDED_BY(mu_) = 0;
   double imbalance_sum_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t imbalance_samples_ ABSL_GUARDED_BY(mu_) = 0;
   double device_imbalance_sum_ ABSL_GUARDED_BY(mu_) = 0;
@@ -380,38 +430,166 @@ std::chrono::system_clock::time_point Deadline(const State* s) {
          std::chrono::milliseconds(s->options().node_call_timeout_ms);
 }
 
-// Pushes every registered GPU rank's address (GpuNode.SetPeers) to every
-// alive GPU node.
+// Pushes every alive GPU rank's address and the expert ownership over the
+// alive ranks (GpuNode.SetPeers) to every alive GPU node, and records which
+// nodes acknowledged it. A node that cannot take the experts it is given
+// (its emulated HBM) refuses, and turns are refused with its message until
+// the ranks change (DESIGN.md §7).
 void PushPeers(State* s) {
   cl::SetPeersRequest req;
-  std::vector<std::pair<std::string, std::shared_ptr<grpc::Channel>>> targets;
+  struct Target {
+    uint32_t id;
+    std::string name;
+    std::shared_ptr<grpc::Channel> channel;
+  };
+  std::vector<Target> targets;
+  uint64_t version = 0;
   {
     absl::MutexLock lock(&s->mu_);
-    for (const auto& [id, n] : s->nodes_) {
-      if (n.role != NodeRole::kGpu || !s->AliveLocked(n)) continue;
+    const std::map<int, uint32_t> alive = s->AliveRanksLocked();
+    for (const auto& [rank, id] : alive) {
+      const Node& n = s->nodes_.at(id);
       cl::GpuPeer* p = req.add_peers();
       p->set_rank(n.rank);
       p->set_name(n.name);
       p->set_node_id(id);
       p->set_fabric_address(n.fabric_address);
-      targets.emplace_back(n.name, n.channel);
+      targets.push_back({id, n.name, n.channel});
     }
+    std::vector<int> owners;
+    if (const int experts = s->MovableExpertsLocked(); experts > 0) {
+      std::vector<int> ranks;
+      for (const auto& [rank, id] : alive) ranks.push_back(rank);
+      owners = ExpertOwners(experts, s->RankCountLocked(), ranks);
+    }
+    if (s->owners_version_ == 0 || alive != s->owners_ranks_ ||
+        owners != s->owners_) {
+      s->owners_version_++;
+      s->owners_ranks_ = alive;
+      s->owners_ = owners;
+      s->capacity_epoch_++;
+      if (!owners.empty()) {
+        std::vector<int> moved;
+        for (size_t e = 0; e < owners.size(); ++e)
+          if (size_t(owners[e]) !=
+              e * size_t(s->RankCountLocked()) / owners.size())
+            moved.push_back(int(e));
+        KLOG(Info, kLog) << "expert ownership v" << s->owners_version_
+                         << " over " << alive.size() << " alive GPU ranks"
+                         << (moved.empty()
+                                 ? std::string(": the block sharding")
+                                 : absl::StrCat(": experts ",
+                                                absl::StrJoin(moved, ","),
+                                                " moved off their lost ranks"));
+      }
+    }
+    version = s->owners_version_;
+    s->owners_pushed_ = s->Now();
+    req.mutable_expert_owner()->Assign(owners.begin(), owners.end());
   }
-  std::sort(req.mutable_peers()->begin(), req.mutable_peers()->end(),
-            [](const cl::GpuPeer& a, const cl::GpuPeer& b) {
-              return a.rank() < b.rank();
-            });
-  for (const auto& [name, channel] : targets) {
+  // In parallel: a node that takes over experts loads their weights
+  // first, and a node that hangs must not hold the table back from the
+  // others.
+  auto push = [s, &req, version](const Target& t) {
     grpc::ClientContext ctx;
-    ctx.set_deadline(Deadline(s));
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::milliseconds(
+                         std::max(s->options().node_call_timeout_ms, 60000)));
     cl::SetPeersResponse resp;
-    grpc::Status st = cl::GpuNode::NewStub(channel)->SetPeers(&ctx, req, &resp);
+    grpc::Status st =
+        cl::GpuNode::NewStub(t.channel)->SetPeers(&ctx, req, &resp);
     if (!st.ok()) {
-      KLOG(Warning, kLog) << "cannot push GPU peers to " << name << ": "
+      KLOG(Warning, kLog) << "cannot push GPU peers to " << t.name << ": "
                           << st.error_message();
     }
-  }
+    absl::MutexLock lock(&s->mu_);
+    auto it = s->nodes_.find(t.id);
+    if (it == s->nodes_.end() || s->owners_version_ != version) return;
+    Node& n = it->second;
+    if (st.ok()) {
+      n.owners_acked = version;
+      n.owners_error.clear();
+      n.owners_refused = false;
+    } else {
+      n.owners_error = st.error_message();
+      n.owners_refused = st.error_code() != grpc::StatusCode::UNAVAILABLE &&
+                         st.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED;
+    }
+    s->capacity_epoch_++;
+  };
+  std::vector<std::thread> threads;
+  for (const Target& t : targets) threads.emplace_back(push, std::cref(t));
+  for (std::thread& thread : threads) thread.join();
 }
+
+// Keeps the rank table and the expert ownership in step with the alive GPU
+// ranks: posts a SetPeers push when a rank stops being alive (heartbeats
+// run out, or a probe found it gone) or when a push did not reach an alive
+// rank (retried every second).
+class RankWatcher {
+ public:
+  RankWatcher(State* s, ControlPusher* pusher)
+      : s_(s), pusher_(pusher), thread_([this] { Loop(); }) {}
+  ~RankWatcher() { Stop(); }
+  void Stop() {
+    {
+      absl::MutexLock lock(&mu_);
+      if (stop_) return;
+      stop_ = true;
+    }
+    thread_.join();
+  }
+
+ private:
+  void Loop() {
+    absl::MutexLock lock(&mu_);
+    while (!stop_) {
+      mu_.AwaitWithTimeout(absl::Condition(&stop_), absl::Milliseconds(100));
+      if (stop_) return;
+      bool push = false;
+      {
+        absl::MutexLock state(&s_->mu_);
+        if (s_->owners_version_ == 0) continue;  // no GPU node yet
+        const std::map<int, uint32_t> alive = s_->AliveRanksLocked();
+        if (alive == s_->owners_ranks_) posted_.reset();
+        if (alive != s_->owners_ranks_ && posted_ != alive) {
+          posted_ = alive;
+          for (const auto& [rank, id] : s_->owners_ranks_) {
+            if (alive.count(rank) > 0 && alive.at(rank) == id) continue;
+            auto n = s_->nodes_.find(id);
+            KLOG(Warning, kLog)
+                << "GPU rank " << rank << " ("
+                << (n == s_->nodes_.end() ? std::string("gone")
+                                          : n->second.name)
+                << ") is not alive; its turns resume on the alive ranks"
+                << (s_->MovableExpertsLocked() > 0
+                        ? ", which take over its experts"
+                        : "");
+          }
+          push = true;
+        } else if (s_->Now() - s_->owners_pushed_ > absl::Seconds(1)) {
+          for (const auto& [rank, id] : alive) {
+            const Node& n = s_->nodes_.at(id);
+            if (n.owners_acked != s_->owners_version_ && !n.owners_refused)
+              push = true;
+          }
+        }
+      }
+      if (push) {
+        State* s = s_;
+        pusher_->Post("peers", [s] { PushPeers(s); });
+      }
+    }
+  }
+
+  State* const s_;
+  ControlPusher* const pusher_;
+  // The alive ranks a push was posted for and not yet made.
+  std::optional<std::map<int, uint32_t>> posted_;
+  absl::Mutex mu_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
 
 // Tells `rank`'s GPU node the micro-batches of its started turns that
 // changed since it was last told (GpuNode.SetMicroBatches).
@@ -706,6 +884,8 @@ class MembershipService final : public cl::Coordinator::Service {
     n.rank = rank;
     n.ranks = ranks;
     n.kv_capacity_bytes = req->kv_capacity_bytes();
+    n.routed_experts = role == NodeRole::kGpu ? req->routed_experts() : 0;
+    if (role == NodeRole::kGpu) s_->ranks_seen_.insert(rank);
     if (role == NodeRole::kGpu && n.devices.empty() &&
         n.kv_capacity_bytes > 0) {
       n.devices.push_back(KvDevice(n.kv_capacity_bytes));
@@ -738,8 +918,14 @@ class MembershipService final : public cl::Coordinator::Service {
       return grpc::Status::OK;
     }
     Node& n = it->second;
-    // A node back from silence may make room for queued turns.
+    // A node back from silence may make room for queued turns; one a probe
+    // took for lost is not.
     if (!s_->AliveLocked(n)) s_->capacity_epoch_++;
+    if (n.lost) {
+      KLOG(Warning, kLog) << "node " << n.name
+                          << " answers heartbeats again after a failed probe";
+      n.lost = false;
+    }
     if (req->devices_size() > 0)
       n.devices.assign(req->devices().begin(), req->devices().end());
     for (const auto& [k, v] : req->stats()) n.stats[k] = v;
@@ -922,6 +1108,9 @@ class KaratService final : public v1::Karat::Service {
     m["turns_timed_out"] = double(s_->turns_timed_out_);
     m["turns_cancelled_queued"] = double(s_->turns_cancelled_queued_);
     m["turns_refused"] = double(s_->turns_refused_);
+    m["turns_resumed"] = double(s_->turns_resumed_);
+    m["gpu_ranks_lost"] = double(s_->gpu_ranks_lost_);
+    m["expert_ownership_version"] = double(s_->owners_version_);
     m["microbatch_token_imbalance_mean"] =
         s_->imbalance_samples_ > 0 ? s_->imbalance_sum_ / s_->imbalance_samples_
                                    : 0.0;
@@ -983,8 +1172,34 @@ class KaratService final : public v1::Karat::Service {
 
   absl::Status Validate(const v1::GenerateRequest& req) const;
   // UNAVAILABLE unless a GPU node (and in karat mode a KARAT node) is alive
-  // and every GPU rank is.
-  absl::Status CheckNodesLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(s_->mu_);
+  // and every routed expert has an alive owner that acknowledged it: with
+  // several ranks whose nodes report the expert count, the alive ranks
+  // acknowledged the ownership pushed for them (a lost rank's experts
+  // spread over them, DESIGN.md §7); otherwise every rank is alive. While
+  // the ownership is being pushed and acknowledged `*settling` (may be
+  // null) is set: the caller may wait instead of failing.
+  absl::Status CheckNodesLocked(bool* settling = nullptr) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(s_->mu_);
+
+  // Asks every alive GPU node for its stats; those that cannot be reached
+  // are taken for lost at once (not after node_timeout_ms) and the rank
+  // table is pushed again. Makes RPCs: call without the lock.
+  void ProbeGpuNodes();
+  // After the GPU call of the turn on `turn->rank` failed with UNAVAILABLE:
+  // false when no GPU rank was lost since the call started (the ownership
+  // version and the alive ranks it started with); otherwise waits (bounded)
+  // for the alive ranks to own every expert, moves the turn to an alive
+  // rank (gpu_only: only to the rank holding the session's KV) and rewrites
+  // `run` to continue it: the KV up to the session's kv_len is on its home,
+  // the token log's tail is fed again (after `generated` tokens of the turn
+  // it holds sampled ones: resumed_decode), `remaining` tokens are left. True
+  // once resumed; CANCELLED when the client went away meanwhile, other
+  // errors when it cannot be resumed.
+  absl::StatusOr<bool> ResumeTurn(grpc::ServerContext* ctx,
+                                  const std::string& sid, int generated,
+                                  int remaining, uint64_t owners_version,
+                                  const std::map<int, uint32_t>& alive_before,
+                                  AdmittedTurn* turn, cl::RunTurnRequest* run);
 
   struct Attempt {
     enum Kind { kAdmitted, kWait, kFailed } kind;
@@ -1055,7 +1270,8 @@ absl::Status KaratService::Validate(const v1::GenerateRequest& req) const {
   return absl::OkStatus();
 }
 
-absl::Status KaratService::CheckNodesLocked() const {
+absl::Status KaratService::CheckNodesLocked(bool* settling) const {
+  if (settling != nullptr) *settling = false;
   bool gpu = false, karat = false;
   for (const auto& [id, n] : s_->nodes_) {
     if (!s_->AliveLocked(n)) continue;
@@ -1068,19 +1284,223 @@ absl::Status KaratService::CheckNodesLocked() const {
     return absl::UnavailableError(
         "no alive KARAT node is registered; start one and retry");
   const int ranks = s_->RankCountLocked();
-  for (int r = 0; r < ranks; ++r) {
-    if (s_->RankNodeLocked(r) != nullptr) continue;
+  auto node_of = [&](int r) {
     std::string who;
     for (const auto& [id, n] : s_->nodes_)
       if (n.role == NodeRole::kGpu && n.rank == r)
         who = " (node " + n.name + ")";
+    return who;
+  };
+  if (s_->MovableExpertsLocked() == 0) {
+    for (int r = 0; r < ranks; ++r) {
+      if (s_->RankNodeLocked(r) != nullptr) continue;
+      return absl::UnavailableError(absl::StrCat(
+          "GPU rank ", r, " of ", ranks, node_of(r),
+          " is not alive; every rank holds a share of the experts, so no turn "
+          "can run until it is restarted with --rank ",
+          r, " --ranks ", ranks));
+    }
+    return absl::OkStatus();
+  }
+  // Every expert needs an alive owner that acknowledged it.
+  const std::map<int, uint32_t> alive = s_->AliveRanksLocked();
+  std::vector<std::string> down;
+  std::vector<int> down_ranks;
+  for (int r = 0; r < ranks; ++r) {
+    if (alive.count(r) > 0) continue;
+    down.push_back(absl::StrCat(r, node_of(r)));
+    down_ranks.push_back(r);
+  }
+  const std::string lost =
+      down.empty()
+          ? std::string()
+          : absl::StrCat(" while GPU rank", down.size() > 1 ? "s " : " ",
+                         absl::StrJoin(down, ", "),
+                         down.size() > 1 ? " are" : " is", " down");
+  if (s_->owners_version_ == 0 || s_->owners_ranks_ != alive) {
+    if (settling != nullptr) *settling = true;
+    return absl::UnavailableError(
+        absl::StrCat("the GPU ranks changed", lost,
+                     "; the expert ownership is being moved to the alive "
+                     "ranks"));
+  }
+  for (const auto& [r, id] : alive) {
+    const Node& n = s_->nodes_.at(id);
+    if (n.owners_acked == s_->owners_version_) continue;
+    if (n.owners_refused) {
+      return absl::UnavailableError(absl::StrCat(
+          "GPU rank ", r, " (node ", n.name,
+          ") cannot take the experts it was given", lost, ": ", n.owners_error,
+          down.empty()
+              ? std::string()
+              : absl::StrCat("; no turn can run until GPU rank ",
+                             absl::StrJoin(down_ranks, ", "),
+                             " is restarted (--rank R --ranks ", ranks, ")")));
+    }
+    if (settling != nullptr) *settling = true;
     return absl::UnavailableError(absl::StrCat(
-        "GPU rank ", r, " of ", ranks, who,
-        " is not alive; every rank holds a share of the experts, so no turn "
-        "can run until it is restarted with --rank ",
-        r, " --ranks ", ranks));
+        "GPU rank ", r, " (node ", n.name,
+        ") has not acknowledged its experts yet", lost,
+        n.owners_error.empty() ? std::string()
+                               : absl::StrCat(" (", n.owners_error, ")")));
   }
   return absl::OkStatus();
+}
+
+void KaratService::ProbeGpuNodes() {
+  struct Target {
+    uint32_t id;
+    std::string name;
+    std::shared_ptr<grpc::Channel> channel;
+  };
+  std::vector<Target> targets;
+  {
+    absl::MutexLock lock(&s_->mu_);
+    for (const auto& [id, n] : s_->nodes_)
+      if (n.role == NodeRole::kGpu && s_->AliveLocked(n))
+        targets.push_back({id, n.name, n.channel});
+  }
+  bool lost = false;
+  for (const Target& t : targets) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::seconds(2));
+    cl::StatsRequest req;
+    cl::StatsResponse resp;
+    grpc::Status st =
+        cl::GpuNode::NewStub(t.channel)->GetStats(&ctx, req, &resp);
+    // A node that answers, even with an error, is there.
+    if (st.error_code() != grpc::StatusCode::UNAVAILABLE) continue;
+    absl::MutexLock lock(&s_->mu_);
+    auto it = s_->nodes_.find(t.id);
+    if (it == s_->nodes_.end() || it->second.lost) continue;
+    it->second.lost = true;
+    s_->gpu_ranks_lost_++;
+    s_->capacity_epoch_++;
+    lost = true;
+    KLOG(Warning, kLog) << "GPU node " << t.name << " (rank " << it->second.rank
+                        << ") does not answer: " << st.error_message()
+                        << "; taking it for lost";
+  }
+  if (lost && control_ != nullptr) {
+    State* s = s_;
+    control_->Post("peers", [s] { PushPeers(s); });
+  }
+}
+
+absl::StatusOr<bool> KaratService::ResumeTurn(
+    grpc::ServerContext* ctx, const std::string& sid, int generated,
+    int remaining, uint64_t owners_version,
+    const std::map<int, uint32_t>& alive_before, AdmittedTurn* turn,
+    cl::RunTurnRequest* run) {
+  ProbeGpuNodes();
+  {
+    absl::MutexLock lock(&s_->mu_);
+    const std::map<int, uint32_t> alive = s_->AliveRanksLocked();
+    bool rank_lost = s_->owners_version_ != owners_version;
+    for (const auto& [rank, id] : alive_before) {
+      auto now = alive.find(rank);
+      if (now == alive.end() || now->second != id) rank_lost = true;
+    }
+    if (!rank_lost) return false;
+  }
+  // Wait for the alive ranks to own every expert.
+  const absl::Time give_up = absl::Now() + s_->queue_timeout();
+  int rank = -1;
+  bool push_old = false, push_new = false;
+  const int old_rank = turn->rank;
+  {
+    absl::MutexLock lock(&s_->mu_);
+    for (;;) {
+      if (s_->shutting_down_)
+        return absl::UnavailableError("coordinator is shutting down");
+      bool settling = false;
+      absl::Status nodes = CheckNodesLocked(&settling);
+      if (nodes.ok()) break;
+      if (!settling) return nodes;
+      if (ctx->IsCancelled())
+        return absl::CancelledError("cancelled by the client");
+      if (absl::Now() > give_up)
+        return absl::UnavailableError(
+            absl::StrCat("waited ", absl::FormatDuration(s_->queue_timeout()),
+                         " for the alive GPU ranks to take over the experts: ",
+                         nodes.message()));
+      const uint64_t seen = s_->capacity_epoch_;
+      auto changed = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s_->mu_) {
+        return s_->capacity_epoch_ != seen || s_->shutting_down_;
+      };
+      s_->mu_.AwaitWithTimeout(absl::Condition(&changed),
+                               absl::Milliseconds(50));
+    }
+    Session& session = s_->sessions_.at(sid);
+    const std::map<int, uint32_t> alive = s_->AliveRanksLocked();
+    if (s_->gpu_only()) {
+      // The KV lives on the session's rank.
+      auto it = alive.find(session.rank);
+      if (it == alive.end() || it->second != session.home.node_id)
+        return absl::UnavailableError(absl::StrCat(
+            "the session's KV was on GPU rank ", session.rank,
+            ", which was lost; its next turn places the session again"));
+      rank = session.rank;
+    } else {
+      // The alive rank with the fewest running turns besides this one.
+      size_t best = 0;
+      for (const auto& [r, id] : alive) {
+        auto it = s_->ranks_.find(r);
+        size_t running = it == s_->ranks_.end() ? 0 : it->second.running.size();
+        if (r == old_rank && running > 0) --running;
+        if (rank < 0 || running < best) {
+          rank = r;
+          best = running;
+        }
+      }
+    }
+    if (rank < 0) return absl::UnavailableError("no alive GPU rank");
+    Node& gpu = s_->nodes_.at(alive.at(rank));
+    // The turn leaves its old rank's batch and joins the new one.
+    RunningTurn moved;
+    moved.session_id = sid;
+    moved.home = session.home;
+    auto old = s_->ranks_.find(old_rank);
+    if (old != s_->ranks_.end()) {
+      auto t = old->second.running.find(turn->key);
+      if (t != old->second.running.end()) {
+        moved = t->second;
+        old->second.running.erase(t);
+      }
+      push_old = s_->RecomputeMicroBatchesLocked(old_rank);
+    }
+    auto old_node = s_->nodes_.find(turn->gpu_id);
+    if (old_node != s_->nodes_.end()) old_node->second.active_turns--;
+    gpu.active_turns++;
+    moved.context_tokens = static_cast<int64_t>(session.history.size());
+    moved.started = false;
+    s_->ranks_[rank].running[turn->key] = moved;
+    push_new = s_->RecomputeMicroBatchesLocked(rank);
+    s_->capacity_epoch_++;
+    turn->rank = rank;
+    turn->gpu_id = gpu.id;
+    turn->gpu_name = gpu.name;
+    turn->gpu_channel = gpu.channel;
+    // The KV up to kv_len is on the home device; the rest of the token log
+    // (the last sampled token, or the whole prompt when the prefill did not
+    // finish) is fed again. Sampling is keyed by (seed, position), so the
+    // tokens are the ones the turn would have produced.
+    const int pos_start = session.kv_len;
+    const int feed_end = static_cast<int>(session.history.size());
+    run->set_pos_start(pos_start);
+    run->mutable_feed_tokens()->Assign(session.history.begin() + pos_start,
+                                       session.history.end());
+    run->set_max_new_tokens(remaining);
+    // After the first token the feed holds sampled tokens only.
+    run->set_resumed_decode(generated > 0);
+    run->clear_prefill_ends();
+    for (int end : session.prefill_ends)
+      if (end > pos_start && end < feed_end) run->add_prefill_ends(end);
+  }
+  if (push_old) PostMicroBatchPush(old_rank);
+  if (push_new && rank != old_rank) PostMicroBatchPush(rank);
+  return true;
 }
 
 KaratService::Attempt KaratService::TryAdmit(const std::string& session_id,
@@ -1101,8 +1521,9 @@ KaratService::Attempt KaratService::TryAdmit(const std::string& session_id,
   int karat_rank = -1;
   {
     absl::MutexLock lock(&s_->mu_);
-    if (absl::Status nodes = CheckNodesLocked(); !nodes.ok())
-      return {Attempt::kFailed, nodes};
+    bool settling = false;
+    if (absl::Status nodes = CheckNodesLocked(&settling); !nodes.ok())
+      return {settling ? Attempt::kWait : Attempt::kFailed, nodes};
     Session& session = s_->sessions_.at(session_id);
     key = session.key;
     const int64_t context =
@@ -1112,11 +1533,13 @@ KaratService::Attempt KaratService::TryAdmit(const std::string& session_id,
     std::vector<std::pair<int, int>> ranks;  // (running, rank)
     const int rank_count = s_->RankCountLocked();
     for (int r = 0; r < rank_count; ++r) {
+      if (s_->RankNodeLocked(r) == nullptr) continue;  // lost
       auto it = s_->ranks_.find(r);
       const int running =
           it == s_->ranks_.end() ? 0 : it->second.running.size();
       ranks.emplace_back(running, r);
     }
+    if (ranks.empty()) return {Attempt::kWait, absl::OkStatus()};
     std::sort(ranks.begin(), ranks.end());
     auto has_room = [&](int r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s_->mu_) {
       auto it = s_->ranks_.find(r);
@@ -1419,7 +1842,9 @@ grpc::Status KaratService::Generate(
     if (s_->shutting_down_)
       return grpc::Status(grpc::StatusCode::UNAVAILABLE,
                           "coordinator is shutting down");
-    if (absl::Status nodes = CheckNodesLocked(); !nodes.ok())
+    bool settling = false;  // then the turn waits in the queue
+    if (absl::Status nodes = CheckNodesLocked(&settling);
+        !nodes.ok() && !settling)
       return ToGrpc(nodes);
     session.busy = true;
     session.turn_ctx = ctx;
@@ -1450,29 +1875,29 @@ grpc::Status KaratService::Generate(
   }
   AdmittedTurn& turn = *admitted;
   // Leaves the rank's batch however the turn ends, and wakes queued turns.
+  // Reads the turn's rank and GPU node at the end: a resumed turn moves.
   struct ActiveGuard {
     KaratService* service;
     State* s;
-    uint32_t gpu_id;
-    int rank;
-    uint64_t key;
+    const AdmittedTurn* turn;
     ~ActiveGuard() {
       bool push = false;
+      const int rank = turn->rank;
       {
         absl::MutexLock lock(&s->mu_);
         s->active_generations_--;
-        auto n = s->nodes_.find(gpu_id);
+        auto n = s->nodes_.find(turn->gpu_id);
         if (n != s->nodes_.end()) n->second.active_turns--;
         auto r = s->ranks_.find(rank);
         if (r != s->ranks_.end()) {
-          r->second.running.erase(key);
+          r->second.running.erase(turn->key);
           push = s->RecomputeMicroBatchesLocked(rank);
         }
         s->capacity_epoch_++;
       }
       if (push) service->PostMicroBatchPush(rank);
     }
-  } active_guard{this, s_, turn.gpu_id, turn.rank, turn.key};
+  } active_guard{this, s_, &turn};
 
   cl::RunTurnRequest run;
   run.set_session(turn.key);
@@ -1485,125 +1910,139 @@ grpc::Status KaratService::Generate(
   run.mutable_prefill_ends()->Assign(turn.prefill_ends.begin(),
                                      turn.prefill_ends.end());
 
-  grpc::ClientContext gpu_ctx;
-  {
-    absl::MutexLock lock(&s_->mu_);
-    if (s_->shutting_down_) gpu_ctx.TryCancel();
-    s_->running_.insert(&gpu_ctx);
-    // From here on SetMicroBatches pushes cover this turn; until now its
-    // micro-batch travels in the request.
-    auto r = s_->ranks_.find(turn.rank);
-    if (r != s_->ranks_.end()) {
-      auto t = r->second.running.find(turn.key);
-      if (t != r->second.running.end()) {
-        run.set_micro_batch(t->second.micro_batch);
-        t->second.pushed_micro_batch = t->second.micro_batch;
-        t->second.started = true;
-      }
-    }
-  }
-  KLOG(Info, kLog) << "session=" << sid << " turn on " << turn.gpu_name
-                   << " (rank " << turn.rank << ", micro-batch "
-                   << run.micro_batch() << ")"
-                   << (s_->gpu_only()
-                           ? std::string(" gpu_only")
-                           : absl::StrCat(" home=", turn.placement.node_name(),
-                                          "/", turn.placement.device()))
-                   << " pos_start=" << turn.pos_start
-                   << " feed=" << turn.feed.size()
-                   << " max_new_tokens=" << req->max_new_tokens();
-
-  // Watches for the client going away and cancels the GPU call.
-  absl::Mutex watch_mu;
-  bool turn_over = false;
-  std::atomic<bool> client_cancelled{false};
-  std::thread watcher([&] {
-    absl::MutexLock lock(&watch_mu);
-    while (!turn_over) {
-      watch_mu.AwaitWithTimeout(absl::Condition(&turn_over),
-                                absl::Milliseconds(20));
-      if (!turn_over && ctx->IsCancelled()) {
-        client_cancelled = true;
-        gpu_ctx.TryCancel();
-        return;
-      }
-    }
-  });
-
-  auto stub = cl::GpuNode::NewStub(turn.gpu_channel);
-  std::unique_ptr<grpc::ClientReader<cl::RunTurnEvent>> reader =
-      stub->RunTurn(&gpu_ctx, run);
-  cl::RunTurnEvent ev;
   int generated = 0;
   bool eos = false;
   int64_t ttft_us = 0;
   absl::Time previous = arrived;
   const int prefill_end = turn.pos_start + static_cast<int>(turn.feed.size());
-  while (reader->Read(&ev)) {
-    generated++;
-    absl::Time now = s_->Now();
-    int64_t latency = absl::ToInt64Microseconds(now - previous);
+  std::atomic<bool> client_cancelled{false};
+  bool shutdown_cancel = false;
+  grpc::Status gpu_status;
+  int resumes = 0;
+  // One RunTurn call per pass: the first, then one per resume on another
+  // rank after a GPU rank was lost (DESIGN.md §7).
+  for (;;) {
+    grpc::ClientContext gpu_ctx;
+    uint64_t owners_version = 0;
+    std::map<int, uint32_t> alive_at_start;
     {
       absl::MutexLock lock(&s_->mu_);
-      Session& session = s_->sessions_.at(sid);
-      session.history.push_back(ev.token_id());
-      session.kv_len = ev.kv_len();
-      // The first token exists once the prefill is done.
-      if (generated == 1 && (session.prefill_ends.empty() ||
-                             session.prefill_ends.back() < prefill_end))
-        session.prefill_ends.push_back(prefill_end);
-      s_->tokens_generated_++;
-      (generated == 1 ? s_->ttft_ms_ : s_->tbt_ms_).Add(latency / 1000.0);
+      if (s_->shutting_down_) gpu_ctx.TryCancel();
+      s_->running_.insert(&gpu_ctx);
+      // From here on SetMicroBatches pushes cover this turn; until now its
+      // micro-batch travels in the request.
       auto r = s_->ranks_.find(turn.rank);
       if (r != s_->ranks_.end()) {
         auto t = r->second.running.find(turn.key);
-        if (t != r->second.running.end())
-          t->second.context_tokens =
-              static_cast<int64_t>(session.history.size());
+        if (t != r->second.running.end()) {
+          run.set_micro_batch(t->second.micro_batch);
+          t->second.pushed_micro_batch = t->second.micro_batch;
+          t->second.started = true;
+        }
+      }
+      owners_version = s_->owners_version_;
+      alive_at_start = s_->AliveRanksLocked();
+    }
+    KLOG(Info, kLog) << "session=" << sid
+                     << (resumes > 0 ? " turn resumed on " : " turn on ")
+                     << turn.gpu_name << " (rank " << turn.rank
+                     << ", micro-batch " << run.micro_batch() << ")"
+                     << (s_->gpu_only()
+                             ? std::string(" gpu_only")
+                             : absl::StrCat(
+                                   " home=", turn.placement.node_name(), "/",
+                                   turn.placement.device()))
+                     << " pos_start=" << run.pos_start()
+                     << " feed=" << run.feed_tokens_size()
+                     << " max_new_tokens=" << run.max_new_tokens();
+
+    // Watches for the client going away and cancels the GPU call.
+    absl::Mutex watch_mu;
+    bool turn_over = false;
+    std::thread watcher([&] {
+      absl::MutexLock lock(&watch_mu);
+      while (!turn_over) {
+        watch_mu.AwaitWithTimeout(absl::Condition(&turn_over),
+                                  absl::Milliseconds(20));
+        if (!turn_over && ctx->IsCancelled()) {
+          client_cancelled = true;
+          gpu_ctx.TryCancel();
+          return;
+        }
+      }
+    });
+
+    auto stub = cl::GpuNode::NewStub(turn.gpu_channel);
+    std::unique_ptr<grpc::ClientReader<cl::RunTurnEvent>> reader =
+        stub->RunTurn(&gpu_ctx, run);
+    cl::RunTurnEvent ev;
+    while (reader->Read(&ev)) {
+      generated++;
+      absl::Time now = s_->Now();
+      int64_t latency = absl::ToInt64Microseconds(now - previous);
+      {
+        absl::MutexLock lock(&s_->mu_);
+        Session& session = s_->sessions_.at(sid);
+        session.history.push_back(ev.token_id());
+        session.kv_len = ev.kv_len();
+        // The first token exists once the prefill is done.
+        if (generated == 1 && (session.prefill_ends.empty() ||
+                               session.prefill_ends.back() < prefill_end))
+          session.prefill_ends.push_back(prefill_end);
+        s_->tokens_generated_++;
+        (generated == 1 ? s_->ttft_ms_ : s_->tbt_ms_).Add(latency / 1000.0);
+        auto r = s_->ranks_.find(turn.rank);
+        if (r != s_->ranks_.end()) {
+          auto t = r->second.running.find(turn.key);
+          if (t != r->second.running.end())
+            t->second.context_tokens =
+                static_cast<int64_t>(session.history.size());
+        }
+      }
+      if (generated == 1) ttft_us = latency;
+      previous = now;
+      if (ev.token_id() == kEosToken) eos = true;
+      v1::GenerateResponse out;
+      v1::GeneratedToken* tok = out.mutable_token();
+      tok->set_token_id(ev.token_id());
+      tok->set_text(TokenText(ev.token_id()));
+      tok->set_position(ev.position());
+      tok->set_latency_us(latency);
+      if (!writer->Write(out)) {
+        client_cancelled = true;
+        gpu_ctx.TryCancel();
+        while (reader->Read(&ev)) {
+        }
+        break;
       }
     }
-    if (generated == 1) ttft_us = latency;
-    previous = now;
-    if (ev.token_id() == kEosToken) eos = true;
-    v1::GenerateResponse out;
-    v1::GeneratedToken* tok = out.mutable_token();
-    tok->set_token_id(ev.token_id());
-    tok->set_text(TokenText(ev.token_id()));
-    tok->set_position(ev.position());
-    tok->set_latency_us(latency);
-    if (!writer->Write(out)) {
-      client_cancelled = true;
-      gpu_ctx.TryCancel();
-      while (reader->Read(&ev)) {
-      }
+    gpu_status = reader->Finish();
+    {
+      absl::MutexLock lock(&watch_mu);
+      turn_over = true;
+    }
+    watcher.join();
+    {
+      absl::MutexLock lock(&s_->mu_);
+      s_->running_.erase(&gpu_ctx);
+      shutdown_cancel = s_->shutting_down_;
+    }
+    if (client_cancelled || ctx->IsCancelled()) {
+      KLOG(Info, kLog) << "session=" << sid
+                       << " turn cancelled by the client after " << generated
+                       << " tokens";
+      return grpc::Status(grpc::StatusCode::CANCELLED,
+                          "cancelled by the client");
+    }
+    if (gpu_status.ok() || shutdown_cancel) break;
+    // Every token arrived before the call broke: the turn is complete.
+    if (eos || generated >= req->max_new_tokens()) {
+      gpu_status = grpc::Status::OK;
       break;
     }
-  }
-  grpc::Status gpu_status = reader->Finish();
-  {
-    absl::MutexLock lock(&watch_mu);
-    turn_over = true;
-  }
-  watcher.join();
-  bool shutdown_cancel = false;
-  {
-    absl::MutexLock lock(&s_->mu_);
-    s_->running_.erase(&gpu_ctx);
-    shutdown_cancel = s_->shutting_down_;
-  }
-  const int64_t total_us = absl::ToInt64Microseconds(s_->Now() - arrived);
-  std::string reason;
-  if (client_cancelled || ctx->IsCancelled()) {
-    KLOG(Info, kLog) << "session=" << sid
-                     << " turn cancelled by the client after " << generated
-                     << " tokens";
-    return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client");
-  }
-  if (!gpu_status.ok() && shutdown_cancel) {
-    reason = "cancelled";
-  } else if (!gpu_status.ok()) {
     KLOG(Warning, kLog) << "session=" << sid << " GPU node " << turn.gpu_name
-                        << " failed after " << generated
+                        << " (rank " << turn.rank << ") failed after "
+                        << generated
                         << " tokens: " << gpu_status.error_message();
     grpc::StatusCode code = gpu_status.error_code();
     switch (code) {
@@ -1614,13 +2053,44 @@ grpc::Status KaratService::Generate(
       default:
         code = grpc::StatusCode::UNAVAILABLE;
     }
+    std::string why;
+    if (code == grpc::StatusCode::UNAVAILABLE) {
+      if (resumes >= kMaxTurnResumes) {
+        why = absl::StrCat(" (resumed ", resumes, " times already, the most)");
+      } else {
+        const std::string failed_on =
+            absl::StrCat(turn.gpu_name, " (rank ", turn.rank, ")");
+        absl::StatusOr<bool> resumed =
+            ResumeTurn(ctx, sid, generated, req->max_new_tokens() - generated,
+                       owners_version, alive_at_start, &turn, &run);
+        if (resumed.ok() && *resumed) {
+          ++resumes;
+          absl::MutexLock lock(&s_->mu_);
+          s_->turns_resumed_++;
+          KLOG(Info, kLog) << "session=" << sid << " resuming after "
+                           << generated << " tokens: " << failed_on
+                           << " failed, " << turn.gpu_name << " (rank "
+                           << turn.rank << ") continues";
+          continue;
+        }
+        if (!resumed.ok()) {
+          if (resumed.status().code() == absl::StatusCode::kCancelled) {
+            return grpc::Status(grpc::StatusCode::CANCELLED,
+                                "cancelled by the client");
+          }
+          why = absl::StrCat(" (cannot resume: ", resumed.status().message(),
+                             ")");
+        }
+      }
+    }
     return grpc::Status(
-        code, absl::StrCat("GPU node ", turn.gpu_name,
-                           " failed during the turn after ", generated,
-                           " tokens: ", gpu_status.error_message()));
-  } else {
-    reason = eos ? "eos" : "length";
+        code, absl::StrCat("GPU node ", turn.gpu_name, " (rank ", turn.rank,
+                           ") failed during the turn after ", generated,
+                           " tokens: ", gpu_status.error_message(), why));
   }
+  const int64_t total_us = absl::ToInt64Microseconds(s_->Now() - arrived);
+  const std::string reason =
+      !gpu_status.ok() ? "cancelled" : (eos ? "eos" : "length");
   v1::GenerateResponse done;
   v1::TurnDone* d = done.mutable_done();
   d->set_finish_reason(reason);
@@ -1631,7 +2101,10 @@ grpc::Status KaratService::Generate(
   writer->Write(done);
   KLOG(Info, kLog) << "session=" << sid << " turn done: " << reason << " "
                    << generated << " tokens, ttft_us=" << ttft_us
-                   << " total_us=" << total_us;
+                   << " total_us=" << total_us
+                   << (resumes > 0
+                           ? absl::StrCat(", resumed ", resumes, " times")
+                           : std::string());
   return grpc::Status::OK;
 }
 
@@ -1691,6 +2164,7 @@ class CoordinatorImpl final : public Coordinator {
       server_->Wait();
     }
     link_pusher_.Stop();
+    rank_watcher_.Stop();
     control_pusher_.Stop();
     KLOG(Info, kLog) << "shut down";
   }
@@ -1706,6 +2180,7 @@ class CoordinatorImpl final : public Coordinator {
   AdminService admin_;
   LinkPusher link_pusher_;
   ControlPusher control_pusher_;
+  RankWatcher rank_watcher_{&state_, &control_pusher_};
   std::unique_ptr<grpc::Server> server_;
   std::string address_;
   absl::Mutex shutdown_mu_;

@@ -5,7 +5,14 @@
 //
 // Scale-out (DESIGN.md §4): GPU nodes register as ranks 0..G-1 of G; every
 // turn runs on one rank (fewest running requests; in gpu_only mode the rank
-// holding the session's KV) and needs every rank alive (experts are sharded).
+// holding the session's KV). Experts are sharded: the coordinator pushes the
+// owner of each routed expert with the rank table (GpuNode.SetPeers); when a
+// rank is lost (DESIGN.md §7: its RunTurn breaks and a probe cannot reach it,
+// or its heartbeats stop) its experts move to the alive ranks, and turns that
+// failed because of it resume on an alive rank in the same client stream
+// (at most 3 times per turn). A turn needs every expert to have an alive
+// owner that acknowledged it (before every rank has registered once: every
+// rank alive).
 // A turn waits in one FIFO admission queue (its position streamed to the
 // client as GenerateResponse.queued) until its KV reservation succeeds and
 // its rank's batch is below min(max_batch, TBT cap). On every admission and

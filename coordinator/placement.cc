@@ -46,4 +46,30 @@ std::optional<uint32_t> ChooseGpuNode(const ClusterState& state) {
   return best->id;
 }
 
+std::vector<int> ExpertOwners(int experts, int ranks,
+                              const std::vector<int>& alive) {
+  if (ranks < 1 || experts < 1 || experts % ranks != 0) return {};
+  std::vector<bool> up(size_t(ranks), false);
+  std::vector<int> order;
+  for (int r : alive) {
+    if (r < 0 || r >= ranks || up[size_t(r)]) continue;
+    up[size_t(r)] = true;
+  }
+  for (int r = 0; r < ranks; ++r)
+    if (up[size_t(r)]) order.push_back(r);
+  if (order.empty()) return {};
+  const int per_rank = experts / ranks;
+  std::vector<int> owner(static_cast<size_t>(experts));
+  size_t next = 0;
+  for (int e = 0; e < experts; ++e) {
+    const int home = e / per_rank;
+    if (up[size_t(home)]) {
+      owner[size_t(e)] = home;
+    } else {
+      owner[size_t(e)] = order[next++ % order.size()];
+    }
+  }
+  return owner;
+}
+
 }  // namespace karat::coordinator

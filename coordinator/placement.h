@@ -51,4 +51,15 @@ std::vector<HomeDevice> ChooseHomeDevices(const ClusterState& state);
 // nullopt when no GPU node is alive.
 std::optional<uint32_t> ChooseGpuNode(const ClusterState& state);
 
+// Expert ownership over the alive GPU ranks (DESIGN.md §7): owner[e] for
+// each of the `experts` routed experts. An alive rank keeps its own block
+// [r * E / ranks, (r + 1) * E / ranks); the experts of the ranks not in
+// `alive` go, in increasing id, round-robin to the alive ranks in
+// increasing rank order, so every coordinator computes the same table.
+// With every rank alive it is the block sharding. Empty when `alive` is
+// empty, `ranks` < 1 or `experts` is not a positive multiple of `ranks`;
+// ranks outside [0, ranks) in `alive` are ignored.
+std::vector<int> ExpertOwners(int experts, int ranks,
+                              const std::vector<int>& alive);
+
 }  // namespace karat::coordinator

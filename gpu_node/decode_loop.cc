@@ -81,6 +81,7 @@ TurnRequest TurnRequestFromProto(const cluster::RunTurnRequest& r) {
   t.micro_batch = r.micro_batch();
   for (int end : r.prefill_ends())
     t.prefill_ends.push_back(end - r.pos_start());
+  t.feed_ends_prefill = !r.resumed_decode();
   return t;
 }
 
@@ -397,7 +398,7 @@ void DecodeLoop::RunStep(std::vector<std::shared_ptr<Request>>* active) {
                         r.turn.feed_tokens.begin() + r.fed + chunk[i]);
       const size_t end = r.fed + chunk[i];
       seg.ends_prefill =
-          end == r.turn.feed_tokens.size() ||
+          (end == r.turn.feed_tokens.size() && r.turn.feed_ends_prefill) ||
           std::find(r.turn.prefill_ends.begin(), r.turn.prefill_ends.end(),
                     int(end)) != r.turn.prefill_ends.end();
     } else {

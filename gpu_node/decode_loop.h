@@ -62,6 +62,9 @@ struct TurnRequest {
   // Feed offsets (1 .. feed size) where a turn's prefill ended: prefill
   // chunks never cross one, and each marks Segment::ends_prefill.
   std::vector<int> prefill_ends;
+  // Whether the feed's end is one of them (RunTurnRequest.resumed_decode
+  // clears it).
+  bool feed_ends_prefill = true;
 };
 
 // INVALID_ARGUMENT unless: feed_tokens non-empty with ids in [0, vocab),

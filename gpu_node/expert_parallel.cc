@@ -82,6 +82,7 @@ struct ExpertParallel::Impl {
   // A dispatch from another rank for the service thread: parsed, or the
   // error to answer with.
   struct Job {
+    uint64_t seq = 0;  // arrival order
     FrameHeader header;
     int from_rank = 0;
     PeerId peer = kUnknownPeer;
@@ -90,19 +91,38 @@ struct ExpertParallel::Impl {
     std::vector<int32_t> experts, counts, indices;
     std::vector<float> rows;
   };
+  // A dispatch from a node id outside the rank table, kept until SetPeers
+  // names its sender or `deadline` passes.
+  struct Parked {
+    uint64_t seq = 0;
+    FrameHeader header;
+    PeerId from = kUnknownPeer;  // as the transport knows the sender
+    absl::Time deadline;
+    size_t size = 0;
+    ReceivedBytes bytes;  // the whole frame; empty for a refused one
+    std::string why;      // for a refused one
+  };
 
   absl::Status Run(int mb, WaitHooks* hooks, uint64_t step,
                    const ExpertWork& work,
                    std::vector<std::vector<float>>* out);
-  absl::StatusOr<std::vector<DispatchPlan>> Plan(const ExpertWork& work) const;
+  // `owners`: the runner's expert ownership, one snapshot per call.
+  absl::StatusOr<std::vector<DispatchPlan>> Plan(
+      const ExpertWork& work, const std::vector<int>& owners) const;
   absl::Status SendFrame(PeerId peer, const FrameHeader& header,
                          const std::vector<std::string_view>& sections);
-  void OnDispatch(const FrameView& frame, int from_rank, const Peer& peer);
+  void Receive(const FrameView& frame, PeerId from,
+               const std::string_view* message);
+  // Queues the dispatch for the service thread; `seq` 0 takes the next
+  // arrival number, a parked dispatch's keeps its place.
+  void OnDispatch(const FrameView& frame, int from_rank, const Peer& peer,
+                  uint64_t seq = 0);
+  // Answers (where the sender's address is known) or drops a parked
+  // dispatch whose sender stayed unknown.
+  void DropParked(const Parked& p, std::string_view why);
   void OnAnswer(const FrameView& frame, int from_rank);
   void Serve(Job& job);
   void ServiceLoop();
-  // Looks up the rank of `node_id`; -1 when not in the table.
-  int RankOfNode(uint32_t node_id, Peer* peer);
   void CountInvalid(const FrameHeader& h, std::string_view why);
 
   const ModelRunner* const runner;
@@ -122,14 +142,22 @@ struct ExpertParallel::Impl {
   absl::flat_hash_map<uint64_t, Pending> pending ABSL_GUARDED_BY(mu);
   bool aborted ABSL_GUARDED_BY(mu) = false;
   bool stopping ABSL_GUARDED_BY(mu) = false;
-  std::deque<Job> jobs ABSL_GUARDED_BY(mu);
+  std::deque<Job> jobs ABSL_GUARDED_BY(mu);  // in increasing seq
+  uint64_t next_seq ABSL_GUARDED_BY(mu) = 1;
+  std::deque<Parked> parked ABSL_GUARDED_BY(mu);  // in increasing seq
+  size_t parked_bytes ABSL_GUARDED_BY(mu) = 0;
+  // Refused on arrival (over the bounds): dropped by the service thread,
+  // since answering sends and the receive thread must not block.
+  std::deque<Parked> refused ABSL_GUARDED_BY(mu);
+  uint64_t parked_events ABSL_GUARDED_BY(mu) = 0;  // wakes the service thread
   std::thread service;
 
   std::atomic<uint64_t> frames_sent{0}, bytes_sent{0}, frames_received{0},
       bytes_received{0}, dispatches_sent{0}, dispatches_served{0}, rows_sent{0},
       rows_served{0}, frames_invalid{0}, frames_unknown_sender{0},
       frames_stale{0}, send_errors{0}, calls{0}, calls_failed{0}, waits{0},
-      wait_ns{0};
+      wait_ns{0}, dispatches_parked{0}, parked_released{0}, parked_expired{0},
+      parked_refused{0}, parked_answered{0};
 };
 
 class ExpertParallel::MicroBatchExperts : public ExpertBackend {
@@ -151,7 +179,7 @@ class ExpertParallel::MicroBatchExperts : public ExpertBackend {
 // --- Sending side -----------------------------------------------------------
 
 absl::StatusOr<std::vector<DispatchPlan>> ExpertParallel::Impl::Plan(
-    const ExpertWork& work) const {
+    const ExpertWork& work, const std::vector<int>& owners) const {
   const int E = runner->config().n_routed_experts;
   size_t max_bytes = transport->MaxMessageSize();
   if (options.max_frame_bytes > 0) {
@@ -173,7 +201,7 @@ absl::StatusOr<std::vector<DispatchPlan>> ExpertParallel::Impl::Plan(
       distinct = total = 0;
     };
     for (int e = 0; e < E; ++e) {
-      if (runner->ExpertOwner(e) != r || work.rows_of[e].empty()) continue;
+      if (owners[size_t(e)] != r || work.rows_of[e].empty()) continue;
       for (int attempt = 0; attempt < 2; ++attempt) {
         size_t new_distinct = distinct;
         for (int row : work.rows_of[e]) new_distinct += marked[row] ? 0 : 1;
@@ -262,7 +290,10 @@ absl::Status ExpertParallel::Impl::Run(int mb, WaitHooks* hooks, uint64_t step,
           "expert parallelism stopped: the GPU node is shutting down");
     }
   }
-  absl::StatusOr<std::vector<DispatchPlan>> plans = Plan(work);
+  // One ownership snapshot for the whole call (SetPeers may move experts
+  // meanwhile; the combine is the same whoever computes an expert).
+  const std::vector<int> owners = runner->ExpertOwners();
+  absl::StatusOr<std::vector<DispatchPlan>> plans = Plan(work, owners);
   if (!plans.ok()) {
     calls_failed.fetch_add(1);
     return plans.status();
@@ -374,7 +405,7 @@ absl::Status ExpertParallel::Impl::Run(int mb, WaitHooks* hooks, uint64_t step,
   // 2. This rank's experts, while the dispatches are in flight.
   for (int e = 0; e < E; ++e) {
     const std::vector<int>& rows = work.rows_of[e];
-    if (rows.empty() || runner->ExpertOwner(e) != rank) continue;
+    if (rows.empty() || owners[size_t(e)] != rank) continue;
     absl::Status s = runner->ApplyExpert(work.layer, e, work.xn, rows.data(),
                                          int(rows.size()), (*out)[e].data());
     if (!s.ok()) return finish(s);
@@ -418,14 +449,6 @@ absl::Status ExpertParallel::Impl::Run(int mb, WaitHooks* hooks, uint64_t step,
 
 // --- Receiving side ---------------------------------------------------------
 
-int ExpertParallel::Impl::RankOfNode(uint32_t node, Peer* peer) {
-  absl::MutexLock lock(&peers_mu);
-  auto it = rank_of_node.find(node);
-  if (it == rank_of_node.end()) return -1;
-  *peer = peers[it->second];
-  return it->second;
-}
-
 void ExpertParallel::Impl::CountInvalid(const FrameHeader& h,
                                         std::string_view why) {
   frames_invalid.fetch_add(1);
@@ -436,7 +459,7 @@ void ExpertParallel::Impl::CountInvalid(const FrameHeader& h,
 }
 
 void ExpertParallel::Impl::OnDispatch(const FrameView& frame, int from_rank,
-                                      const Peer& peer) {
+                                      const Peer& peer, uint64_t seq) {
   const FrameHeader& h = frame.header;
   const ModelConfig& c = runner->config();
   Job job;
@@ -479,10 +502,10 @@ void ExpertParallel::Impl::OnDispatch(const FrameView& frame, int from_rank,
         invalid(absl::InvalidArgumentError(
             absl::StrCat("MoeDispatch expert ids not increasing within [0, ",
                          c.n_routed_experts, "): ", e, " after ", prev)));
-      } else if (!runner->OwnsExpert(e)) {
+      } else if (!runner->HoldsExpert(e)) {
         invalid(absl::FailedPreconditionError(absl::StrCat(
             "MoeDispatch for expert ", e, ", which GPU rank ", rank,
-            " does not own (the ranks disagree on the expert sharding)")));
+            " does not hold (the ranks disagree on the expert ownership)")));
       } else if (job.counts[i] < 1) {
         invalid(absl::InvalidArgumentError(absl::StrCat(
             "MoeDispatch row count ", job.counts[i], " for expert ", e)));
@@ -510,7 +533,121 @@ void ExpertParallel::Impl::OnDispatch(const FrameView& frame, int from_rank,
   }
   absl::MutexLock lock(&mu);
   if (aborted || stopping) return;
-  jobs.push_back(std::move(job));
+  if (seq == 0) {
+    job.seq = next_seq++;
+    jobs.push_back(std::move(job));
+    return;
+  }
+  job.seq = seq;
+  auto pos = std::upper_bound(
+      jobs.begin(), jobs.end(), seq,
+      [](uint64_t s, const Job& queued) { return s < queued.seq; });
+  jobs.insert(pos, std::move(job));
+}
+
+void ExpertParallel::Impl::Receive(const FrameView& frame, PeerId from,
+                                   const std::string_view* message) {
+  const FrameHeader& h = frame.header;
+  frames_received.fetch_add(1);
+  bytes_received.fetch_add(FrameBytes(frame));
+  const auto type = static_cast<FrameType>(h.type);
+  if (type != FrameType::kMoeDispatch && type != FrameType::kMoeCombine &&
+      type != FrameType::kError) {
+    CountInvalid(h, "not an expert-parallel frame type");
+    return;
+  }
+  Peer peer;
+  int from_rank = -1;
+  {
+    // The lookup and the parking happen under peers_mu, so a SetPeers that
+    // names the sender either precedes the lookup or finds the dispatch
+    // parked.
+    absl::MutexLock lock(&peers_mu);
+    auto it = rank_of_node.find(h.src_node);
+    if (it != rank_of_node.end()) {
+      from_rank = it->second;
+      peer = peers[size_t(from_rank)];
+    } else if (type == FrameType::kMoeDispatch) {
+      Parked p;
+      p.header = h;
+      p.from = from;
+      p.deadline = absl::Now() + options.peer_wait;
+      p.size = message != nullptr ? message->size() : FrameBytes(frame);
+      absl::MutexLock jobs_lock(&mu);
+      if (aborted || stopping) return;
+      p.seq = next_seq++;
+      ++parked_events;
+      if (parked.size() >= options.max_parked ||
+          parked_bytes + p.size > options.max_parked_bytes) {
+        p.why = absl::StrCat("the node id is not in the GPU rank table and ",
+                             parked.size(), " dispatches (", parked_bytes,
+                             " bytes) already wait for their senders' entries");
+        parked_refused.fetch_add(1);
+        refused.push_back(std::move(p));
+        return;
+      }
+      if (message != nullptr) {
+        p.bytes = ReceivedBytes(transport, *message);
+      } else {
+        std::vector<std::string_view> sections;
+        for (uint32_t i = 0; i < h.n_sections && i < kMaxSections; ++i) {
+          sections.push_back(frame.sections[i]);
+        }
+        std::string copy;
+        EncodeFrame(h, sections, &copy);
+        p.bytes = ReceivedBytes(transport, copy, copy.size() + 1);
+      }
+      parked_bytes += p.size;
+      dispatches_parked.fetch_add(1);
+      KLOG(Info, kLogModule)
+          << "rank " << rank << ": parking a MoeDispatch from node "
+          << h.src_node << " (request " << h.session << ", layer " << h.layer
+          << ") until the rank table names it (at most "
+          << absl::FormatDuration(options.peer_wait) << ")";
+      parked.push_back(std::move(p));
+      return;
+    }
+  }
+  if (from_rank < 0) {
+    frames_unknown_sender.fetch_add(1);
+    CountInvalid(h, "the node id is not in the GPU rank table");
+    return;
+  }
+  if (type == FrameType::kMoeDispatch) {
+    OnDispatch(frame, from_rank, peer);
+  } else {
+    OnAnswer(frame, from_rank);
+  }
+}
+
+void ExpertParallel::Impl::DropParked(const Parked& p, std::string_view why) {
+  const FrameHeader& h = p.header;
+  frames_unknown_sender.fetch_add(1);
+  CountInvalid(h, absl::StrCat(std::string(why),
+                               p.from != kUnknownPeer
+                                   ? "; answering with an error"
+                                   : "; the sender's address is unknown "
+                                     "too, so it gets no answer"));
+  if (p.from == kUnknownPeer) return;
+  FrameHeader answer;
+  answer.type = static_cast<uint16_t>(FrameType::kMoeCombine);
+  answer.src_node = node_id.load();
+  answer.layer = h.layer;
+  answer.micro_batch = h.micro_batch;
+  answer.step = h.step;
+  answer.session = h.session;
+  answer.status = uint32_t(absl::StatusCode::kUnavailable);
+  const std::string text = absl::StrCat("GPU rank ", rank, " cannot serve a ",
+                                        "MoeDispatch from node ", h.src_node,
+                                        ": ", std::string(why));
+  absl::Status sent = SendFrame(p.from, answer, {text});
+  if (sent.ok()) {
+    parked_answered.fetch_add(1);
+  } else {
+    KLOG(Warning, kLogModule)
+        << "rank " << rank << ": cannot answer request " << h.session
+        << " of node " << h.src_node << ": " << sent;
+  }
 }
 
 void ExpertParallel::Impl::OnAnswer(const FrameView& frame, int from_rank) {
@@ -612,17 +749,49 @@ void ExpertParallel::Impl::Serve(Job& job) {
 void ExpertParallel::Impl::ServiceLoop() {
   for (;;) {
     Job job;
+    bool have_job = false;
+    std::vector<Parked> expired, dropped;
     {
       absl::MutexLock lock(&mu);
-      auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu) {
-        return stopping || !jobs.empty();
-      };
-      mu.Await(absl::Condition(&ready));
-      if (stopping) return;
-      job = std::move(jobs.front());
-      jobs.pop_front();
+      for (;;) {
+        if (stopping) return;
+        if (!jobs.empty() || !refused.empty()) break;
+        if (!parked.empty() && parked.front().deadline <= absl::Now()) break;
+        const uint64_t events = parked_events;
+        auto ready = [this, events]() ABSL_SHARED_LOCKS_REQUIRED(mu) {
+          return stopping || !jobs.empty() || parked_events != events;
+        };
+        if (parked.empty()) {
+          mu.Await(absl::Condition(&ready));
+        } else {
+          mu.AwaitWithDeadline(absl::Condition(&ready),
+                               parked.front().deadline);
+        }
+      }
+      const absl::Time now = absl::Now();
+      while (!parked.empty() && parked.front().deadline <= now) {
+        parked_bytes -= parked.front().size;
+        expired.push_back(std::move(parked.front()));
+        parked.pop_front();
+      }
+      while (!refused.empty()) {
+        dropped.push_back(std::move(refused.front()));
+        refused.pop_front();
+      }
+      if (!jobs.empty()) {
+        job = std::move(jobs.front());
+        jobs.pop_front();
+        have_job = true;
+      }
     }
-    Serve(job);
+    for (const Parked& p : dropped) DropParked(p, p.why);
+    for (const Parked& p : expired) {
+      DropParked(p, absl::StrCat("the node id is still not in the GPU rank "
+                                 "table after ",
+                                 absl::FormatDuration(options.peer_wait)));
+      parked_expired.fetch_add(1);  // last: tests wait for it
+    }
+    if (have_job) Serve(job);
   }
 }
 
@@ -698,13 +867,57 @@ absl::Status ExpertParallel::SetPeers(
     }
     peer.id = *id;
   }
+  struct Released {
+    Impl::Parked parked;
+    int rank;
+    Impl::Peer peer;
+  };
+  std::vector<Released> released;
   {
     absl::MutexLock lock(&m.peers_mu);
+    absl::MutexLock jobs_lock(&m.mu);
+    // Dispatches waiting on a rank that left the table (lost) or came back
+    // as another node fail now rather than after `timeout`.
+    for (auto& [id, p] : m.pending) {
+      if (p.done) continue;
+      const Impl::Peer& now = table[size_t(p.rank)];
+      if (now.known && now.node_id == p.node_id) continue;
+      p.done = true;
+      p.status = absl::UnavailableError(absl::StrCat(
+          "GPU rank ", p.rank, " (", p.peer_name, ") left the rank table ",
+          now.known ? "(it rejoined as another node)" : "(it was lost)",
+          " while layer ", p.layer, " waited for its MoeCombine"));
+      --p.call->outstanding;
+      p.call->failed = true;
+    }
     m.peers = std::move(table);
     m.rank_of_node = std::move(by_node);
+    for (auto it = m.parked.begin(); it != m.parked.end();) {
+      auto known = m.rank_of_node.find(it->header.src_node);
+      if (known == m.rank_of_node.end()) {
+        ++it;
+        continue;
+      }
+      m.parked_bytes -= it->size;
+      released.push_back(
+          {std::move(*it), known->second, m.peers[size_t(known->second)]});
+      it = m.parked.erase(it);
+    }
+    if (!released.empty()) ++m.parked_events;
   }
   KLOG(Info, kLogModule) << "rank " << m.rank << " of " << m.ranks << ": "
-                         << seen.size() << " GPU peers";
+                         << seen.size() << " GPU peers"
+                         << (released.empty()
+                                 ? ""
+                                 : absl::StrCat("; serving ", released.size(),
+                                                " parked dispatches"));
+  // Queued in their arrival places (OnDispatch keeps the queue in order).
+  for (Released& r : released) {
+    absl::StatusOr<FrameView> frame = DecodeFrame(r.parked.bytes.view());
+    if (!frame.ok()) continue;  // decoded once on arrival
+    m.parked_released.fetch_add(1);
+    m.OnDispatch(*frame, r.rank, r.peer, r.parked.seq);
+  }
   return absl::OkStatus();
 }
 
@@ -717,7 +930,7 @@ ExpertBackend* ExpertParallel::ForMicroBatch(int mb, WaitHooks* hooks) {
   return backends_[size_t(mb)].get();
 }
 
-void ExpertParallel::OnMessage(std::string_view message) {
+void ExpertParallel::OnMessage(std::string_view message, PeerId from) {
   absl::StatusOr<FrameView> frame = DecodeFrame(message);
   if (!frame.ok()) {
     impl_->frames_received.fetch_add(1);
@@ -728,38 +941,21 @@ void ExpertParallel::OnMessage(std::string_view message) {
         << message.size() << "-byte frame: " << frame.status().message();
     return;
   }
-  OnFrame(*frame);
+  impl_->Receive(*frame, from, &message);
 }
 
-void ExpertParallel::OnFrame(const FrameView& frame) {
-  Impl& m = *impl_;
-  const FrameHeader& h = frame.header;
-  m.frames_received.fetch_add(1);
-  m.bytes_received.fetch_add(FrameBytes(frame));
-  const auto type = static_cast<FrameType>(h.type);
-  if (type != FrameType::kMoeDispatch && type != FrameType::kMoeCombine &&
-      type != FrameType::kError) {
-    m.CountInvalid(h, "not an expert-parallel frame type");
-    return;
-  }
-  Impl::Peer peer;
-  const int from = m.RankOfNode(h.src_node, &peer);
-  if (from < 0) {
-    m.frames_unknown_sender.fetch_add(1);
-    m.CountInvalid(h, "the node id is not in the GPU rank table");
-    return;
-  }
-  if (type == FrameType::kMoeDispatch) {
-    m.OnDispatch(frame, from, peer);
-  } else {
-    m.OnAnswer(frame, from);
-  }
+void ExpertParallel::OnFrame(const FrameView& frame, PeerId from) {
+  impl_->Receive(frame, from, nullptr);
 }
 
 void ExpertParallel::Abort() {
   absl::MutexLock lock(&impl_->mu);
   impl_->aborted = true;
   impl_->jobs.clear();
+  impl_->parked.clear();
+  impl_->parked_bytes = 0;
+  impl_->refused.clear();
+  ++impl_->parked_events;
 }
 
 std::map<std::string, double> ExpertParallel::Stats() const {
@@ -781,6 +977,11 @@ std::map<std::string, double> ExpertParallel::Stats() const {
       {"moe_calls_failed", double(m.calls_failed.load())},
       {"moe_waits", double(m.waits.load())},
       {"moe_wait_seconds", double(m.wait_ns.load()) * 1e-9},
+      {"moe_dispatches_parked", double(m.dispatches_parked.load())},
+      {"moe_parked_released", double(m.parked_released.load())},
+      {"moe_parked_expired", double(m.parked_expired.load())},
+      {"moe_parked_refused", double(m.parked_refused.load())},
+      {"moe_parked_answered", double(m.parked_answered.load())},
   };
 }
 

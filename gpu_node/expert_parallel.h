@@ -1,5 +1,7 @@
 // Expert-parallel MoE across GPU ranks (DESIGN.md §2 step 5, §4): each rank
-// owns a contiguous block of the routed experts (RunnerOptions); an MoE
+// owns a contiguous block of the routed experts (RunnerOptions), plus the
+// experts of lost ranks the coordinator gives it (ModelRunner::
+// SetExpertOwners, DESIGN.md §7); an MoE
 // layer sends the rows routed to another rank's experts to that rank over
 // the data plane (kMoeDispatch), computes its own experts meanwhile, and
 // takes the other ranks' outputs back (kMoeCombine). The runner then sums
@@ -63,6 +65,14 @@ struct ExpertParallelOptions {
   // Largest frame to send; 0 means the transport's MaxMessageSize() (a
   // smaller value still applies the transport's bound too).
   size_t max_frame_bytes = 0;
+  // A dispatch from a node id outside the rank table (a rank that got its
+  // table before this one) is parked, up to these bounds, until SetPeers
+  // names its sender, and then served; after `peer_wait` it is answered
+  // with an UNAVAILABLE combine where the transport knows the sender's
+  // address, else dropped. Beyond the bounds it is refused at once the
+  // same way.
+  size_t max_parked = 64;
+  size_t max_parked_bytes = size_t(64) << 20;
 };
 
 // Thread safety: every method may be called from any thread. RunExperts of
@@ -92,10 +102,15 @@ class ExpertParallel {
 
   // Replaces the rank table (GpuNode.SetPeers). Entries for this rank are
   // ignored; ranks without an entry cannot be reached (a step that routes
-  // to their experts fails with UNAVAILABLE). INVALID_ARGUMENT, leaving the
-  // table as it was, for a rank outside [0, ranks), a rank or node id
-  // listed twice, or an empty fabric address; the transport's error when it
-  // refuses an address.
+  // to their experts fails with UNAVAILABLE). Parked dispatches whose
+  // sender the new table names are then queued for the service thread, in
+  // arrival order; steps waiting for a combine from a rank the new table
+  // lacks (lost) or names with another node id fail at once with
+  // UNAVAILABLE. The experts each rank owns are the runner's
+  // (ModelRunner::SetExpertOwners, which the GPU node calls first).
+  // INVALID_ARGUMENT, leaving the table as it was, for a rank outside [0,
+  // ranks), a rank or node id listed twice, or an empty fabric address; the
+  // transport's error when it refuses an address.
   absl::Status SetPeers(const std::vector<cluster::GpuPeer>& peers);
 
   // The expert backend of micro-batch `mb` (0 or 1) for ModelRunner::Step;
@@ -107,22 +122,36 @@ class ExpertParallel {
 
   // A data-plane frame for this object (kMoeDispatch, kMoeCombine, or a
   // kError answering a dispatch); the views need only live for the call.
-  // Frames that fail validation or come from a node id outside the rank
-  // table are dropped, counted and logged with the sender's node id; a
-  // malformed dispatch from a known rank is also answered with an error
-  // combine so that its sender fails at once.
-  void OnFrame(const FrameView& frame);
+  // `from` is the sender as the transport knows it (kUnknownPeer when it
+  // cannot tell). Frames that fail validation are dropped, counted and
+  // logged with the sender's node id; a malformed dispatch from a known
+  // rank is also answered with an error combine so that its sender fails
+  // at once. A dispatch from a node id outside the rank table is parked
+  // (ExpertParallelOptions::max_parked) and served in arrival order once
+  // SetPeers names its sender; other frames from such a node id, and parked
+  // dispatches whose sender is still unknown after `peer_wait`, are
+  // dropped and counted (frames_unknown_sender), a dispatch also answered
+  // with an UNAVAILABLE combine when `from` is known. Dispatches from known
+  // ranks never wait behind parked ones.
+  void OnFrame(const FrameView& frame, PeerId from = kUnknownPeer);
   // Decodes `message` and calls OnFrame (undecodable: dropped and counted).
-  void OnMessage(std::string_view message);
+  // Call it from the transport's receive handler: a parked dispatch keeps
+  // the transport's buffer (Transport::HoldMessage) or a copy.
+  void OnMessage(std::string_view message, PeerId from = kUnknownPeer);
 
   // Makes waits in progress and later RunExperts fail with UNAVAILABLE and
-  // drops queued dispatches, so a decode loop stops promptly. Idempotent.
+  // drops queued and parked dispatches, so a decode loop stops promptly.
+  // Idempotent.
   void Abort();
 
   // Counters, keys prefixed "moe_": frames_sent, bytes_sent,
   // frames_received, bytes_received, dispatches_sent, dispatches_served,
   // rows_sent, rows_served, frames_invalid, frames_unknown_sender,
-  // frames_stale, send_errors, calls, calls_failed, waits, wait_seconds.
+  // frames_stale, send_errors, calls, calls_failed, waits, wait_seconds,
+  // dispatches_parked (parked on arrival), parked_released (queued once
+  // their sender became known), parked_expired (still unknown after
+  // peer_wait), parked_refused (over the parking bounds), parked_answered
+  // (expired or refused ones answered with an error combine).
   std::map<std::string, double> Stats() const;
   void ExportTo(google::protobuf::Map<std::string, double>* stats) const;
 

@@ -8,6 +8,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "cluster.grpc.pb.h"
 #include "common/frame.h"
 #include "common/link_emulation.h"
@@ -51,25 +53,104 @@ class Fnv64 {
 // noticed within this long.
 constexpr absl::Duration kCancelPoll = absl::Milliseconds(50);
 
+// Emulated-HBM bytes of the weights `runner` holds: dense weights and the
+// rank's own block (RankWeightBytes) plus the experts it took over.
+int64_t HeldWeightBytes(const ModelRunner& runner) {
+  const ModelConfig& c = runner.config();
+  int64_t bytes = RankWeightBytes(c, runner.rank(), runner.ranks());
+  const int per_rank = c.n_routed_experts / runner.ranks();
+  for (int e : runner.HeldExperts()) {
+    if (e / per_rank != runner.rank()) bytes += ExpertWeightBytes(c, e);
+  }
+  return bytes;
+}
+
 class GpuNodeService final : public cluster::GpuNode::Service {
  public:
   // `backend` (karat mode) or `local` (gpu_only) is null.
-  GpuNodeService(DecodeLoop* loop, const RemoteAttentionBackend* backend,
-                 GpuLocalAttention* local, ExpertParallel* experts,
-                 int vocab_size)
-      : loop_(loop),
+  GpuNodeService(const GpuNodeOptions* options, ModelRunner* runner,
+                 DecodeLoop* loop, const RemoteAttentionBackend* backend,
+                 GpuLocalAttention* local, ExpertParallel* experts)
+      : options_(options),
+        runner_(runner),
+        loop_(loop),
         backend_(backend),
         local_(local),
         experts_(experts),
-        vocab_size_(vocab_size) {}
+        vocab_size_(runner->config().vocab_size) {}
 
   grpc::Status SetPeers(grpc::ServerContext*,
                         const cluster::SetPeersRequest* request,
                         cluster::SetPeersResponse*) override {
     if (experts_ == nullptr) return grpc::Status::OK;  // the only rank
+    absl::MutexLock lock(&set_peers_mu_);
+    if (request->expert_owner_size() > 0) {
+      absl::Status owners = SetExpertOwners(std::vector<int>(
+          request->expert_owner().begin(), request->expert_owner().end()));
+      if (!owners.ok()) {
+        KLOG(Warning, "gpu_node") << "SetPeers refused: " << owners;
+        return ToGrpc(owners);
+      }
+    }
     std::vector<cluster::GpuPeer> peers(request->peers().begin(),
                                         request->peers().end());
     return ToGrpc(experts_->SetPeers(peers));
+  }
+
+  // Takes the experts `owners` gives this rank (loading those it does not
+  // hold from the model directory, after checking that they fit in the
+  // emulated HBM) and releases those given back.
+  absl::Status SetExpertOwners(const std::vector<int>& owners) {
+    ASSIGN_OR_RETURN(std::vector<int> missing, runner_->MissingExperts(owners));
+    const ModelConfig& c = runner_->config();
+    const int rank = runner_->rank();
+    const int per_rank = c.n_routed_experts / runner_->ranks();
+    // What the rank will hold: dense weights, its own block and every
+    // expert beyond the block that `owners` gives it.
+    int64_t weights = RankWeightBytes(c, rank, runner_->ranks());
+    std::vector<int> extra;
+    for (int e = 0; e < c.n_routed_experts; ++e) {
+      if (owners[size_t(e)] == rank && e / per_rank != rank) {
+        weights += ExpertWeightBytes(c, e);
+        extra.push_back(e);
+      }
+    }
+    const int64_t kv =
+        local_ != nullptr ? int64_t(local_->capacity_bytes()) : int64_t(0);
+    if (options_->hbm_bytes > 0 && weights + kv > options_->hbm_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "GPU rank ", rank, " cannot take over experts ",
+          absl::StrJoin(extra, ","),
+          " of the lost ranks: with them its weights need ", weights, " bytes",
+          kv > 0 ? absl::StrCat(" and its KV arena holds ", kv) : "",
+          ", but --hbm-bytes is ", options_->hbm_bytes));
+    }
+    ModelFiles files;
+    if (!missing.empty()) {
+      absl::StatusOr<ModelFiles> loaded =
+          LoadExpertWeights(options_->model_dir, missing);
+      if (!loaded.ok()) {
+        return absl::Status(
+            loaded.status().code(),
+            absl::StrCat("GPU rank ", rank, " cannot load experts ",
+                         absl::StrJoin(missing, ","), " from ",
+                         options_->model_dir, ": ", loaded.status().message()));
+      }
+      files = *std::move(loaded);
+    }
+    RETURN_IF_ERROR(runner_->SetExpertOwners(owners, files));
+    KLOG(Info, "gpu_node") << "rank " << rank << " owns experts " << OwnedList()
+                           << " (loaded " << missing.size() << "; weights "
+                           << HeldWeightBytes(*runner_) << " bytes)";
+    return absl::OkStatus();
+  }
+
+  std::string OwnedList() const {
+    std::vector<int> owned;
+    const std::vector<int> owners = runner_->ExpertOwners();
+    for (size_t e = 0; e < owners.size(); ++e)
+      if (owners[e] == runner_->rank()) owned.push_back(int(e));
+    return absl::StrJoin(owned, ",");
   }
 
   grpc::Status RunTurn(
@@ -225,7 +306,15 @@ class GpuNodeService final : public cluster::GpuNode::Service {
       (*stats)["data_bytes_received"] = double(backend_->bytes_received());
       (*stats)["frames_invalid"] = double(backend_->frames_invalid());
     }
-    if (experts_ != nullptr) experts_->ExportTo(stats);
+    if (experts_ != nullptr) {
+      experts_->ExportTo(stats);
+      int owned = 0;
+      for (int owner : runner_->ExpertOwners())
+        owned += owner == runner_->rank();
+      (*stats)["experts_owned"] = double(owned);
+      (*stats)["experts_held"] = double(runner_->HeldExperts().size());
+    }
+    (*stats)["weight_bytes"] = double(HeldWeightBytes(*runner_));
     if (local_ != nullptr) {
       (*stats)["kv_used_bytes"] = double(local_->used_bytes());
       (*stats)["kv_capacity_bytes"] = double(local_->capacity_bytes());
@@ -235,6 +324,9 @@ class GpuNodeService final : public cluster::GpuNode::Service {
 
  private:
   LinkEmulator* links_ = nullptr;
+  const GpuNodeOptions* const options_;
+  ModelRunner* const runner_;
+  absl::Mutex set_peers_mu_;  // one SetPeers at a time
   DecodeLoop* const loop_;
   const RemoteAttentionBackend* const backend_;
   GpuLocalAttention* const local_;
@@ -272,9 +364,9 @@ struct GpuNodeDaemon::Impl {
 
   // Expert parallelism (ranks > 1).
   std::unique_ptr<ExpertParallel> experts;
-  void OnMoeMessage(std::string_view message) {
+  void OnMoeMessage(std::string_view message, PeerId from) {
     if (experts != nullptr) {
-      experts->OnMessage(message);
+      experts->OnMessage(message, from);
     } else {
       KLOG(Warning, "gpu_node") << "dropping a MoE frame of " << message.size()
                                 << " bytes: this node is the only GPU rank";
@@ -381,7 +473,7 @@ absl::StatusOr<std::unique_ptr<GpuNodeDaemon>> GpuNodeDaemon::Start(
     const uint16_t type = PeekFrameType(message);
     if (type == static_cast<uint16_t>(FrameType::kMoeDispatch) ||
         type == static_cast<uint16_t>(FrameType::kMoeCombine)) {
-      impl->OnMoeMessage(message);
+      impl->OnMoeMessage(message, from);
     } else if (impl->backend != nullptr) {
       impl->backend->OnMessage(message, from);
     } else {
@@ -402,8 +494,8 @@ absl::StatusOr<std::unique_ptr<GpuNodeDaemon>> GpuNodeDaemon::Start(
   impl->loop->Start();
 
   impl->service = std::make_unique<GpuNodeService>(
-      impl->loop.get(), impl->backend.get(), impl->local.get(),
-      impl->experts.get(), impl->runner->config().vocab_size);
+      &impl->options, impl->runner.get(), impl->loop.get(), impl->backend.get(),
+      impl->local.get(), impl->experts.get());
   impl->service->set_links(impl->links);
   ASSIGN_OR_RETURN(NodeGrpcServer grpc_server,
                    StartNodeGrpcServer(impl->service.get(), options.listen));
@@ -427,6 +519,7 @@ absl::StatusOr<std::unique_ptr<GpuNodeDaemon>> GpuNodeDaemon::Start(
     r.set_model_fingerprint(impl->fingerprint);
     r.set_rank(impl->options.rank);
     r.set_ranks(impl->options.ranks);
+    r.set_routed_experts(impl->runner->config().n_routed_experts);
     if (impl->local != nullptr) {
       r.set_kv_capacity_bytes(int64_t(impl->local->capacity_bytes()));
     }

@@ -38,14 +38,17 @@ struct GpuNodeOptions {
   int send_timeout_ms = 10000;
   absl::Duration heartbeat_interval = absl::Seconds(1);
   // Rank among the GPU nodes (ClusterConfig.gpu_nodes order) and their
-  // count: the rank holds the routed experts [rank*E/G, (rank+1)*E/G).
+  // count: the rank holds the routed experts [rank*E/G, (rank+1)*E/G), plus
+  // those of lost ranks that the coordinator gives it (GpuNode.SetPeers
+  // expert_owner; loaded from `model_dir`, counted against `hbm_bytes`).
   int rank = 0;
   int ranks = 1;
   // Attention on the rank itself with the KV in its emulated HBM (the
   // GPU-only baseline) instead of on KARAT nodes.
   bool gpu_only = false;
-  // Emulated HBM: the rank's weights must fit; in gpu_only mode the rest
-  // holds KV. 0: not limited (karat mode only).
+  // Emulated HBM: the rank's weights must fit (with the experts it takes
+  // over: SetPeers refuses them with RESOURCE_EXHAUSTED otherwise); in
+  // gpu_only mode the rest holds KV. 0: not limited (karat mode only).
   int64_t hbm_bytes = 0;
   // KV page size of the gpu_only store.
   int tokens_per_page = 64;

@@ -121,6 +121,18 @@ class FakeGpuNode final : public cl::GpuNode::Service {
                         cl::SetPeersResponse*) override {
     absl::MutexLock lock(&mu_);
     peers_.push_back(*req);
+    // With `refuse_more_experts`, an ownership that gives this rank more
+    // experts than its block is refused, as a rank whose HBM is full.
+    const int n = req->expert_owner_size();
+    if (refuse_more_experts.load() && n > 0) {
+      int mine = 0, rank = -1;
+      for (const auto& p : req->peers())
+        if (p.name() == name) rank = p.rank();
+      for (int owner : req->expert_owner()) mine += owner == rank;
+      if (mine > n / 2)  // two ranks
+        return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                            "experts 4,5,6,7 do not fit in --hbm-bytes");
+    }
     return grpc::Status::OK;
   }
   grpc::Status SetMicroBatches(grpc::ServerContext*,
@@ -156,6 +168,8 @@ class FakeGpuNode final : public cl::GpuNode::Service {
   std::atomic<bool> release{false};
   std::atomic<int> fail_after{-1};
   std::atomic<int> kv_capacity_tokens{1000};
+  std::atomic<bool> refuse_more_experts{false};
+  std::string name;  // as registered, for refuse_more_experts
 
  private:
   const std::vector<int32_t> tokens_;
@@ -227,6 +241,7 @@ class Cluster {
     req.set_role(role);
     req.set_rank(rank);
     req.set_ranks(ranks);
+    if (role == "gpu") req.set_routed_experts(routed_experts);
     req.set_grpc_address(address);
     req.set_fabric_address("fabric-" + name);
     req.set_provider("shm");
@@ -325,6 +340,8 @@ class Cluster {
     REQUIRE(Get(id).state() == "idle");
   }
 
+  // RegisterNodeRequest.routed_experts of GPU nodes (0: not reported).
+  int routed_experts = 0;
   TestClock clock;
   std::unique_ptr<Coordinator> coordinator;
   std::unique_ptr<v1::Karat::Stub> client;
@@ -867,6 +884,172 @@ TEST_CASE("ranks: registration checks, SetPeers push, rank choice") {
     CHECK(r.status.error_message().find("rank 1 of 2") != std::string::npos);
     CHECK(r.status.error_message().find("gpu1") != std::string::npos);
   }
+}
+
+// Two fake GPU ranks that report 8 routed experts, with both acknowledging
+// the block ownership.
+struct TwoRanks {
+  Cluster c;
+  FakeGpuNode g0{{'A', 'B', 'C'}}, g1{{'X', 'Y', 'Z'}};
+  std::unique_ptr<FakeServer> s0, s1;
+  TwoRanks() {
+    c.routed_experts = 8;
+    c.karat = std::make_unique<FakeKaratNode>(std::vector<int>{1000});
+    c.karat_server = std::make_unique<FakeServer>(c.karat.get());
+    c.Register("karat0", "karat", c.karat_server->address, 1);
+    g0.name = "gpu0";
+    g1.name = "gpu1";
+    s0 = std::make_unique<FakeServer>(&g0);
+    s1 = std::make_unique<FakeServer>(&g1);
+    c.Register("gpu0", "gpu", s0->address, 0, 0, 2);
+    c.Register("gpu1", "gpu", s1->address, 0, 1, 2);
+    for (int i = 0; i < 1000 && !(HasBlocks(g0) && HasBlocks(g1)); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    REQUIRE(HasBlocks(g0));
+    REQUIRE(HasBlocks(g1));
+  }
+  static bool HasBlocks(FakeGpuNode& g) {
+    auto p = g.peers();
+    if (p.empty() || p.back().peers_size() != 2) return false;
+    const std::vector<int> owners(p.back().expert_owner().begin(),
+                                  p.back().expert_owner().end());
+    return owners == std::vector<int>{0, 0, 0, 0, 1, 1, 1, 1};
+  }
+};
+
+TEST_CASE("a lost GPU rank: its turn resumes on the other rank") {
+  TwoRanks t;
+  Cluster& c = t.c;
+  // The first turn goes to rank 0, which stops after 2 tokens and then
+  // goes away (its server shuts down, cancelling the call).
+  t.g0.hold_after = 2;
+  std::string sid = c.NewSession();
+  Cluster::Result r;
+  std::thread turn([&] { r = c.Generate(sid, "hi", 5); });
+  WaitRuns(t.g0, 1);
+  for (int i = 0; i < 1000 && c.Get(sid).num_tokens() < 5; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  REQUIRE(c.Get(sid).num_tokens() == 5);  // BOS, h, i, A, B
+  t.s0->server->Shutdown(std::chrono::system_clock::now());
+  turn.join();
+  INFO(r.status.error_message());
+  REQUIRE(r.status.ok());
+  REQUIRE(r.tokens.size() == 5);
+  CHECK(r.tokens[0].token_id() == 'A');
+  CHECK(r.tokens[1].token_id() == 'B');
+  CHECK(r.tokens[2].token_id() == 'X');  // rank 1 continues
+  CHECK(r.tokens[4].position() == 7);
+  REQUIRE(r.done.has_value());
+  CHECK(r.done->generated_tokens() == 5);
+  // Rank 1 got every expert, then the rest of the turn: the KV holds
+  // positions [0, 4); position 4 (the last sampled token) is fed again.
+  auto peers = t.g1.peers();
+  REQUIRE_FALSE(peers.empty());
+  CHECK(peers.back().peers_size() == 1);
+  CHECK(std::vector<int>(peers.back().expert_owner().begin(),
+                         peers.back().expert_owner().end()) ==
+        std::vector<int>(8, 1));
+  auto runs = t.g1.runs();
+  REQUIRE(runs.size() == 1);
+  CHECK(runs[0].pos_start() == 4);
+  CHECK(std::vector<int32_t>(runs[0].feed_tokens().begin(),
+                             runs[0].feed_tokens().end()) ==
+        std::vector<int32_t>{'B'});
+  CHECK(runs[0].max_new_tokens() == 3);
+  CHECK(runs[0].seed() == t.g0.runs()[0].seed());
+  CHECK(runs[0].prefill_ends_size() == 0);
+  CHECK(runs[0].resumed_decode());
+  CHECK_FALSE(t.g0.runs()[0].resumed_decode());
+  auto stats = c.Status().stats();
+  CHECK(stats.at("turns_resumed") == 1);
+  CHECK(stats.at("gpu_ranks_lost") == 1);
+  CHECK(stats.at("rank.0.active_requests") == 0);
+  CHECK(stats.at("rank.1.active_requests") == 0);
+  // Later turns run on rank 1 alone.
+  auto r2 = c.Generate(sid, "k", 2);
+  CHECK(r2.status.ok());
+  CHECK(t.g1.runs().size() == 2);
+}
+
+TEST_CASE("a turn resumes at most 3 times, then fails naming the rank") {
+  Cluster c;
+  c.routed_experts = 8;
+  c.karat = std::make_unique<FakeKaratNode>(std::vector<int>{1000});
+  c.karat_server = std::make_unique<FakeServer>(c.karat.get());
+  c.Register("karat0", "karat", c.karat_server->address, 1);
+  std::vector<std::unique_ptr<FakeGpuNode>> gpus;
+  std::vector<std::unique_ptr<FakeServer>> servers;
+  for (int r = 0; r < 4; ++r) {
+    gpus.push_back(std::make_unique<FakeGpuNode>(std::vector<int32_t>{'A'}));
+    gpus[r]->hold_after = 1;  // one token, then it waits to go away
+    servers.push_back(std::make_unique<FakeServer>(gpus[r].get()));
+    c.Register("gpu" + std::to_string(r), "gpu", servers[r]->address, 0, r, 4);
+  }
+  for (int i = 0; i < 1000; ++i) {
+    bool all = true;
+    for (auto& g : gpus) {
+      auto p = g->peers();
+      all = all && !p.empty() && p.back().peers_size() == 4;
+    }
+    if (all) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  std::string sid = c.NewSession();
+  Cluster::Result r;
+  std::thread turn([&] { r = c.Generate(sid, "hi", 10); });
+  // Each rank in turn streams a token and goes away: ranks 0, 1, 2, 3.
+  for (int k = 0; k < 4; ++k) {
+    WaitRuns(*gpus[k], 1);
+    REQUIRE(gpus[k]->runs().size() == 1);
+    for (int i = 0; i < 1000 && c.Get(sid).num_tokens() < 4 + k; ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    servers[k]->server->Shutdown(std::chrono::system_clock::now());
+  }
+  turn.join();
+  CHECK(r.status.error_code() == grpc::StatusCode::UNAVAILABLE);
+  CHECK(r.status.error_message().find("gpu3 (rank 3)") != std::string::npos);
+  CHECK(r.status.error_message().find("after 4 tokens") != std::string::npos);
+  CHECK(r.status.error_message().find("resumed 3 times") != std::string::npos);
+  CHECK(r.tokens.size() == 4);
+  CHECK(c.Status().stats().at("turns_resumed") == 3);
+  CHECK(gpus[3]->runs()[0].max_new_tokens() == 7);
+}
+
+TEST_CASE("a lost GPU rank whose experts do not fit: turns are refused") {
+  TwoRanks t;
+  Cluster& c = t.c;
+  t.g0.refuse_more_experts = true;
+  // gpu1 stops answering and misses its heartbeats.
+  t.s1->server->Shutdown(std::chrono::system_clock::now());
+  c.clock.Advance(absl::Seconds(4));
+  cl::HeartbeatRequest hb;
+  cl::HeartbeatResponse hr;
+  for (uint32_t id : {1u, 2u}) {  // karat0, gpu0
+    hb.set_node_id(id);
+    grpc::ClientContext ctx;
+    REQUIRE(c.membership->Heartbeat(&ctx, hb, &hr).ok());
+  }
+  c.clock.Advance(absl::Seconds(2));  // gpu1 silent for 6 s
+  // gpu0 is offered every expert and refuses.
+  for (int i = 0; i < 1000; ++i) {
+    auto p = t.g0.peers();
+    if (p.back().peers_size() == 1) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  Cluster::Result r;
+  for (int i = 0; i < 200; ++i) {
+    r = c.Generate(c.NewSession(), "hi", 2);
+    if (r.status.error_message().find("cannot take") != std::string::npos)
+      break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  CHECK(r.status.error_code() == grpc::StatusCode::UNAVAILABLE);
+  CHECK(r.status.error_message().find("GPU rank 0 (node gpu0) cannot take") !=
+        std::string::npos);
+  CHECK(r.status.error_message().find("--hbm-bytes") != std::string::npos);
+  CHECK(r.status.error_message().find("rank 1 (node gpu1) is down") !=
+        std::string::npos);
+  CHECK(t.g0.runs().empty());
 }
 
 TEST_CASE("micro-batches: CMR's assignment is pushed to the rank") {

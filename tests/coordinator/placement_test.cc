@@ -68,5 +68,27 @@ TEST_CASE("gpu node: fewest active turns, ties to lower id, alive only") {
   CHECK_FALSE(ChooseGpuNode(none).has_value());
 }
 
+TEST_CASE("expert ownership: own blocks, a lost rank's experts spread") {
+  using V = std::vector<int>;
+  // Every rank alive: the block sharding.
+  CHECK(ExpertOwners(8, 2, {0, 1}) == V{0, 0, 0, 0, 1, 1, 1, 1});
+  CHECK(ExpertOwners(8, 4, {3, 1, 0, 2}) == V{0, 0, 1, 1, 2, 2, 3, 3});
+  // One of two lost: the survivor takes everything.
+  CHECK(ExpertOwners(8, 2, {0}) == V{0, 0, 0, 0, 0, 0, 0, 0});
+  CHECK(ExpertOwners(8, 2, {1}) == V{1, 1, 1, 1, 1, 1, 1, 1});
+  // Alive ranks keep their blocks; the lost ranks' experts go round-robin
+  // over the alive ranks, in increasing expert id and rank.
+  CHECK(ExpertOwners(8, 4, {0, 2, 3}) == V{0, 0, 0, 2, 2, 2, 3, 3});
+  CHECK(ExpertOwners(8, 4, {1, 3}) == V{1, 3, 1, 1, 1, 3, 3, 3});
+  CHECK(ExpertOwners(12, 4, {0, 1, 2}) ==
+        V{0, 0, 0, 1, 1, 1, 2, 2, 2, 0, 1, 2});
+  // Duplicates and ranks out of range are ignored; nothing alive, a bad
+  // rank count or an uneven split give no table.
+  CHECK(ExpertOwners(8, 2, {0, 0, 7, -1}) == ExpertOwners(8, 2, {0}));
+  CHECK(ExpertOwners(8, 2, {}).empty());
+  CHECK(ExpertOwners(8, 3, {0}).empty());
+  CHECK(ExpertOwners(8, 0, {0}).empty());
+}
+
 }  // namespace
 }  // namespace karat::coordinator

@@ -88,11 +88,14 @@ class LocalStepBackend : public StepBackend {
                         LayerTraffic* traffic) override {
     if (fail_with.has_value()) return *fail_with;
     max_segments = std::max(max_segments, int(segs.size()));
+    if (layer == 0)
+      for (const Segment& seg : segs) ends_prefill.push_back(seg.ends_prefill);
     return local_.RunLayer(layer, segs, traffic);
   }
   absl::Status init_;
   int steps = 0;
   int max_segments = 0;
+  std::vector<bool> ends_prefill;  // each segment's, in step order
   std::optional<absl::Status> fail_with;
 
  private:
@@ -466,6 +469,36 @@ TEST_CASE("a turn fed with earlier turns' boundaries cuts its prefill there",
   CHECK(status.ok());
   // 12 + 18 tokens of prefill in two steps, then 3 decode steps.
   CHECK(loop.stats().steps == 5);
+}
+
+TEST_CASE("a resumed decode's feed does not end a prefill", "[gpu_node]") {
+  // The same tokens as the turn that was cut after its first token; only
+  // the per-turn marker differs.
+  const std::vector<int32_t> prompt = Prompt(20, 3);
+  const std::vector<Token> whole = HandRun(61, prompt, 4, 0, 0);
+  LocalStepBackend backend;
+  DecodeLoopOptions options;
+  options.max_step_tokens = 64;
+  DecodeLoop loop(&Runner(), &backend, options);
+  loop.Start();
+  absl::Status status;
+  auto first = loop.Submit(MakeTurn(61, prompt, 1));
+  REQUIRE(first.ok());
+  CHECK(Collect(first->get(), &status) == std::vector<Token>{whole[0]});
+  CHECK(status.ok());
+  TurnRequest rest = MakeTurn(61, {whole[0].id}, 3);
+  rest.pos_start = int(prompt.size());
+  rest.feed_ends_prefill = false;
+  auto resumed = loop.Submit(rest);
+  REQUIRE(resumed.ok());
+  CHECK(Collect(resumed->get(), &status) ==
+        std::vector<Token>(whole.begin() + 1, whole.end()));
+  CHECK(status.ok());
+  CHECK(backend.ends_prefill == std::vector<bool>{true, false, false, false});
+  cluster::RunTurnRequest proto;
+  proto.set_resumed_decode(true);
+  CHECK_FALSE(TurnRequestFromProto(proto).feed_ends_prefill);
+  CHECK(TurnRequestFromProto(cluster::RunTurnRequest()).feed_ends_prefill);
 }
 
 TEST_CASE("worker token: SCMS keeps the static order, OFMS runs who is ready",

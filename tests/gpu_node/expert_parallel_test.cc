@@ -2,7 +2,8 @@
 // own ModelRunner (rank r of G) and ExpertParallel, must produce logits
 // bit-identical to a single-rank runner, for prefill and decode, with two
 // micro-batches of one rank running at once; plus the failure paths (a dead
-// peer, an unknown sender, malformed frames, shutdown).
+// peer, an unknown sender, a dispatch that arrives before the rank table,
+// malformed frames, shutdown).
 #include "gpu_node/expert_parallel.h"
 
 #include <atomic>
@@ -67,8 +68,10 @@ struct Cluster {
                                                  rank.transport.get(), options);
       rank.ep->set_node_id(kNodeIdBase + r);
       ExpertParallel* ep = rank.ep.get();
-      rank.transport->SetReceiveHandler(
-          [ep](std::string_view message) { ep->OnMessage(message); });
+      rank.transport->SetPeerReceiveHandler(
+          [ep](PeerId from, std::string_view message) {
+            ep->OnMessage(message, from);
+          });
       cluster::GpuPeer p;
       p.set_rank(r);
       p.set_name("gpu" + std::to_string(r));
@@ -386,6 +389,18 @@ absl::Status PrefillOnRank0(const ModelRunner& runner, ExpertBackend* experts) {
   return RunStream(runner, experts, stream, &logits);
 }
 
+// Polls `stat` of `ep` until it reaches `value`; false past a generous
+// bound, so that a broken build fails instead of hanging.
+bool WaitForStat(const ExpertParallel& ep, const std::string& stat,
+                 double value) {
+  const absl::Time give_up = absl::Now() + absl::Seconds(60);
+  while (ep.Stats()[stat] < value) {
+    if (absl::Now() > give_up) return false;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return true;
+}
+
 TEST_CASE("a rank table that arrives during the first step is waited for",
           "[expert_parallel]") {
   const ModelFiles& f = Files("dsa-small");
@@ -398,16 +413,59 @@ TEST_CASE("a rank table that arrives during the first step is waited for",
                             cluster.ranks[0].ep->ForMicroBatch(0, nullptr));
   });
   // Long enough for rank 0 to reach its first MoE layer and wait there.
-  // Rank 1, which serves the dispatch, gets its table first: a dispatch
-  // that reaches a rank before that rank's own table is dropped (the
-  // sender then times out), so only the dispatching side waits.
+  // The dispatching rank gets its table first: its dispatch may reach rank
+  // 1 before rank 1's own table, and is then parked there until it comes.
   absl::SleepFor(absl::Milliseconds(300));
-  REQUIRE(cluster.ranks[1].ep->SetPeers(cluster.peers).ok());
   REQUIRE(cluster.ranks[0].ep->SetPeers(cluster.peers).ok());
+  REQUIRE(cluster.ranks[1].ep->SetPeers(cluster.peers).ok());
   step.join();
   INFO(status);
   CHECK(status.ok());
   CHECK(cluster.ranks[1].ep->Stats()["moe_dispatches_served"] > 0);
+}
+
+TEST_CASE(
+    "a dispatch that reaches a rank before its own table is parked, then "
+    "served",
+    "[expert_parallel]") {
+  const ModelFiles& f = Files("dsa-small");
+  auto reference = MakeRunner(f, 0, 1);
+  ExpertParallelOptions options;
+  // Bounds, not expectations: a dropped dispatch would fail the step with
+  // UNAVAILABLE after `timeout` instead of completing it.
+  options.peer_wait = absl::Seconds(60);
+  options.timeout = absl::Seconds(60);
+  Cluster cluster(f, 2, options, /*set_peers=*/false);
+  // The dispatching rank gets its table first; the serving rank only once
+  // a dispatch from rank 0 waits there.
+  REQUIRE(cluster.ranks[0].ep->SetPeers(cluster.peers).ok());
+  Stream stream;
+  stream.sessions = {7, 8, 9};
+  stream.decodes = 2;
+  std::vector<std::vector<float>> logits;
+  absl::Status status = absl::UnknownError("not run");
+  std::thread run([&] {
+    status = RunStream(*cluster.ranks[0].runner,
+                       cluster.ranks[0].ep->ForMicroBatch(0, nullptr), stream,
+                       &logits);
+  });
+  const bool parked =
+      WaitForStat(*cluster.ranks[1].ep, "moe_dispatches_parked", 1);
+  REQUIRE(cluster.ranks[1].ep->SetPeers(cluster.peers).ok());
+  run.join();
+  REQUIRE(parked);
+  INFO(status);
+  REQUIRE(status.ok());
+  std::vector<std::vector<float>> expected;
+  REQUIRE(RunStream(*reference, nullptr, stream, &expected).ok());
+  CHECK(SameBits(logits, expected));
+  auto served = cluster.ranks[1].ep->Stats();
+  CHECK(served["moe_parked_released"] == served["moe_dispatches_parked"]);
+  CHECK(served["moe_parked_expired"] == 0);
+  CHECK(served["moe_frames_unknown_sender"] == 0);
+  CHECK(served["moe_frames_invalid"] == 0);
+  CHECK(served["moe_dispatches_served"] >= served["moe_dispatches_parked"]);
+  CHECK(cluster.ranks[0].ep->Stats()["moe_calls_failed"] == 0);
 }
 
 TEST_CASE("a dead or missing peer fails the step with UNAVAILABLE",
@@ -523,8 +581,12 @@ TEST_CASE("invalid, unknown-sender and stale frames are dropped and counted",
   auto full = MakeRunner(f, 0, 1);
   auto t0 = fabric.NewEndpoint("gpu0");
   auto raw = fabric.NewEndpoint("gpu1");
-  ExpertParallel ep(runner.get(), t0.get());
+  ExpertParallelOptions options;
+  options.peer_wait = absl::Milliseconds(100);
+  ExpertParallel ep(runner.get(), t0.get(), options);
   ep.set_node_id(kNodeIdBase);
+  // The sender's address is not passed on: the dispatch from an unknown
+  // node id is dropped once it has waited `peer_wait`.
   t0->SetReceiveHandler([&ep](std::string_view m) { ep.OnMessage(m); });
   Inbox inbox;
   raw->SetReceiveHandler([&inbox](std::string_view m) {
@@ -546,7 +608,8 @@ TEST_CASE("invalid, unknown-sender and stale frames are dropped and counted",
   std::vector<float> rows(size_t(2) * D);
   for (size_t i = 0; i < rows.size(); ++i)
     rows[i] = float(i % 17) / 8.0f - 1.0f;
-  // Unknown node id, garbage, a stale combine: dropped without an answer.
+  // Unknown node id (parked, then dropped), garbage, a stale combine:
+  // dropped without an answer.
   send(Dispatch(999, 1, layer, {1}, {2}, {0, 1}, rows, D));
   send("not a frame at all");
   {
@@ -605,13 +668,128 @@ TEST_CASE("invalid, unknown-sender and stale frames are dropped and counted",
   CHECK(std::memcmp(combine.sections[0].data(), want.data(), want.size() * 4) ==
         0);
 
+  REQUIRE(WaitForStat(ep, "moe_parked_expired", 1));
   auto stats = ep.Stats();
   CHECK(stats["moe_frames_received"] == 7);
+  CHECK(stats["moe_dispatches_parked"] == 1);
+  CHECK(stats["moe_parked_answered"] == 0);
   CHECK(stats["moe_frames_unknown_sender"] == 1);
   CHECK(stats["moe_frames_stale"] == 1);
   CHECK(stats["moe_frames_invalid"] == 5);  // unknown, garbage, 3 malformed
   t0->Shutdown();
   raw->Shutdown();
+}
+
+TEST_CASE(
+    "a parked dispatch whose sender never appears is answered or dropped "
+    "within the bound, and counted",
+    "[expert_parallel]") {
+  const ModelFiles& f = Files("dsa-small");
+  const int D = f.config.hidden_size;
+  const int layer = f.config.first_k_dense_replace;
+  FakeFabric fabric;
+  auto runner = MakeRunner(f, 0, 2);  // owns experts 0..3
+  auto t0 = fabric.NewEndpoint("gpu0");
+  auto raw = fabric.NewEndpoint("gpu1");       // rank 1 in the table
+  auto stranger = fabric.NewEndpoint("gpu9");  // an address never added
+  Inbox inbox, stranger_inbox;
+  raw->SetReceiveHandler([&inbox](std::string_view m) {
+    absl::MutexLock lock(&inbox.mu);
+    inbox.frames.emplace_back(m);
+  });
+  stranger->SetReceiveHandler([&stranger_inbox](std::string_view m) {
+    absl::MutexLock lock(&stranger_inbox.mu);
+    stranger_inbox.frames.emplace_back(m);
+  });
+  cluster::GpuPeer p1;
+  p1.set_rank(1);
+  p1.set_name("gpu1");
+  p1.set_node_id(kNodeIdBase + 1);
+  p1.set_fabric_address(raw->LocalAddress());
+  std::vector<float> rows(size_t(2) * D);
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = float(i % 5) / 4.0f;
+  auto decode = [](Inbox& box, size_t i) {
+    absl::MutexLock lock(&box.mu);
+    REQUIRE(i < box.frames.size());
+    auto v = DecodeFrame(box.frames[i]);
+    REQUIRE(v.ok());
+    return v->header;
+  };
+  const uint16_t kCombine = static_cast<uint16_t>(FrameType::kMoeCombine);
+
+  SECTION("after peer_wait: answered where the address is known") {
+    ExpertParallelOptions options;
+    options.peer_wait = absl::Milliseconds(200);
+    ExpertParallel ep(runner.get(), t0.get(), options);
+    ep.set_node_id(kNodeIdBase);
+    t0->SetPeerReceiveHandler(
+        [&ep](PeerId from, std::string_view m) { ep.OnMessage(m, from); });
+    REQUIRE(ep.SetPeers({p1}).ok());
+    auto to_rank0 = raw->AddPeer("gpu0", t0->LocalAddress());
+    auto stranger_to_rank0 = stranger->AddPeer("gpu0", t0->LocalAddress());
+    REQUIRE(to_rank0.ok());
+    REQUIRE(stranger_to_rank0.ok());
+    // Node 999 from rank 1's address: the transport knows the address.
+    const std::string d1 = Dispatch(999, 1, layer, {1}, {2}, {0, 1}, rows, D);
+    REQUIRE(raw->Send(*to_rank0, d1.data(), d1.size()).ok());
+    REQUIRE(inbox.WaitFor(1));
+    const FrameHeader answer = decode(inbox, 0);
+    CHECK(answer.type == kCombine);
+    CHECK(answer.session == 1);
+    CHECK(answer.status == uint32_t(absl::StatusCode::kUnavailable));
+    // Node 998 from an address never added: dropped.
+    const std::string d2 = Dispatch(998, 2, layer, {1}, {2}, {0, 1}, rows, D);
+    REQUIRE(stranger->Send(*stranger_to_rank0, d2.data(), d2.size()).ok());
+    REQUIRE(WaitForStat(ep, "moe_parked_expired", 2));
+    auto stats = ep.Stats();
+    CHECK(stats["moe_dispatches_parked"] == 2);
+    CHECK(stats["moe_parked_answered"] == 1);
+    CHECK(stats["moe_parked_released"] == 0);
+    CHECK(stats["moe_frames_unknown_sender"] == 2);
+    CHECK(stats["moe_dispatches_served"] == 0);
+    t0->Shutdown();
+  }
+
+  SECTION("beyond the bound: refused at once; known senders never wait") {
+    ExpertParallelOptions options;
+    options.peer_wait = absl::Seconds(600);  // never reached here
+    options.max_parked = 1;
+    ExpertParallel ep(runner.get(), t0.get(), options);
+    ep.set_node_id(kNodeIdBase);
+    t0->SetPeerReceiveHandler(
+        [&ep](PeerId from, std::string_view m) { ep.OnMessage(m, from); });
+    REQUIRE(ep.SetPeers({p1}).ok());
+    auto to_rank0 = raw->AddPeer("gpu0", t0->LocalAddress());
+    REQUIRE(to_rank0.ok());
+    auto send = [&](const std::string& bytes) {
+      REQUIRE(raw->Send(*to_rank0, bytes.data(), bytes.size()).ok());
+    };
+    send(Dispatch(999, 1, layer, {1}, {2}, {0, 1}, rows, D));  // parked
+    send(Dispatch(998, 2, layer, {1}, {2}, {0, 1}, rows, D));  // refused
+    send(Dispatch(kNodeIdBase + 1, 3, layer, {2}, {2}, {0, 1}, rows, D));
+    REQUIRE(inbox.WaitFor(2));
+    std::map<uint64_t, FrameHeader> answers;
+    for (size_t i = 0; i < 2; ++i) {
+      const FrameHeader h = decode(inbox, i);
+      answers[h.session] = h;
+    }
+    REQUIRE(answers.count(2) == 1);
+    REQUIRE(answers.count(3) == 1);
+    CHECK(answers[2].status == uint32_t(absl::StatusCode::kUnavailable));
+    CHECK(answers[3].status == 0);  // served while node 999's dispatch waits
+    REQUIRE(WaitForStat(ep, "moe_dispatches_served", 1));  // counted on send
+    auto stats = ep.Stats();
+    CHECK(stats["moe_dispatches_parked"] == 1);
+    CHECK(stats["moe_parked_refused"] == 1);
+    CHECK(stats["moe_parked_expired"] == 0);
+    CHECK(stats["moe_frames_unknown_sender"] == 1);
+    CHECK(stats["moe_dispatches_served"] == 1);
+    t0->Shutdown();  // drops the parked dispatch unanswered
+  }
+  raw->Shutdown();
+  stranger->Shutdown();
+  absl::MutexLock lock(&stranger_inbox.mu);
+  CHECK(stranger_inbox.frames.empty());
 }
 
 TEST_CASE("an error or malformed answer fails the call at once",
@@ -687,6 +865,105 @@ TEST_CASE("an error or malformed answer fails the call at once",
   CHECK(ep.Stats()["moe_calls_failed"] == 3);
   t0->Shutdown();
   raw->Shutdown();
+}
+
+TEST_CASE("a rank takes over a lost rank's experts and gives them back",
+          "[expert_parallel]") {
+  const ModelFiles& f = Files("dsa-small");  // 8 routed experts
+  const int E = f.config.n_routed_experts;
+  auto reference = MakeRunner(f, 0, 1);
+  Cluster cluster(f, 2);
+  ModelRunner& runner = *cluster.ranks[0].runner;
+  ExpertParallel& ep = *cluster.ranks[0].ep;
+  Stream stream;
+  stream.sessions = {7, 8, 9};
+  stream.decodes = 2;
+  std::vector<std::vector<float>> expected;
+  REQUIRE(RunStream(*reference, nullptr, stream, &expected).ok());
+  const std::vector<int> blocks{0, 0, 0, 0, 1, 1, 1, 1};
+  CHECK(runner.ExpertOwners() == blocks);
+  CHECK(runner.HeldExperts() == std::vector<int>{0, 1, 2, 3});
+
+  // Malformed tables and missing weights change nothing.
+  CHECK(runner.SetExpertOwners({0, 0}, ModelFiles()).code() ==
+        absl::StatusCode::kInvalidArgument);
+  CHECK(runner.SetExpertOwners(std::vector<int>(size_t(E), 2), ModelFiles())
+            .code() == absl::StatusCode::kInvalidArgument);
+  CHECK(runner.SetExpertOwners(std::vector<int>(size_t(E), 0), ModelFiles())
+            .code() == absl::StatusCode::kInvalidArgument);
+  CHECK(runner.ExpertOwners() == blocks);
+
+  // Rank 1 is lost: rank 0 owns every expert and needs nobody.
+  const std::vector<int> all0(size_t(E), 0);
+  auto missing = runner.MissingExperts(all0);
+  REQUIRE(missing.ok());
+  CHECK(*missing == std::vector<int>{4, 5, 6, 7});
+  auto weights = LoadExpertWeights("", *missing);  // no directory
+  CHECK_FALSE(weights.ok());
+  REQUIRE(runner.SetExpertOwners(all0, f).ok());
+  REQUIRE(ep.SetPeers({cluster.peers[0]}).ok());
+  CHECK(runner.HeldExperts().size() == size_t(E));
+  CHECK(runner.OwnsExpert(6));
+  std::vector<std::vector<float>> logits;
+  REQUIRE(
+      RunStream(runner, ep.ForMicroBatch(0, nullptr), stream, &logits).ok());
+  CHECK(SameBits(logits, expected));
+  CHECK(ep.Stats()["moe_dispatches_sent"] == 0);
+
+  // Rank 1 is back: the blocks again, and rank 0 releases experts 4..7.
+  REQUIRE(runner.SetExpertOwners(blocks, ModelFiles()).ok());
+  REQUIRE(ep.SetPeers(cluster.peers).ok());
+  CHECK(runner.HeldExperts() == std::vector<int>{0, 1, 2, 3});
+  CHECK_FALSE(runner.HoldsExpert(5));
+  logits.clear();
+  REQUIRE(
+      RunStream(runner, ep.ForMicroBatch(1, nullptr), stream, &logits).ok());
+  CHECK(SameBits(logits, expected));
+  CHECK(ep.Stats()["moe_dispatches_sent"] > 0);
+  CHECK(cluster.ranks[1].ep->Stats()["moe_dispatches_served"] > 0);
+}
+
+TEST_CASE("a step waiting on a rank that leaves the table fails at once",
+          "[expert_parallel]") {
+  const ModelFiles& f = Files("dsa-small");
+  FakeFabric fabric;
+  auto runner = MakeRunner(f, 0, 2);
+  auto t0 = fabric.NewEndpoint("gpu0");
+  auto t1 = fabric.NewEndpoint("gpu1");  // no handler: never answers
+  ExpertParallelOptions options;
+  options.timeout = absl::Seconds(600);  // the new table must end the wait
+  ExpertParallel ep(runner.get(), t0.get(), options);
+  ep.set_node_id(kNodeIdBase);
+  t0->SetReceiveHandler([&ep](std::string_view m) { ep.OnMessage(m); });
+  cluster::GpuPeer p1;
+  p1.set_rank(1);
+  p1.set_name("gpu1");
+  p1.set_node_id(kNodeIdBase + 1);
+  p1.set_fabric_address(t1->LocalAddress());
+  REQUIRE(ep.SetPeers({p1}).ok());
+  // The coordinator's next table lacks rank 1 (lost) or names a new node
+  // for it (restarted).
+  cluster::GpuPeer restarted = p1;
+  restarted.set_node_id(kNodeIdBase + 7);
+  for (const auto& table : {std::vector<cluster::GpuPeer>{},
+                            std::vector<cluster::GpuPeer>{restarted}}) {
+    REQUIRE(ep.SetPeers({p1}).ok());
+    struct NewTableOnWait : WaitHooks {
+      ExpertParallel* ep;
+      std::vector<cluster::GpuPeer> table;
+      absl::Status set;
+      void BeforeWait() override { set = ep->SetPeers(table); }
+      void AfterWait() override {}
+    } hooks;
+    hooks.ep = &ep;
+    hooks.table = table;
+    absl::Status s = PrefillOnRank0(*runner, ep.ForMicroBatch(0, &hooks));
+    CHECK(hooks.set.ok());
+    CHECK(s.code() == absl::StatusCode::kUnavailable);
+    CHECK(s.message().find("left the rank table") != std::string::npos);
+  }
+  t0->Shutdown();
+  t1->Shutdown();
 }
 
 TEST_CASE("rank tables and shardings that do not fit are refused",

@@ -70,6 +70,18 @@ double ProcessCpuSeconds(pid_t pid) {
 }
 
 Cluster::Cluster(const ClusterSpec& spec) : spec_(spec) {
+  // A failed start-up throws out of the constructor, so the destructor
+  // would not stop the daemons already started.
+  try {
+    StartAll();
+  } catch (...) {
+    StopAll();
+    throw;
+  }
+}
+
+void Cluster::StartAll() {
+  const ClusterSpec& spec = spec_;
   // Daemons share two cores: OpenMP workers must sleep, not spin, between
   // parallel regions.
   setenv("OMP_WAIT_POLICY", "passive", /*overwrite=*/0);
@@ -216,7 +228,9 @@ std::string Cluster::ClusterConfigText() const {
   return c.str();
 }
 
-Cluster::~Cluster() {
+Cluster::~Cluster() { StopAll(); }
+
+void Cluster::StopAll() {
   for (auto& [name, pid] : pids_) kill(pid, SIGTERM);
   for (auto& [name, pid] : pids_) {
     int status;
@@ -231,8 +245,9 @@ Cluster::~Cluster() {
       waitpid(pid, &status, 0);
     }
   }
+  pids_.clear();
   std::error_code ec;
-  if (getenv("KARAT_KEEP_TEST_DIRS") == nullptr) {
+  if (getenv("KARAT_KEEP_TEST_DIRS") == nullptr && !dir_.empty()) {
     std::filesystem::remove_all(dir_, ec);
   }
 }
@@ -254,7 +269,37 @@ pid_t Cluster::Start(const std::string& name,
   INFO("starting " << argv[0]);
   REQUIRE(rc == 0);
   pids_[name] = pid;
+  argv_[name] = argv;
   return pid;
+}
+
+void Cluster::Kill(const std::string& name) {
+  auto it = pids_.find(name);
+  REQUIRE(it != pids_.end());
+  const pid_t pid = it->second;
+  REQUIRE(kill(pid, SIGKILL) == 0);
+  int status;
+  waitpid(pid, &status, 0);
+  pids_.erase(it);
+  // The shm provider names its segment after the pid; a later process with
+  // the same pid could not open its endpoint while it is there.
+  std::error_code ec;
+  std::filesystem::remove("/dev/shm/" + std::to_string(pid) + ":0:0", ec);
+}
+
+pid_t Cluster::Restart(const std::string& name) {
+  auto it = argv_.find(name);
+  REQUIRE(it != argv_.end());
+  REQUIRE(pids_.count(name) == 0);
+  // A restarted daemon writes its address again.
+  for (size_t i = 0; i + 1 < it->second.size(); ++i) {
+    if (it->second[i] == "--port-file") {
+      std::error_code ec;
+      std::filesystem::remove(it->second[i + 1], ec);
+    }
+  }
+  const std::vector<std::string> argv = it->second;
+  return Start(name, argv);
 }
 
 std::string Cluster::WaitForPortFile(const std::string& path, pid_t pid) {

@@ -53,10 +53,18 @@ class Cluster {
   std::unique_ptr<karat::v1::Karat::Stub> NewStub() const;
   // pids of the running daemons, by name.
   const std::map<std::string, pid_t>& pids() const { return pids_; }
+  // SIGKILLs daemon `name` and reaps it (a fault; the shared-memory
+  // segment its data plane leaves behind is removed).
+  void Kill(const std::string& name);
+  // Starts daemon `name` again with the flags it was first started with
+  // (after Kill); returns its pid.
+  pid_t Restart(const std::string& name);
   std::string ReadLog(const std::string& name) const;
   const std::string& dir() const { return dir_; }
 
  private:
+  void StartAll();  // the constructor's work
+  void StopAll();   // SIGTERM, then SIGKILL; removes the files
   pid_t Start(const std::string& name, const std::vector<std::string>& argv);
   std::string WaitForPortFile(const std::string& path, pid_t pid);
   void WaitForNodes(int expected);
@@ -66,6 +74,7 @@ class Cluster {
   ClusterSpec spec_;
   std::string dir_, model_dir_, coord_addr_;
   std::map<std::string, pid_t> pids_;
+  std::map<std::string, std::vector<std::string>> argv_;
 };
 
 // Runs `argv` to completion; returns its exit status and combined output.
