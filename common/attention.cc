@@ -633,6 +633,23 @@ void TileStoreDots(const IndexQuery& iq, float* dots) {
 // key to widen and 3 to reduce, against some 10 shuffles per key for the
 // transposing path; at long contexts the scan is then bound by the misses
 // in flight of the key runs (PrefetchKeys).
+//
+// Measured on the tiny shape, one core of a busy shared machine: with the
+// keys in L2 (4K-8K keys) a key costs about 2.4 ns, of which (by leaving
+// each part out) the reduction ~0.5, the prefetches ~0.35, the tile loads,
+// TDPBF16PS and tile stores ~0.35 and the widening 0.3-1; a call costs
+// ~3 us more (PrepareIndexQuery, buffers). At 128K keys the loop takes
+// ~3 ns a key with the caches warm and 5-6 ns from DRAM. None of these
+// shortened it (at 16K keys, nor at 128K where tried): whole in-page
+// blocks widened in straight-line code (constants hoisted, one special-code
+// test per block, the even codes by a shift or by the unaligned load,
+// full-row stores) with whole-block prefetches and no page walk; widening
+// 4 or 6 blocks ahead instead of 2; L2 prefetches of every line, or 1024
+// keys ahead. Grouping the widening, tile and reduction phases over 2-8
+// pairs was up to 2x slower. What did shorten the scan from DRAM (128K
+// keys) was longer key runs: the same keys in pages of 256 tokens took 17%
+// less time; in pages of 1024 tokens, or packed in pages of index keys
+// alone, 21% less (tokens_per_page is a deployment option).
 
 // The bf16 bytes of every code's value / 256 (as Fp8Bf16Bytes, for
 // vpermi2b), and the word order of a row (RowDim).
@@ -1758,6 +1775,28 @@ void AttendChunk(const uint16_t* const* ent, int n, int ahead, const float* q,
   }
 }
 
+// Entry addresses of the positions sel[0, n), as LayerView::Kv computes
+// them, with a shift and a mask in place of its division where the page
+// size is a power of two (2048 addresses: 4.6 us with the division, 1.7
+// us without, on one core here; a few percent of the call at 8 heads).
+void EntryAddresses(const LayerView& view, const int32_t* sel, int n,
+                    const uint16_t** out) {
+  const int tpp = view.layout->tokens_per_page;
+  if (tpp <= 0 || (tpp & (tpp - 1)) != 0) {
+    for (int j = 0; j < n; ++j) out[j] = view.Kv(sel[j]);
+    return;
+  }
+  const int shift = __builtin_ctz(unsigned(tpp));
+  const uint32_t mask = uint32_t(tpp - 1);
+  const size_t row = size_t(view.layout->kv_dim) * 2;
+  const size_t kv_offset = view.layout->kv_offset;
+  for (int j = 0; j < n; ++j) {
+    const uint32_t pos = uint32_t(sel[j]);
+    out[j] = reinterpret_cast<const uint16_t*>(
+        view.pages[pos >> shift] + kv_offset + size_t(pos & mask) * row);
+  }
+}
+
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
 // --- The tile-unit path (MlaAttendUsesTileUnit) ---
 //
@@ -1776,15 +1815,18 @@ void AttendChunk(const uint16_t* const* ent, int n, int ahead, const float* q,
 // instructions (a few entry pairs after each group of four), so that the
 // core copies the next block while the tile unit works on this one; the
 // entries of the chunk a core takes next are prefetched into L2 meanwhile.
-// Measured here (noisy shared machine, one core): dsa-tiny's shape about
-// 10% faster than the vector path, dsv32's (128 heads, compute-bound)
-// about 1.9x. The tiny shape's time goes to the copies (every entry is
-// written twice into the scratch: rows for the scores, interleaved pairs
-// for the weighted sum), the softmax, and the TDPBF16PS: per 16 entries
-// and 32 dims two for the scores (the three parts make 24 query columns,
-// more than one 16-column tile) and one and a half for the weighted sum
-// (24 numerator rows: a 16-row and an 8-row tile); the tile unit does not
-// overlap the core's copies as much as its own throughput would allow.
+// Measured here (noisy shared machine, one core, 2048 entries from L2):
+// dsa-tiny's shape 93-100 us against the vector path's 100-118 (per
+// entry: scores with the copies ~60 TSC ticks, softmax ~10, weighted sums
+// ~15; the TDPBF16PS alone, at the measured tile peak, would take ~22),
+// dsv32's (128 heads, compute-bound) about 1.9x faster. The tiny shape's
+// time goes to the score phase: the copies (every entry is written twice
+// into the scratch: rows for the scores, interleaved pairs for the
+// weighted sum) and the TDPBF16PS, per 16 entries and 32 dims two for the
+// scores (the three parts make 24 query columns, more than one 16-column
+// tile) and one and a half for the weighted sum (24 numerator rows: a
+// 16-row and an 8-row tile); the tile unit does not overlap the core's
+// copies as much as its own throughput would allow.
 
 struct alignas(64) AttendTileConfig {
   uint8_t palette = 1;
@@ -1834,12 +1876,12 @@ struct TileAttendDims {
   int lp;              // lora padded to 32
   int mtiles;          // 16-row blocks of the kParts x heads numerator rows
   size_t entry_bytes;  // one entry (kv_dim bf16)
-  // Small shapes (at most two numerator row blocks, lora <= 128): the
-  // weighted sums run one 32-entry block at a time, their accumulators
-  // stored and reloaded between blocks, so that every scratch buffer stays
-  // in L1 and the entries are copied block by block. Larger ones keep the
-  // accumulators in tiles over the whole chunk (that scratch lives in L2).
-  bool ws_blocked;
+  // The weighted sums keep their accumulators in tiles over the whole
+  // chunk (the chunk's pair-interleaved entries live in L2). Running them
+  // one 32-entry block at a time instead, with the accumulators stored and
+  // reloaded between blocks so that the scratch stays in L1, measured
+  // more than twice as slow, even at 8 heads (~35 TSC ticks per entry
+  // against ~15): the reloads of just-stored tiles stall.
   explicit TileAttendDims(const AttnShapes& s)
       : heads(s.heads),
         kv_dim(s.kv_dim),
@@ -1848,8 +1890,7 @@ struct TileAttendDims {
         cols((kParts * s.heads + 31) / 32 * 32),
         lp((s.kv_lora + 31) / 32 * 32),
         mtiles((kParts * s.heads + 15) / 16),
-        entry_bytes(size_t(s.kv_dim) * 2),
-        ws_blocked(mtiles <= 2 && lp <= 128) {}
+        entry_bytes(size_t(s.kv_dim) * 2) {}
 };
 
 // The query parts as the score's B operand: qb[r * cols + c] holds the bf16
@@ -1895,8 +1936,8 @@ void PrepareTileQuery(const float* q, int q_dim, const TileAttendDims& t,
 // Per-thread scratch of the tile path.
 struct TileAttendScratch {
   AlignedVector<uint16_t> erow;  // 2 x 32 x kp: entry rows, two blocks
-  AlignedVector<uint16_t> ev;    // pairs x 2 lp: the entries pair-interleaved
-                                 // (two blocks, or the whole chunk)
+  AlignedVector<uint16_t> ev;    // pairs x 2 lp: the chunk's entries
+                                 // pair-interleaved
   AlignedVector<float> sbuf;     // 2 x 32 x cols: score accumulators
   AlignedVector<float> se;       // 32 x heads padded to 16: combined scores
   AlignedVector<float> s;        // heads x kAttendChunk: scores, then p
@@ -1904,7 +1945,7 @@ struct TileAttendScratch {
   AlignedVector<float> o3;       // mtiles * 16 x lp: weighted sums' parts
   void Size(const TileAttendDims& t) {
     erow.resize(size_t(64) * t.kp);
-    ev.resize(size_t(t.ws_blocked ? 64 : kAttendChunk) * t.lp);
+    ev.resize(size_t(kAttendChunk) * t.lp);
     sbuf.resize(size_t(2 * 32) * t.cols);
     se.resize(size_t(32) * ((t.heads + 15) / 16 * 16));
     s.resize(size_t(t.heads) * kAttendChunk);
@@ -2000,18 +2041,15 @@ void AttendChunkTiles(const uint16_t* const* ent, int n,
   uint16_t* erow = sc->erow.data();
   uint16_t* ev = sc->ev.data();
   // The copy for the scores: block 0 first, then block b + 1 while the
-  // tile unit scores block b (two blocks of rows in turn); with the whole
-  // chunk's pair-interleaved entries unless the weighted sums copy them
-  // block by block.
+  // tile unit scores block b (two blocks of rows in turn); with it the
+  // chunk's pair-interleaved entries for the weighted sums.
   ChunkCopy cur;
   cur.ent = ent;
   cur.n = n;
   cur.erow = erow;
   cur.erow_ring = 64;
-  if (!t.ws_blocked) {
-    cur.ev = ev;
-    cur.ev_ring = kAttendChunk / 2;
-  }
+  cur.ev = ev;
+  cur.ev_ring = kAttendChunk / 2;
   cur.pf = pf;
   cur.pf_n = pf_n;
   cur.end = 32;
@@ -2143,109 +2181,46 @@ void AttendChunkTiles(const uint16_t* const* ent, int n,
   const int nb = padded / 32;
   const size_t p3_b = size_t(kAttendChunk) * 2, ev_b = size_t(t.lp) * 4,
                o3_b = size_t(t.lp) * 4;
-  if (t.ws_blocked) {
-    // Entry blocks outermost (the accumulators go through o3, in L1); the
-    // block's pair-interleaved entries are copied while the tile unit
-    // works on the previous block. One or two row blocks: one tile
-    // configuration.
-    const int r0 = std::min(16, rows_total);
-    const int r1 = t.mtiles > 1 ? rows_total - 16 : 0;
-    static thread_local AttendTileConfig cfg(16, 16);
-    cfg = AttendTileConfig(r0, r1);
-    LoadTileConfig(&cfg);
-    ChunkCopy wc;
-    wc.ent = ent;
-    wc.n = n;
-    wc.ev = ev;
-    wc.ev_ring = 32;
-    wc.end = 32;
-    wc.Run(t, 16);
-    const uint16_t* a1 = p3 + size_t(16) * kAttendChunk;
-    const int groups = t.lp / 32;
-    const int per_group = (16 + groups - 1) / groups;
-    for (int b = 0; b < nb; ++b) {
-      const bool copy = b + 1 < nb;
-      wc.end = std::min(padded, 32 * (b + 2));
-      const uint16_t* bv0 = ev + size_t(b % 2) * 16 * 2 * t.lp;
-      for (int d0 = 0; d0 < t.lp; d0 += 32) {
-        float* c = o3 + d0;
-        if (b == 0) {
-          _tile_zero(0);
-          _tile_zero(1);
-          if (r1 > 0) {
-            _tile_zero(2);
-            _tile_zero(3);
-          }
-        } else {
-          _tile_loadd(0, c, o3_b);
-          _tile_loadd(1, c + 16, o3_b);
-          if (r1 > 0) {
-            _tile_loadd(2, c + size_t(16) * t.lp, o3_b);
-            _tile_loadd(3, c + size_t(16) * t.lp + 16, o3_b);
-          }
-        }
-        _tile_loadd(4, p3 + 32 * b, p3_b);
-        _tile_loadd(6, bv0 + 2 * d0, ev_b);
-        _tile_loadd(7, bv0 + 2 * d0 + 32, ev_b);
+  int loaded0 = 16, loaded1 = 16;
+  for (int mt = 0; mt < t.mtiles; mt += 2) {
+    const int r0 = std::min(16, rows_total - 16 * mt);
+    const int r1 =
+        mt + 1 < t.mtiles ? std::min(16, rows_total - 16 * (mt + 1)) : 0;
+    if (r0 != loaded0 || (r1 != 0 && r1 != loaded1)) {
+      static thread_local AttendTileConfig cfg(16, 16);
+      cfg = AttendTileConfig(r0, r1);
+      LoadTileConfig(&cfg);
+      loaded0 = r0;
+      loaded1 = r1 != 0 ? r1 : r0;
+    }
+    const uint16_t* a0 = p3 + size_t(16 * mt) * kAttendChunk;
+    const uint16_t* a1 = a0 + size_t(16) * kAttendChunk;
+    for (int d0 = 0; d0 < t.lp; d0 += 32) {
+      _tile_zero(0);
+      _tile_zero(1);
+      if (r1 > 0) {
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      for (int k = 0; k < nb; ++k) {
+        _tile_loadd(4, a0 + 32 * k, p3_b);
+        const uint16_t* bv = ev + size_t(16 * k) * 2 * t.lp + 2 * d0;
+        _tile_loadd(6, bv, ev_b);
+        _tile_loadd(7, bv + 32, ev_b);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         if (r1 > 0) {
-          _tile_loadd(5, a1 + 32 * b, p3_b);
+          _tile_loadd(5, a1 + 32 * k, p3_b);
           _tile_dpbf16ps(2, 5, 6);
           _tile_dpbf16ps(3, 5, 7);
         }
-        if (copy) wc.Run(t, per_group);
-        _tile_stored(0, c, o3_b);
-        _tile_stored(1, c + 16, o3_b);
-        if (r1 > 0) {
-          _tile_stored(2, c + size_t(16) * t.lp, o3_b);
-          _tile_stored(3, c + size_t(16) * t.lp + 16, o3_b);
-        }
       }
-      if (copy) wc.Run(t, 16);
-    }
-  } else {
-    int loaded0 = 16, loaded1 = 16;
-    for (int mt = 0; mt < t.mtiles; mt += 2) {
-      const int r0 = std::min(16, rows_total - 16 * mt);
-      const int r1 =
-          mt + 1 < t.mtiles ? std::min(16, rows_total - 16 * (mt + 1)) : 0;
-      if (r0 != loaded0 || (r1 != 0 && r1 != loaded1)) {
-        static thread_local AttendTileConfig cfg(16, 16);
-        cfg = AttendTileConfig(r0, r1);
-        LoadTileConfig(&cfg);
-        loaded0 = r0;
-        loaded1 = r1 != 0 ? r1 : r0;
-      }
-      const uint16_t* a0 = p3 + size_t(16 * mt) * kAttendChunk;
-      const uint16_t* a1 = a0 + size_t(16) * kAttendChunk;
-      for (int d0 = 0; d0 < t.lp; d0 += 32) {
-        _tile_zero(0);
-        _tile_zero(1);
-        if (r1 > 0) {
-          _tile_zero(2);
-          _tile_zero(3);
-        }
-        for (int k = 0; k < nb; ++k) {
-          _tile_loadd(4, a0 + 32 * k, p3_b);
-          const uint16_t* bv = ev + size_t(16 * k) * 2 * t.lp + 2 * d0;
-          _tile_loadd(6, bv, ev_b);
-          _tile_loadd(7, bv + 32, ev_b);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          if (r1 > 0) {
-            _tile_loadd(5, a1 + 32 * k, p3_b);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-          }
-        }
-        float* c = o3 + size_t(16 * mt) * t.lp + d0;
-        _tile_stored(0, c, o3_b);
-        _tile_stored(1, c + 16, o3_b);
-        if (r1 > 0) {
-          _tile_stored(2, c + size_t(16) * t.lp, o3_b);
-          _tile_stored(3, c + size_t(16) * t.lp + 16, o3_b);
-        }
+      float* c = o3 + size_t(16 * mt) * t.lp + d0;
+      _tile_stored(0, c, o3_b);
+      _tile_stored(1, c + 16, o3_b);
+      if (r1 > 0) {
+        _tile_stored(2, c + size_t(16) * t.lp, o3_b);
+        _tile_stored(3, c + size_t(16) * t.lp + 16, o3_b);
       }
     }
   }
@@ -2329,7 +2304,7 @@ void MlaAttend(const LayerView& view, const int32_t* sel, int nsel,
       auto addresses = [&](int c) {
         const int j0 = c * kAttendChunk;
         const int n = std::min(kAttendChunk, nsel - j0);
-        for (int j = j0; j < j0 + n; ++j) entries_out[j] = view.Kv(sel[j]);
+        EntryAddresses(view, sel + j0, n, entries_out + j0);
         return n;
       };
       // Each core claims its next chunk before working on the current one,
@@ -2354,8 +2329,8 @@ void MlaAttend(const LayerView& view, const int32_t* sel, int nsel,
       thread_local AlignedVector<float> tile, scratch;
       tile.resize(tile_size);
       scratch.resize(s_size);
-      // A chunk's entry addresses once (a page-table lookup and a division
-      // each), each entry's lines requested into L2 right away: the
+      // A chunk's entry addresses once (a page-table lookup each), each
+      // entry's lines requested into L2 right away: the
       // entries are scattered over the pages, and asking for all of them
       // at once lets their misses overlap. A core claims its next chunk
       // and requests it before computing the current one, so those misses
@@ -2364,8 +2339,8 @@ void MlaAttend(const LayerView& view, const int32_t* sel, int nsel,
         if (c >= nchunks) return;
         const int j0 = c * kAttendChunk;
         const int n = std::min(kAttendChunk, nsel - j0);
+        EntryAddresses(view, sel + j0, n, entries_out + j0);
         for (int j = j0; j < j0 + n; ++j) {
-          entries_out[j] = view.Kv(sel[j]);
           PrefetchEntryLines<false>(entries_out[j], size_t(shapes.kv_dim) * 2);
         }
       };

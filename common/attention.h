@@ -144,8 +144,10 @@ float KernelExp(float x);
 // `unit`: kAuto takes the tile unit where it is granted and the call is
 // large enough to repay its setup (MlaAttendTileWorthIt: at least 16 heads
 // and heads x nsel >= kMlaAttendTileMinWork, e.g. 128 heads from 128
-// entries; with 8 heads the three-part split fills the tiles poorly and the
-// vector path measured faster, so dsa-tiny stays there), else the vector
+// entries; with dsa-tiny's 8 heads the three-part split fills the tiles
+// poorly: 10-18% faster than the vector path on one core with the entries
+// in cache, but 3-40% slower on two cores from DRAM, so it stays on the
+// vector path), else the vector
 // unit; the choice depends only on the shape and nsel, so every process on
 // one machine makes the same one. kVector and kTileUnit force
 // a path (kTileUnit falls back to the vector unit without a tile unit);

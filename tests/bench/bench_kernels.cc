@@ -30,6 +30,10 @@
 // follows a 1 GiB read sweep that evicts the caches, so they read from DRAM
 // as a device would (Select reads the scores the scan just wrote); --warm
 // times them with the caches as the previous run left them instead.
+// Attend rows also give the time to merely read the same selected entries
+// ("the gather alone": both cores, every line, prefetched ahead, cold like
+// the attend): scattered entries of a few lines each read well below the
+// streaming bandwidth the read-time ratio assumes.
 // Then the GQA forms' low-intensity Score/Select stages through their real
 // code (SparseAttention::Select for one query token): gqa_block's block-mean
 // scoring (minimax-tiny: 8 q / 2 kv heads, Di 32, block 16) and Quest's
@@ -326,14 +330,15 @@ struct Row {
   int ctx;
   double seconds, tokens, bytes, flops;
   int topk;
-  double scan_seconds;       // kSelect: the scan it selects from
-  bool vector_path = false;  // kAttend: forced onto the vector unit
-  bool on_tiles = false;     // kAttend: ran on the tile unit
+  double scan_seconds;        // kSelect: the scan it selects from
+  bool vector_path = false;   // kAttend: forced onto the vector unit
+  bool on_tiles = false;      // kAttend: ran on the tile unit
+  double gather_seconds = 0;  // kAttend: reading the same entries alone
 };
 
 void PrintRow(const Row& r, const Limits& lim, bool tiles) {
   const double gbps = r.bytes / r.seconds / 1e9;
-  char note[160];
+  char note[256];
   if (r.kind == Kind::kSelect) {  // against bandwidth alone
     std::snprintf(note, sizeof note, "top-%d, %.2f%% of the scan", r.topk,
                   100.0 * r.seconds / r.scan_seconds);
@@ -370,10 +375,16 @@ void PrintRow(const Row& r, const Limits& lim, bool tiles) {
     const int n =
         std::snprintf(note, sizeof note, "%.2fx the read time of %.0f entries",
                       r.seconds / read_s, r.tokens);
-    if (compute_s > 2.0 * read_s && n > 0 && n < int(sizeof note)) {
-      std::snprintf(note + n, sizeof note - n,
-                    "; compute-bound: FLOPs at peak = %.2fx read time",
-                    compute_s / read_s);
+    int m = n;
+    if (compute_s > 2.0 * read_s && m > 0 && m < int(sizeof note)) {
+      m += std::snprintf(note + m, sizeof note - m,
+                         "; compute-bound: FLOPs at peak = %.2fx read time",
+                         compute_s / read_s);
+    }
+    if (r.gather_seconds > 0 && m > 0 && m < int(sizeof note)) {
+      std::snprintf(note + m, sizeof note - m,
+                    "; %.2fx the gather alone (%.1f us)",
+                    r.seconds / r.gather_seconds, r.gather_seconds * 1e6);
     }
   }
   const double bound = std::min(lim.bw_gbps * oi, peak);
@@ -438,6 +449,32 @@ double BestOfCold(int reps, double budget, CacheFlusher* flusher,
     if (r >= 2 && Now() > t_end) break;
   }
   return best;
+}
+
+// Reads the `n` entries of `bytes` bytes at `entries` on every core (each
+// its share, every line of each entry, 16 entries prefetched ahead), doing
+// nothing with them: what the scattered access of an attend costs before any
+// arithmetic. Lines are summed so that the loads are kept.
+void GatherEntries(const uint8_t* const* entries, int n, size_t bytes,
+                   CorePool* pool) {
+  static int64_t sink[kCores * 8];
+  pool->ParallelFor(kCores, 1, [&](int64_t b, int64_t e) {
+    for (int64_t c = b; c < e; ++c) {
+      const int lo = int(int64_t(n) * c / kCores);
+      const int hi = int(int64_t(n) * (c + 1) / kCores);
+      __m512i acc = _mm512_setzero_si512();
+      for (int j = lo; j < hi; ++j) {
+        if (j + 16 < hi) {
+          for (size_t off = 0; off < bytes; off += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(entries[j + 16]) + off,
+                         _MM_HINT_T0);
+        }
+        for (size_t off = 0; off < bytes; off += 64)
+          acc = _mm512_add_epi64(acc, _mm512_loadu_si512(entries[j] + off));
+      }
+      sink[c * 8] = _mm512_reduce_add_epi64(acc);
+    }
+  });
 }
 
 // Times method `preset`'s Select at each context; appends kMeta rows.
@@ -611,6 +648,13 @@ int main(int argc, char** argv) {
            0});
       rows.back().on_tiles = MlaAttendUsesTileUnit() &&
                              MlaAttendTileWorthIt(a.heads, int(sel.size()));
+      std::vector<const uint8_t*> entries(sel.size());
+      for (size_t j = 0; j < sel.size(); ++j)
+        entries[j] = reinterpret_cast<const uint8_t*>(view.Kv(sel[j]));
+      rows.back().gather_seconds = BestOfCold(reps, 2.0, cold, &pool, [&] {
+        GatherEntries(entries.data(), int(entries.size()), size_t(a.kv_dim) * 2,
+                      &pool);
+      });
       attend_times.push_back(tat);
       if (rows.back().on_tiles) {
         const double tv = BestOfCold(reps, 2.0, cold, &pool, [&] {
