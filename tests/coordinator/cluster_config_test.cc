@@ -132,7 +132,7 @@ TEST_CASE("config: experts per rank and HBM against the model") {
   REQUIRE(model->n_routed_experts == 16);
   cluster::ClusterConfig config;
   for (int i = 0; i < 3; ++i)
-    config.add_gpu_nodes()->set_name("g" + std::to_string(i));
+    config.add_gpu_nodes()->set_name(absl::StrCat("g", i));
   absl::Status st = ValidateClusterConfigForModel(config, *model);
   CHECK(st.code() == absl::StatusCode::kInvalidArgument);
   CHECK(
