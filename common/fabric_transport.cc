@@ -59,6 +59,21 @@
 // Source. With FI_SOURCE the CQ reports each receive's source address,
 // mapped to the PeerId it was added as (kUnknownPeer when not added).
 //
+// Send endpoints. The shm provider of libfabric 1.17 completes an
+// endpoint's sends over its inject size (4 KiB) in posting order: the
+// receiver answers each in the sender's response queue, which the sender
+// reads from its head only. A peer killed before it took such a send never
+// answers, and every later one from that endpoint, to any peer, stays
+// incomplete. So on shm without RMA (FabricOptions::send_endpoint_per_peer)
+// each peer gets an endpoint of its own for the messages sent to it, bound
+// to the same AV and CQ (reading the CQ progresses them all); a dead peer
+// then blocks only the sends to itself. Receives stay on the main endpoint,
+// whose address is the one peers know; since a message from a send endpoint
+// has a source address the receiver never added, it carries remote CQ data
+// kSourceTag | a hash of the sender's main address, which the receiver maps
+// to the peer added with that address. Control messages (RMA, off on these
+// endpoints) keep going from the main endpoint.
+//
 // Locking. fid_lock_ protects the fids against Shutdown(): every fi_* call
 // on the endpoint, AV or CQ holds it shared, Shutdown() holds it exclusively
 // while closing. When the domain is not FI_THREAD_SAFE every fi_* call holds
@@ -130,7 +145,11 @@ constexpr size_t kMaxCachedSendOps = 8;
 // Remote CQ data of control messages: kControlTag | ControlKind. User
 // messages carry no CQ data.
 constexpr uint64_t kControlTag = 0x4B524D00;  // "KRM" + kind
-constexpr uint64_t kControlTagMask = 0xFFFFFF00;
+constexpr uint64_t kControlTagMask = 0xFFFFFFFFFFFFFF00;
+// Remote CQ data of user messages from a per-peer send endpoint:
+// kSourceTag | SourceHash(the sender's main address).
+constexpr uint64_t kSourceTag = uint64_t{0x4B535243} << 32;  // "KSRC"
+constexpr uint64_t kSourceTagMask = uint64_t{0xFFFFFFFF} << 32;
 enum class ControlKind : uint8_t {
   kZoneRequest = 1,  // ZoneRequest + the sender's address
   kZoneGrant = 2,    // ZoneGrant
@@ -197,6 +216,17 @@ inline void CpuRelax() {
 }
 
 int64_t NowNs() { return absl::GetCurrentTimeNanos(); }
+
+// FNV-1a of an endpoint address, folded to 32 bits: the same in every
+// process (absl::Hash is seeded per process).
+uint32_t SourceHash(std::string_view address) {
+  uint64_t h = 14695981039346656037ull;
+  for (unsigned char ch : address) {
+    h ^= ch;
+    h *= 1099511628211ull;
+  }
+  return static_cast<uint32_t>(h ^ (h >> 32));
+}
 
 // Owns one fid and closes it with fi_close.
 template <typename T>
@@ -279,6 +309,8 @@ struct SendOp {
   // A zero-copy send's message, held until its completion.
   std::shared_ptr<const std::string> owned;
   PeerId peer = kUnknownPeer;
+  // NowNs() when the send was queued; guarded by FabricTransport::send_mu_.
+  int64_t queued_ns = 0;
   // Set with `done`, read without the lock by a spinning sender.
   std::atomic<bool> done_flag{false};
   // Guarded by FabricTransport::send_mu_.
@@ -323,6 +355,9 @@ struct Peer {
   // Added by the transport itself (an RMA handshake), not by AddPeer().
   bool learnt = false;
   std::unique_ptr<ZoneOut> zone_out = std::make_unique<ZoneOut>();
+  // The endpoint user messages to this peer go out from (see "Send
+  // endpoints"); null: the main endpoint. Closed by Shutdown().
+  FidPtr<fid_ep> send_ep;
 };
 
 // What SendImpl posts: a message (with remote CQ data when `has_data`) or
@@ -359,18 +394,20 @@ class FabricTransport final : public Transport {
   void Shutdown() override;
 
  private:
-  // Holds fid_lock_ shared, or exclusively when fi_* calls must be serialised.
+  // Holds fid_lock_ shared, or exclusively when fi_* calls must be serialised
+  // or `exclusive` is set.
   class FidLock {
    public:
-    explicit FidLock(FabricTransport* t) : t_(t) {
-      if (t_->serialize_) {
+    explicit FidLock(FabricTransport* t, bool exclusive = false)
+        : t_(t), exclusive_(exclusive || t->serialize_) {
+      if (exclusive_) {
         t_->fid_lock_.Lock();
       } else {
         t_->fid_lock_.ReaderLock();
       }
     }
     ~FidLock() {
-      if (t_->serialize_) {
+      if (exclusive_) {
         t_->fid_lock_.Unlock();
       } else {
         t_->fid_lock_.ReaderUnlock();
@@ -381,6 +418,7 @@ class FabricTransport final : public Transport {
 
    private:
     FabricTransport* t_;
+    const bool exclusive_;
   };
 
   // fi_getinfo with the capabilities this endpoint would like, dropping the
@@ -437,13 +475,17 @@ class FabricTransport final : public Transport {
                         bool* post_failed = nullptr);
   // Messages up to the provider's inject size: the provider copies them at
   // once and reports no completion, so nothing waits.
-  absl::Status InjectSend(PeerId peer, fi_addr_t fi_addr, const char* data,
-                          size_t len, const WireOp& wire);
+  absl::Status InjectSend(PeerId peer, fid_ep* ep, fi_addr_t fi_addr,
+                          const char* data, size_t len, const WireOp& wire);
   // Registers `address` as a peer; `learnt` marks one the transport added on
   // its own (named after its address until AddPeer() names it).
   absl::StatusOr<PeerId> InsertPeer(const std::string& name,
                                     const std::string& address, bool learnt);
   PeerId PeerByFiAddr(fi_addr_t addr) const;
+  // A send endpoint of its own for a peer, on the main endpoint's AV and
+  // CQ; null (with a warning) when the provider refuses one. Under fid_lock_
+  // held exclusively.
+  FidPtr<fid_ep> OpenSendEndpoint();
   // A sender off the progress thread: polls the CQ for its own completion
   // while it spins; false if the spin ended first.
   bool SpinForSend(SendOp* op, size_t len, absl::Time deadline);
@@ -462,6 +504,11 @@ class FabricTransport final : public Transport {
   void WaitForWork(absl::Duration poll_backoff);
   SendOp* AcquireSendOp(size_t len);
   void RecycleSendOp(SendOp* op) ABSL_EXCLUSIVE_LOCKS_REQUIRED(send_mu_);
+  // The peer of the oldest send queued before `op` to another peer and not
+  // completed yet, kUnknownPeer if none: what a timed-out `op` may be
+  // waiting behind.
+  PeerId OldestOtherSend(const SendOp* op) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(send_mu_);
 
   const FabricOptions options_;
   bool serialize_ = false;      // domain is not FI_THREAD_SAFE
@@ -473,6 +520,10 @@ class FabricTransport final : public Transport {
   // FI_ORDER_SAW: a send posted after a write is not processed before it, so
   // the notice may follow the write without waiting for its completion.
   bool send_after_write_ = false;
+  // A send endpoint per peer (see "Send endpoints"), and the remote CQ data
+  // its user messages carry.
+  bool send_ep_per_peer_ = false;
+  uint64_t source_data_ = 0;
   std::string provider_;
   std::string local_address_;
 
@@ -540,6 +591,10 @@ class FabricTransport final : public Transport {
       ABSL_GUARDED_BY(peers_mu_);
   absl::flat_hash_map<fi_addr_t, PeerId> peer_by_fi_addr_
       ABSL_GUARDED_BY(peers_mu_);
+  // SourceHash(address) -> fi_addr of the peer added with that address.
+  absl::flat_hash_map<uint32_t, fi_addr_t> fi_addr_by_source_
+      ABSL_GUARDED_BY(peers_mu_);
+  std::atomic<uint64_t> send_endpoints_{0};
 
   // Guards every ZoneOut's fields but send_lock; never held across a wait.
   absl::Mutex rma_mu_;
@@ -611,16 +666,29 @@ absl::Status FabricTransport::Open() {
   if (rc != 0) return FiStatus("fi_av_open", rc);
   av_.reset(av);
 
-  fid_ep* ep = nullptr;
-  rc = fi_endpoint(domain_.get(), info_.get(), &ep, nullptr);
-  if (rc != 0) return FiStatus("fi_endpoint", rc);
-  ep_.reset(ep);
-  rc = fi_ep_bind(ep_.get(), &av_->fid, 0);
-  if (rc != 0) return FiStatus("fi_ep_bind(av)", rc);
-  rc = fi_ep_bind(ep_.get(), &cq_->fid, FI_TRANSMIT | FI_RECV);
-  if (rc != 0) return FiStatus("fi_ep_bind(cq)", rc);
-  rc = fi_enable(ep_.get());
-  if (rc != 0) return FiStatus("fi_enable", rc);
+  // shm names an endpoint's shared memory "<pid>:<uid>:<index>": a region
+  // left by a killed process whose pid this process now has makes
+  // fi_enable fail with EBUSY, and the provider removes it on the way; the
+  // next endpoint (next index) opens.
+  for (int attempt = 1;; ++attempt) {
+    fid_ep* ep = nullptr;
+    rc = fi_endpoint(domain_.get(), info_.get(), &ep, nullptr);
+    if (rc != 0) return FiStatus("fi_endpoint", rc);
+    ep_.reset(ep);
+    rc = fi_ep_bind(ep_.get(), &av_->fid, 0);
+    if (rc != 0) return FiStatus("fi_ep_bind(av)", rc);
+    rc = fi_ep_bind(ep_.get(), &cq_->fid, FI_TRANSMIT | FI_RECV);
+    if (rc != 0) return FiStatus("fi_ep_bind(cq)", rc);
+    rc = fi_enable(ep_.get());
+    if (rc == -FI_EBUSY && attempt < 3) {
+      KLOG(Warning, kLogModule) << "fi_enable: " << FiError(rc)
+                                << " (a stale shared-memory region?); retrying";
+      ep_.reset();
+      continue;
+    }
+    if (rc != 0) return FiStatus("fi_enable", rc);
+    break;
+  }
 
   std::string name(256, '\0');
   size_t name_len = name.size();
@@ -632,6 +700,9 @@ absl::Status FabricTransport::Open() {
   if (rc != 0) return FiStatus("fi_getname", rc);
   name.resize(name_len);
   local_address_ = std::move(name);
+  send_ep_per_peer_ = options_.send_endpoint_per_peer && provider_ == "shm" &&
+                      !rma_ && info_->domain_attr->cq_data_size >= 8;
+  source_data_ = kSourceTag | SourceHash(local_address_);
   if (source_) {
     // The first AV entry is this endpoint itself, never a PeerId: shm (1.17)
     // reports fi_addr 0 as the source of a sender that is not in the AV,
@@ -685,6 +756,7 @@ absl::Status FabricTransport::Open() {
                : std::string(", no RMA"))
       << (rma_ && send_after_write_ ? ", notices follow writes at once" : "")
       << (source_ ? "" : ", no source addresses")
+      << (send_ep_per_peer_ ? ", a send endpoint per peer" : "")
       << (serialize_ ? ", serialised calls" : "") << ")";
   progress_thread_ = std::thread([this] { ProgressLoop(); });
   return absl::OkStatus();
@@ -814,8 +886,12 @@ absl::StatusOr<PeerId> FabricTransport::InsertPeer(const std::string& name,
   fi_addr_t fi_addr = FI_ADDR_UNSPEC;
   int rc;
   std::string display = name;
+  FidPtr<fid_ep> send_ep;
   {
-    FidLock lock(this);
+    // Exclusive for a send endpoint: it is bound to the CQ before it is
+    // enabled, and reading the CQ progresses every endpoint bound to it (one
+    // not enabled yet has no shared memory to progress).
+    FidLock lock(this, /*exclusive=*/send_ep_per_peer_);
     if (closed_) return absl::FailedPreconditionError("transport is shut down");
     rc = fi_av_insert(av_.get(), address.data(), 1, &fi_addr, 0, nullptr);
     if (rc == 1 && learnt) {
@@ -824,6 +900,7 @@ absl::StatusOr<PeerId> FabricTransport::InsertPeer(const std::string& name,
       fi_av_straddr(av_.get(), address.data(), straddr, &straddr_len);
       display = absl::StrCat("unnamed peer ", straddr);
     }
+    if (rc == 1 && send_ep_per_peer_) send_ep = OpenSendEndpoint();
   }
   if (rc != 1) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -831,10 +908,55 @@ absl::StatusOr<PeerId> FabricTransport::InsertPeer(const std::string& name,
         " failed: ", rc < 0 ? FiError(rc) : "not inserted"));
   }
   const PeerId id = static_cast<PeerId>(peers_.size());
-  peers_.push_back(Peer{display, fi_addr, learnt});
+  Peer& peer = peers_.emplace_back();
+  peer.name = display;
+  peer.fi_addr = fi_addr;
+  peer.learnt = learnt;
+  peer.send_ep = std::move(send_ep);
   peer_by_address_.emplace(address, id);
   peer_by_fi_addr_.emplace(fi_addr, id);
+  fi_addr_by_source_.emplace(SourceHash(address), fi_addr);
   return id;
+}
+
+FidPtr<fid_ep> FabricTransport::OpenSendEndpoint() {
+  // It receives nothing: a small receive side keeps its shared memory small.
+  InfoPtr info(fi_dupinfo(info_.get()));
+  if (info == nullptr) return nullptr;
+  info->rx_attr->size = std::min<size_t>(info->rx_attr->size, 64);
+  FidPtr<fid_ep> ep;
+  int rc = 0;
+  const char* call = "fi_endpoint";
+  // EBUSY: a stale region of the same name, removed by the provider (see
+  // Open()); the next endpoint gets another name.
+  for (int attempt = 1; attempt <= 3; ++attempt) {
+    fid_ep* raw = nullptr;
+    call = "fi_endpoint";
+    rc = fi_endpoint(domain_.get(), info.get(), &raw, nullptr);
+    ep.reset(rc == 0 ? raw : nullptr);
+    if (rc == 0) {
+      call = "fi_ep_bind(av)";
+      rc = fi_ep_bind(ep.get(), &av_->fid, 0);
+    }
+    if (rc == 0) {
+      call = "fi_ep_bind(cq)";
+      rc = fi_ep_bind(ep.get(), &cq_->fid, FI_TRANSMIT | FI_RECV);
+    }
+    if (rc == 0) {
+      call = "fi_enable";
+      rc = fi_enable(ep.get());
+    }
+    if (rc != -FI_EBUSY) break;
+    ep.reset();
+  }
+  if (rc != 0) {
+    KLOG(Warning, kLogModule) << "cannot open a send endpoint for a peer ("
+                              << call << " failed: " << FiError(rc)
+                              << "); its messages go from the main endpoint";
+    return nullptr;
+  }
+  send_endpoints_.fetch_add(1, std::memory_order_relaxed);
+  return ep;
 }
 
 std::string FabricTransport::PeerName(PeerId peer) const {
@@ -865,6 +987,7 @@ std::map<std::string, double> FabricTransport::Counters() const {
   c["rma_zones_granted"] = double(zones_granted_.load());
   c["control_invalid"] = double(control_invalid_.load());
   c["messages_unknown_source"] = double(messages_unknown_source_.load());
+  c["send_endpoints"] = double(send_endpoints_.load());
   c["messages_held"] = double(messages_held_.load());
   c["holds_returned"] = double(holds_returned_.load());
   c["rma_enabled"] = rma_ ? 1 : 0;
@@ -1047,9 +1170,11 @@ absl::Status FabricTransport::SendControl(PeerId peer, ControlKind kind,
   return SendImpl(peer, body.data(), body.size(), nullptr, wire);
 }
 
-absl::Status FabricTransport::InjectSend(PeerId peer, fi_addr_t fi_addr,
-                                         const char* data, size_t len,
-                                         const WireOp& wire) {
+absl::Status FabricTransport::InjectSend(PeerId peer, fid_ep* send_ep,
+                                         fi_addr_t fi_addr, const char* data,
+                                         size_t len, const WireOp& wire) {
+  // User messages from a peer's send endpoint carry the source data.
+  const bool tagged = send_ep != nullptr && !wire.has_data;
   absl::Duration backoff = kMinPollBackoff;
   // Set at the first full transmit queue (the common case never reads the
   // clock).
@@ -1062,6 +1187,8 @@ absl::Status FabricTransport::InjectSend(PeerId peer, fi_addr_t fi_addr,
       closed = closed_;
       if (closed) {
         rc = 0;
+      } else if (tagged) {
+        rc = fi_injectdata(send_ep, data, len, source_data_, fi_addr);
       } else if (wire.has_data) {
         rc = fi_injectdata(ep_.get(), data, len, wire.data, fi_addr);
       } else {
@@ -1117,16 +1244,20 @@ absl::Status FabricTransport::SendImpl(PeerId peer, const char* data,
                      options_.max_message_size));
   }
   fi_addr_t fi_addr;
+  // Used under fid_lock_ only (Shutdown() closes it).
+  fid_ep* send_ep;
   {
     absl::MutexLock lock(&peers_mu_);
     if (peer < 0 || static_cast<size_t>(peer) >= peers_.size()) {
       return absl::InvalidArgumentError(absl::StrCat("unknown peer id ", peer));
     }
     fi_addr = peers_[peer].fi_addr;
+    send_ep = peers_[peer].send_ep.get();
   }
   if (len > 0 && len <= inject_size_ && !wire.write) {
-    return InjectSend(peer, fi_addr, data, len, wire);
+    return InjectSend(peer, send_ep, fi_addr, data, len, wire);
   }
+  const bool tagged = send_ep != nullptr && !wire.has_data && !wire.write;
   const absl::Time deadline =
       absl::Now() + absl::Milliseconds(options_.send_timeout_ms);
 
@@ -1141,6 +1272,7 @@ absl::Status FabricTransport::SendImpl(PeerId peer, const char* data,
   }
   {
     absl::MutexLock lock(&send_mu_);
+    op->queued_ns = NowNs();
     in_flight_.insert(op);
   }
 
@@ -1171,6 +1303,9 @@ absl::Status FabricTransport::SendImpl(PeerId peer, const char* data,
         // notice that follows must not overtake them (shm does not order
         // sends after writes).
         rc = fi_writemsg(ep_.get(), &msg, FI_COMPLETION | FI_DELIVERY_COMPLETE);
+      } else if (tagged) {
+        rc = fi_senddata(send_ep, payload, len, nullptr, source_data_, fi_addr,
+                         &op->op.context);
       } else if (wire.has_data) {
         rc = fi_senddata(ep_.get(), payload, len, nullptr, wire.data, fi_addr,
                          &op->op.context);
@@ -1220,7 +1355,7 @@ absl::Status FabricTransport::SendImpl(PeerId peer, const char* data,
     control.has_data = true;
     control.data = kControlTag | static_cast<uint64_t>(ControlKind::kRmaNotice);
     notice_status = wire.notice.size() <= inject_size_
-                        ? InjectSend(peer, fi_addr, wire.notice.data(),
+                        ? InjectSend(peer, nullptr, fi_addr, wire.notice.data(),
                                      wire.notice.size(), control)
                         : SendImpl(peer, wire.notice.data(), wire.notice.size(),
                                    nullptr, control);
@@ -1233,6 +1368,7 @@ absl::Status FabricTransport::SendImpl(PeerId peer, const char* data,
     Wake();
   }
 
+  PeerId blocker = kUnknownPeer;
   {
     absl::MutexLock lock(&send_mu_);
     send_mu_.AwaitWithDeadline(absl::Condition(&op->done), deadline);
@@ -1245,10 +1381,37 @@ absl::Status FabricTransport::SendImpl(PeerId peer, const char* data,
     // The buffer still belongs to the provider; the progress thread recycles
     // the op when its completion arrives, Shutdown() when the endpoint closes.
     op->abandoned = true;
+    blocker = OldestOtherSend(op);
   }
-  return absl::UnavailableError(
-      absl::StrCat("send of ", len, " bytes to peer '", PeerName(peer),
-                   "' not completed within ", options_.send_timeout_ms, " ms"));
+  std::string cause;
+  if (blocker != kUnknownPeer) {
+    cause = absl::StrCat("; an earlier send to peer '", PeerName(blocker),
+                         "' is not completed either");
+    if (provider_ == "shm") {
+      absl::StrAppend(
+          &cause,
+          ": the shm provider completes sends over its inject size in order, "
+          "so one left in the queue of a peer that died blocks every later "
+          "one from this endpoint");
+    }
+  }
+  return absl::UnavailableError(absl::StrCat(
+      "send of ", len, " bytes to peer '", PeerName(peer),
+      "' not completed within ", options_.send_timeout_ms, " ms", cause));
+}
+
+PeerId FabricTransport::OldestOtherSend(const SendOp* op) const {
+  const SendOp* oldest = nullptr;
+  for (const SendOp* other : in_flight_) {
+    if (other == op || other->done || other->peer == op->peer ||
+        other->queued_ns > op->queued_ns) {
+      continue;
+    }
+    if (oldest == nullptr || other->queued_ns < oldest->queued_ns) {
+      oldest = other;
+    }
+  }
+  return oldest == nullptr ? kUnknownPeer : oldest->peer;
 }
 
 bool FabricTransport::SpinForSend(SendOp* op, size_t len, absl::Time deadline) {
@@ -1496,6 +1659,13 @@ void FabricTransport::HandleCompletion(const fi_cq_data_entry& entry,
   if ((entry.flags & FI_REMOTE_CQ_DATA) != 0 &&
       (entry.data & kControlTagMask) == kControlTag) {
     data = entry.data;
+  } else if ((entry.flags & FI_REMOTE_CQ_DATA) != 0 &&
+             (entry.data & kSourceTagMask) == kSourceTag) {
+    // From a peer's send endpoint: the source is the peer whose main
+    // address hashes to the data.
+    absl::MutexLock lock(&peers_mu_);
+    auto it = fi_addr_by_source_.find(static_cast<uint32_t>(entry.data));
+    src = it == fi_addr_by_source_.end() ? FI_ADDR_NOTAVAIL : it->second;
   }
   RecvSlot* slot = static_cast<RecvSlot*>(op->owner);
   if (data == (kControlTag | static_cast<uint64_t>(ControlKind::kCredit))) {
@@ -1929,10 +2099,13 @@ void FabricTransport::Shutdown() {
     released_->count.store(0);
   }
   {
+    // peers_mu_ before fid_lock_, as in AddPeer().
+    absl::MutexLock peers_lock(&peers_mu_);
     absl::MutexLock lock(&fid_lock_);
     closed_ = true;
-    // Reverse order of opening. Closing the endpoint discards every posted
+    // Reverse order of opening. Closing the endpoints discards every posted
     // operation, so no completion refers to our buffers afterwards.
+    for (Peer& peer : peers_) peer.send_ep.reset();
     ep_.reset();
     for (auto& zone : zones_in_) zone->mr.reset();
     av_.reset();

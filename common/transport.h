@@ -173,6 +173,14 @@ struct FabricOptions {
   // largest message fits), and how many such zones it grants at most.
   size_t rma_zone_bytes = 32 << 20;
   int rma_max_zones = 64;
+  // On shm without RMA: messages to each peer go out from an endpoint of
+  // their own (receives stay on the one endpoint whose address peers know),
+  // so that a peer that dies before taking a message over the inject size
+  // (4 KiB) blocks only the sends to itself. The shm provider of libfabric
+  // 1.17 completes an endpoint's sends in posting order, and with a single
+  // endpoint such a send left in a dead peer's queue would block every later
+  // one, to every peer. Costs a small shared-memory region per peer.
+  bool send_endpoint_per_peer = true;
 };
 
 // Whether bulk transfers by RMA write beat plain messages on `provider`

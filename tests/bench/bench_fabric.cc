@@ -7,6 +7,7 @@
 //                      [--receive-buffers N] [--posted-receives N]
 //                      [--no-table] [--no-ingest]
 //                      [--ingest-tokens N] [--ingest-chunk N] [--spin-us N]
+//                      [--one-send-endpoint]
 //
 // For every provider and message size, two processes (this one and a forked
 // child):
@@ -31,6 +32,9 @@
 // --posted-receives FabricOptions::posted_receives (default 1): large
 // messages cycle through the posted buffers only, so with few posted they
 // land in cache-warm memory, as fi_pingpong's one buffer does.
+// --one-send-endpoint turns FabricOptions::send_endpoint_per_peer off (shm:
+// every send from the one endpoint peers know, as before per-peer send
+// endpoints), for comparison.
 //
 // KV ingestion (after the table; --no-ingest skips it, --no-table runs only
 // it): the KV entries and DSA index keys of one turn of --ingest-tokens new
@@ -130,6 +134,7 @@ std::optional<std::string> ReadString(int fd) {
 int g_receive_buffers = FabricOptions().receive_buffers;
 int g_posted_receives = FabricOptions().posted_receives;
 int g_spin_us = FabricOptions().spin_us;
+bool g_send_endpoint_per_peer = FabricOptions().send_endpoint_per_peer;
 
 FabricOptions Options(const std::string& provider, size_t size,
                       bool rma = true) {
@@ -141,6 +146,7 @@ FabricOptions Options(const std::string& provider, size_t size,
   o.posted_receives = g_posted_receives;
   o.use_rma = rma;
   o.spin_us = g_spin_us;
+  o.send_endpoint_per_peer = g_send_endpoint_per_peer;
   return o;
 }
 
@@ -772,6 +778,8 @@ int Main(int argc, char** argv) {
           g_posted_receives < 1) {
         return 2;
       }
+    } else if (flag == "--one-send-endpoint") {
+      g_send_endpoint_per_peer = false;
     } else if (flag == "--spin-us") {
       if (!absl::SimpleAtoi(value(), &g_spin_us) || g_spin_us < 0) return 2;
     } else if (flag == "--no-table") {
@@ -795,7 +803,7 @@ int Main(int argc, char** argv) {
                    "[--repeat N] [--receive-buffers N] "
                    "[--posted-receives N] [--no-table] "
                    "[--no-ingest] [--ingest-tokens N] [--ingest-chunk N] "
-                   "[--spin-us N]\n");
+                   "[--spin-us N] [--one-send-endpoint]\n");
       return 2;
     }
   }

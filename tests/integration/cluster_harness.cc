@@ -281,10 +281,19 @@ void Cluster::Kill(const std::string& name) {
   int status;
   waitpid(pid, &status, 0);
   pids_.erase(it);
-  // The shm provider names its segment after the pid; a later process with
-  // the same pid could not open its endpoint while it is there.
+  // The shm provider names each endpoint's segment after the pid
+  // ("<pid>:<endpoint>:0"; one per peer besides the receiving one); a later
+  // process with the same pid could not open its endpoints while they are
+  // there.
+  const std::string prefix = std::to_string(pid) + ":";
   std::error_code ec;
-  std::filesystem::remove("/dev/shm/" + std::to_string(pid) + ":0:0", ec);
+  std::vector<std::filesystem::path> stale;
+  for (const auto& entry :
+       std::filesystem::directory_iterator("/dev/shm", ec)) {
+    if (entry.path().filename().string().rfind(prefix, 0) == 0)
+      stale.push_back(entry.path());
+  }
+  for (const auto& path : stale) std::filesystem::remove(path, ec);
 }
 
 pid_t Cluster::Restart(const std::string& name) {
