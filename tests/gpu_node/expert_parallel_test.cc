@@ -50,6 +50,17 @@ std::unique_ptr<ModelRunner> MakeRunner(const ModelFiles& f, int rank,
 constexpr uint32_t kNodeIdBase = 100;
 
 // G ranks on one FakeFabric; rank r has node id kNodeIdBase + r.
+// Rank `rank`'s entry in a rank table: node "gpu<rank>", node id
+// kNodeIdBase + rank, at `address`.
+cluster::GpuPeer RankEntry(int rank, const std::string& address) {
+  cluster::GpuPeer p;
+  p.set_rank(rank);
+  p.set_name("gpu" + std::to_string(rank));
+  p.set_node_id(kNodeIdBase + rank);
+  p.set_fabric_address(address);
+  return p;
+}
+
 struct Cluster {
   struct Rank {
     std::unique_ptr<ModelRunner> runner;
@@ -72,12 +83,7 @@ struct Cluster {
           [ep](PeerId from, std::string_view message) {
             ep->OnMessage(message, from);
           });
-      cluster::GpuPeer p;
-      p.set_rank(r);
-      p.set_name("gpu" + std::to_string(r));
-      p.set_node_id(kNodeIdBase + r);
-      p.set_fabric_address(rank.transport->LocalAddress());
-      peers.push_back(p);
+      peers.push_back(RankEntry(r, rank.transport->LocalAddress()));
       this->ranks.push_back(std::move(rank));
     }
     if (set_peers) {
@@ -489,11 +495,7 @@ TEST_CASE("a dead or missing peer fails the step with UNAVAILABLE",
     CHECK(s.message().find("SetPeers") != std::string::npos);
   }
 
-  cluster::GpuPeer p1;
-  p1.set_rank(1);
-  p1.set_name("gpu1");
-  p1.set_node_id(kNodeIdBase + 1);
-  p1.set_fabric_address(t1->LocalAddress());
+  const cluster::GpuPeer p1 = RankEntry(1, t1->LocalAddress());
   REQUIRE(ep.SetPeers({p1}).ok());
 
   SECTION("a peer that never answers: bounded wait") {
@@ -536,6 +538,13 @@ TEST_CASE("a dead or missing peer fails the step with UNAVAILABLE",
 struct Inbox {
   absl::Mutex mu;
   std::vector<std::string> frames;
+  // Keeps every message `t` receives.
+  void Collect(Transport* t) {
+    t->SetReceiveHandler([this](std::string_view m) {
+      absl::MutexLock lock(&mu);
+      frames.emplace_back(m);
+    });
+  }
   bool WaitFor(size_t n) {
     absl::MutexLock lock(&mu);
     auto ready = [this, n]() ABSL_SHARED_LOCKS_REQUIRED(mu) {
@@ -589,15 +598,8 @@ TEST_CASE("invalid, unknown-sender and stale frames are dropped and counted",
   // node id is dropped once it has waited `peer_wait`.
   t0->SetReceiveHandler([&ep](std::string_view m) { ep.OnMessage(m); });
   Inbox inbox;
-  raw->SetReceiveHandler([&inbox](std::string_view m) {
-    absl::MutexLock lock(&inbox.mu);
-    inbox.frames.emplace_back(m);
-  });
-  cluster::GpuPeer p1;
-  p1.set_rank(1);
-  p1.set_name("gpu1");
-  p1.set_node_id(kNodeIdBase + 1);
-  p1.set_fabric_address(raw->LocalAddress());
+  inbox.Collect(raw.get());
+  const cluster::GpuPeer p1 = RankEntry(1, raw->LocalAddress());
   REQUIRE(ep.SetPeers({p1}).ok());
   auto to_rank0 = raw->AddPeer("gpu0", t0->LocalAddress());
   REQUIRE(to_rank0.ok());
@@ -693,19 +695,9 @@ TEST_CASE(
   auto raw = fabric.NewEndpoint("gpu1");       // rank 1 in the table
   auto stranger = fabric.NewEndpoint("gpu9");  // an address never added
   Inbox inbox, stranger_inbox;
-  raw->SetReceiveHandler([&inbox](std::string_view m) {
-    absl::MutexLock lock(&inbox.mu);
-    inbox.frames.emplace_back(m);
-  });
-  stranger->SetReceiveHandler([&stranger_inbox](std::string_view m) {
-    absl::MutexLock lock(&stranger_inbox.mu);
-    stranger_inbox.frames.emplace_back(m);
-  });
-  cluster::GpuPeer p1;
-  p1.set_rank(1);
-  p1.set_name("gpu1");
-  p1.set_node_id(kNodeIdBase + 1);
-  p1.set_fabric_address(raw->LocalAddress());
+  inbox.Collect(raw.get());
+  stranger_inbox.Collect(stranger.get());
+  const cluster::GpuPeer p1 = RankEntry(1, raw->LocalAddress());
   std::vector<float> rows(size_t(2) * D);
   for (size_t i = 0; i < rows.size(); ++i) rows[i] = float(i % 5) / 4.0f;
   auto decode = [](Inbox& box, size_t i) {
@@ -806,11 +798,7 @@ TEST_CASE("an error or malformed answer fails the call at once",
   ExpertParallel ep(runner.get(), t0.get(), options);
   ep.set_node_id(kNodeIdBase);
   t0->SetReceiveHandler([&ep](std::string_view m) { ep.OnMessage(m); });
-  cluster::GpuPeer p1;
-  p1.set_rank(1);
-  p1.set_name("gpu1");
-  p1.set_node_id(kNodeIdBase + 1);
-  p1.set_fabric_address(raw->LocalAddress());
+  const cluster::GpuPeer p1 = RankEntry(1, raw->LocalAddress());
   REQUIRE(ep.SetPeers({p1}).ok());
   auto to_rank0 = raw->AddPeer("gpu0", t0->LocalAddress());
   REQUIRE(to_rank0.ok());
@@ -935,11 +923,7 @@ TEST_CASE("a step waiting on a rank that leaves the table fails at once",
   ExpertParallel ep(runner.get(), t0.get(), options);
   ep.set_node_id(kNodeIdBase);
   t0->SetReceiveHandler([&ep](std::string_view m) { ep.OnMessage(m); });
-  cluster::GpuPeer p1;
-  p1.set_rank(1);
-  p1.set_name("gpu1");
-  p1.set_node_id(kNodeIdBase + 1);
-  p1.set_fabric_address(t1->LocalAddress());
+  const cluster::GpuPeer p1 = RankEntry(1, t1->LocalAddress());
   REQUIRE(ep.SetPeers({p1}).ok());
   // The coordinator's next table lacks rank 1 (lost) or names a new node
   // for it (restarted).
