@@ -126,8 +126,10 @@ struct DecodeStats {
   uint64_t queued_requests = 0;
   double mean_batch_size = 0;   // segments per step
   double mean_step_tokens = 0;  // tokens per step
-  // The rank as a worker (WorkerToken): seconds computing, seconds with
-  // every micro-batch waiting on a transfer, micro-batch switches.
+  // The rank as a worker (WorkerToken): seconds computing (its own
+  // micro-batches, and other ranks' dispatches served through
+  // service_gate()), seconds with every micro-batch waiting on a transfer,
+  // micro-batch switches.
   double busy_seconds = 0;
   double stalled_seconds = 0;
   uint64_t switches = 0;
@@ -162,6 +164,11 @@ class DecodeLoop {
   // other sessions are ignored (a turn brings its own micro-batch).
   void SetMicroBatches(const absl::flat_hash_map<uint64_t, int>& assignment);
 
+  // The gate through which the rank's expert service takes turns on this
+  // loop's worker (ExpertParallel::set_service_gate). Valid as long as the
+  // loop.
+  ServiceGate* service_gate() { return &service_gate_; }
+
  private:
   struct Request;
   class MicroBatchThread;
@@ -177,6 +184,7 @@ class DecodeLoop {
   const ExpertSource experts_;
   WorkerToken token_;
   TokenWaitHooks hooks_[2];
+  TokenServiceGate service_gate_{&token_};
   std::unique_ptr<MicroBatchThread> second_;
 
   mutable absl::Mutex mu_;

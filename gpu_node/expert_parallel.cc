@@ -132,6 +132,7 @@ struct ExpertParallel::Impl {
   const int ranks;
   const int hidden;
   std::atomic<uint32_t> node_id{0};
+  std::atomic<ServiceGate*> service_gate{nullptr};
   std::atomic<uint64_t> next_request{1};
 
   mutable absl::Mutex peers_mu;
@@ -714,6 +715,10 @@ void ExpertParallel::Impl::Serve(Job& job) {
   if (status.ok()) {
     const int D = hidden;
     out.resize(job.indices.size() * size_t(D));
+    // The computation takes a turn on the rank's worker; the answer is
+    // sent after it.
+    ServiceGate* const gate = service_gate.load(std::memory_order_acquire);
+    if (gate != nullptr) gate->Enter();
     size_t k = 0;
     for (size_t i = 0; i < job.experts.size() && status.ok(); ++i) {
       const int n = job.counts[i];
@@ -722,6 +727,7 @@ void ExpertParallel::Impl::Serve(Job& job) {
                               &job.indices[k], n, &out[k * D]);
       k += size_t(n);
     }
+    if (gate != nullptr) gate->Leave();
   }
   answer.type = static_cast<uint16_t>(FrameType::kMoeCombine);
   absl::Status sent;
@@ -822,6 +828,10 @@ ExpertParallel::~ExpertParallel() {
 
 int ExpertParallel::rank() const { return impl_->rank; }
 int ExpertParallel::ranks() const { return impl_->ranks; }
+
+void ExpertParallel::set_service_gate(ServiceGate* gate) {
+  impl_->service_gate.store(gate, std::memory_order_release);
+}
 
 void ExpertParallel::set_node_id(uint32_t id) { impl_->node_id.store(id); }
 

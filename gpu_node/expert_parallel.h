@@ -51,6 +51,7 @@
 #include "common/model_runner.h"
 #include "common/transport.h"
 #include "google/protobuf/map.h"
+#include "gpu_node/worker_token.h"
 
 namespace karat {
 
@@ -99,6 +100,12 @@ class ExpertParallel {
   // This node's id (from registration), sent as src_node. The other ranks
   // accept frames only from the node ids of their rank table.
   void set_node_id(uint32_t id);
+  // The rank's worker, on which other ranks' dispatches are computed (the
+  // service takes a turn per dispatch; DESIGN.md §4: one worker runs all
+  // of the rank's operations). Null (the default): computed beside it.
+  // Set it before other ranks can dispatch here, or while none are
+  // served; `gate` must outlive this object's service thread.
+  void set_service_gate(ServiceGate* gate);
 
   // Replaces the rank table (GpuNode.SetPeers). Entries for this rank are
   // ignored; ranks without an entry cannot be reached (a step that routes

@@ -491,6 +491,10 @@ absl::StatusOr<std::unique_ptr<GpuNodeDaemon>> GpuNodeDaemon::Start(
   ASSIGN_OR_RETURN(loop.schedule, ParseSchedule(options.schedule));
   impl->loop = std::make_unique<DecodeLoop>(impl->runner.get(), step_backend,
                                             loop, impl->ExpertSourceFn());
+  // Other ranks' dispatches are computed on this rank's worker. The
+  // service thread stops (experts is destroyed) before the loop.
+  if (impl->experts != nullptr)
+    impl->experts->set_service_gate(impl->loop->service_gate());
   impl->loop->Start();
 
   impl->service = std::make_unique<GpuNodeService>(

@@ -19,7 +19,8 @@ const char* ScheduleName(Schedule s) {
 void WorkerToken::BeginStep(int n) {
   absl::MutexLock lock(&mu_);
   participants_ = n;
-  holder_ = -1;
+  // The service may hold the token across the start of a step.
+  if (holder_ != kService) holder_ = -1;
   turn_ = 0;
   finished_[0] = finished_[1] = false;
   wanting_[0] = wanting_[1] = false;
@@ -30,7 +31,7 @@ void WorkerToken::Acquire(int mb) {
   absl::MutexLock lock(&mu_);
   wanting_[mb] = true;
   auto may_take = [this, mb]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-    if (holder_ != -1) return false;
+    if (holder_ != -1 || service_wanting_) return false;
     const int other = 1 - mb;
     const bool other_active = participants_ == 2 && !finished_[other];
     if (!other_active || turn_ == mb) return true;
@@ -46,6 +47,34 @@ void WorkerToken::Acquire(int mb) {
   held_since_ = now;
   if (last_holder_ != -1 && last_holder_ != mb) ++switches_;
   last_holder_ = mb;
+}
+
+bool WorkerToken::InStepLocked() const {
+  if (participants_ == 1) return !finished_[0];
+  if (participants_ == 2) return !(finished_[0] && finished_[1]);
+  return false;
+}
+
+void WorkerToken::AcquireService() {
+  absl::MutexLock lock(&mu_);
+  service_wanting_ = true;
+  auto free = [this]()
+                  ABSL_SHARED_LOCKS_REQUIRED(mu_) { return holder_ == -1; };
+  mu_.Await(absl::Condition(&free));
+  service_wanting_ = false;
+  holder_ = kService;
+  const absl::Time now = absl::Now();
+  if (InStepLocked()) stalled_ += now - free_since_;
+  held_since_ = now;
+}
+
+void WorkerToken::ReleaseService() {
+  absl::MutexLock lock(&mu_);
+  if (holder_ != kService) return;
+  const absl::Time now = absl::Now();
+  busy_ += now - held_since_;
+  free_since_ = now;
+  holder_ = -1;
 }
 
 void WorkerToken::ReleaseLocked(int mb) {

@@ -11,8 +11,15 @@
 //     the one whose turn it is still waits: the token goes to whichever is
 //     ready, the static order breaking ties.
 //
-// The token also accounts the worker's time: busy (held) and stalled
-// (free while a step is in progress, every micro-batch waiting).
+// The rank also serves other ranks' MoE dispatches (expert parallelism) on
+// the same worker: the service takes the token for each dispatch it
+// computes (AcquireService / ReleaseService), as soon as the token is free
+// and ahead of a waiting micro-batch, since the other rank's step waits for
+// the answer; it may do so between steps as well.
+//
+// The token also accounts the worker's time: busy (held, by a micro-batch or
+// the service) and stalled (free while a step is in progress, every
+// micro-batch waiting).
 // Thread-safe.
 #pragma once
 
@@ -44,6 +51,10 @@ class WorkerToken {
   // Around a blocking wait on a transfer.
   void Release(int mb);
   void Acquire(int mb);
+  // The expert service: takes the token (waits until it is free) and gives
+  // it back. Not nested, one caller at a time.
+  void AcquireService();
+  void ReleaseService();
 
   // Seconds the token was held, and free while some micro-batch of the
   // step was still running; hand-overs between micro-batches.
@@ -53,6 +64,10 @@ class WorkerToken {
 
  private:
   void ReleaseLocked(int mb) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A step has begun and not every micro-batch of it has ended.
+  bool InStepLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  static constexpr int kService = 2;  // holder_ while the service holds it
 
   const Schedule schedule_;
   mutable absl::Mutex mu_;
@@ -62,12 +77,34 @@ class WorkerToken {
   int turn_ ABSL_GUARDED_BY(mu_) = 0;
   bool finished_[2] ABSL_GUARDED_BY(mu_) = {false, false};
   bool wanting_[2] ABSL_GUARDED_BY(mu_) = {false, false};
+  bool service_wanting_ ABSL_GUARDED_BY(mu_) = false;
   int last_holder_ ABSL_GUARDED_BY(mu_) = -1;
   absl::Time held_since_ ABSL_GUARDED_BY(mu_);
   absl::Time free_since_ ABSL_GUARDED_BY(mu_);
   absl::Duration busy_ ABSL_GUARDED_BY(mu_);
   absl::Duration stalled_ ABSL_GUARDED_BY(mu_);
   uint64_t switches_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// Where a rank's expert service (ExpertParallel) takes its turns on the
+// rank's worker: Enter() before computing a dispatch's experts, Leave()
+// after.
+class ServiceGate {
+ public:
+  virtual ~ServiceGate() = default;
+  virtual void Enter() = 0;
+  virtual void Leave() = 0;
+};
+
+// The expert service's turns on a token (ExpertParallel::set_service_gate).
+class TokenServiceGate : public ServiceGate {
+ public:
+  explicit TokenServiceGate(WorkerToken* token) : token_(token) {}
+  void Enter() override { token_->AcquireService(); }
+  void Leave() override { token_->ReleaseService(); }
+
+ private:
+  WorkerToken* const token_;
 };
 
 // WaitHooks of one micro-batch on a token.

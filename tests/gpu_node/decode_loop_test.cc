@@ -5,6 +5,7 @@
 #include "gpu_node/decode_loop.h"
 
 #include <algorithm>
+#include <atomic>
 #include <catch2/catch.hpp>
 #include <memory>
 #include <optional>
@@ -537,6 +538,62 @@ TEST_CASE("worker token: SCMS keeps the static order, OFMS runs who is ready",
     CHECK(ParseSchedule(ScheduleName(schedule)).value() == schedule);
   }
   CHECK(!ParseSchedule("fifo").ok());
+}
+
+TEST_CASE("worker token: the expert service takes turns on the worker",
+          "[gpu_node]") {
+  WorkerToken token(Schedule::kOfms);
+  // Between steps the token is free: the service takes it at once, and its
+  // time counts as busy.
+  token.AcquireService();
+  absl::SleepFor(absl::Milliseconds(5));
+  token.ReleaseService();
+  CHECK(token.busy_seconds() > 0);
+  CHECK(token.stalled_seconds() == 0);
+
+  // Within a step it waits for the micro-batch to let go, and goes ahead of
+  // that micro-batch when it wants the token back.
+  token.BeginStep(1);
+  token.Begin(0);
+  absl::Mutex mu;
+  std::vector<std::string> order;
+  auto log = [&](const char* what) {
+    absl::MutexLock lock(&mu);
+    order.push_back(what);
+  };
+  std::atomic<bool> serving{false};
+  std::thread service([&] {
+    token.AcquireService();
+    serving = true;
+    log("service");
+    absl::SleepFor(absl::Milliseconds(20));
+    token.ReleaseService();
+  });
+  absl::SleepFor(absl::Milliseconds(20));
+  CHECK(!serving);   // the micro-batch holds the token
+  token.Release(0);  // a transfer: the service runs now
+  while (!serving) absl::SleepFor(absl::Milliseconds(1));
+  token.Acquire(0);  // waits for the service
+  log("mb0");
+  service.join();
+  token.End(0);
+  CHECK(order == std::vector<std::string>{"service", "mb0"});
+
+  // A step that begins while the service holds the token does not take it
+  // from the service.
+  token.AcquireService();
+  token.BeginStep(1);
+  std::atomic<bool> began{false};
+  std::thread step([&] {
+    token.Begin(0);
+    began = true;
+    token.End(0);
+  });
+  absl::SleepFor(absl::Milliseconds(20));
+  CHECK(!began);
+  token.ReleaseService();
+  step.join();
+  CHECK(began);
 }
 
 }  // namespace
