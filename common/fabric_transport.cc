@@ -118,6 +118,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/log.h"
+#include "common/stable_hash.h"
 #include "common/status_macros.h"
 #include "common/transport.h"
 
@@ -220,11 +221,7 @@ int64_t NowNs() { return absl::GetCurrentTimeNanos(); }
 // FNV-1a of an endpoint address, folded to 32 bits: the same in every
 // process (absl::Hash is seeded per process).
 uint32_t SourceHash(std::string_view address) {
-  uint64_t h = 14695981039346656037ull;
-  for (unsigned char ch : address) {
-    h ^= ch;
-    h *= 1099511628211ull;
-  }
+  const uint64_t h = Fnv1a64(address);
   return static_cast<uint32_t>(h ^ (h >> 32));
 }
 
@@ -425,6 +422,9 @@ class FabricTransport final : public Transport {
   // optional ones (FI_RMA, FI_SOURCE) the provider lacks.
   absl::Status GetInfo();
   absl::Status OpenCq();
+  // An endpoint from `info`, bound to the address vector and the completion
+  // queue, enabled.
+  absl::StatusOr<FidPtr<fid_ep>> OpenEndpoint(const fi_info* info);
   absl::Status PostRecv(RecvSlot* slot);
   // PostRecv() for a buffer whose message was handled; logs a failure.
   void RepostRecv(RecvSlot* slot);
@@ -666,29 +666,7 @@ absl::Status FabricTransport::Open() {
   if (rc != 0) return FiStatus("fi_av_open", rc);
   av_.reset(av);
 
-  // shm names an endpoint's shared memory "<pid>:<uid>:<index>": a region
-  // left by a killed process whose pid this process now has makes
-  // fi_enable fail with EBUSY, and the provider removes it on the way; the
-  // next endpoint (next index) opens.
-  for (int attempt = 1;; ++attempt) {
-    fid_ep* ep = nullptr;
-    rc = fi_endpoint(domain_.get(), info_.get(), &ep, nullptr);
-    if (rc != 0) return FiStatus("fi_endpoint", rc);
-    ep_.reset(ep);
-    rc = fi_ep_bind(ep_.get(), &av_->fid, 0);
-    if (rc != 0) return FiStatus("fi_ep_bind(av)", rc);
-    rc = fi_ep_bind(ep_.get(), &cq_->fid, FI_TRANSMIT | FI_RECV);
-    if (rc != 0) return FiStatus("fi_ep_bind(cq)", rc);
-    rc = fi_enable(ep_.get());
-    if (rc == -FI_EBUSY && attempt < 3) {
-      KLOG(Warning, kLogModule) << "fi_enable: " << FiError(rc)
-                                << " (a stale shared-memory region?); retrying";
-      ep_.reset();
-      continue;
-    }
-    if (rc != 0) return FiStatus("fi_enable", rc);
-    break;
-  }
+  ASSIGN_OR_RETURN(ep_, OpenEndpoint(info_.get()));
 
   std::string name(256, '\0');
   size_t name_len = name.size();
@@ -919,44 +897,47 @@ absl::StatusOr<PeerId> FabricTransport::InsertPeer(const std::string& name,
   return id;
 }
 
+absl::StatusOr<FidPtr<fid_ep>> FabricTransport::OpenEndpoint(
+    const fi_info* info) {
+  // shm names an endpoint's shared memory "<pid>:<uid>:<index>": a region
+  // left by a killed process whose pid this process now has makes
+  // fi_enable fail with EBUSY, and the provider removes it on the way; the
+  // next endpoint (next index) opens.
+  for (int attempt = 1;; ++attempt) {
+    fid_ep* raw = nullptr;
+    int rc =
+        fi_endpoint(domain_.get(), const_cast<fi_info*>(info), &raw, nullptr);
+    if (rc != 0) return FiStatus("fi_endpoint", rc);
+    FidPtr<fid_ep> ep(raw);
+    rc = fi_ep_bind(ep.get(), &av_->fid, 0);
+    if (rc != 0) return FiStatus("fi_ep_bind(av)", rc);
+    rc = fi_ep_bind(ep.get(), &cq_->fid, FI_TRANSMIT | FI_RECV);
+    if (rc != 0) return FiStatus("fi_ep_bind(cq)", rc);
+    rc = fi_enable(ep.get());
+    if (rc == -FI_EBUSY && attempt < 3) {
+      KLOG(Warning, kLogModule) << "fi_enable: " << FiError(rc)
+                                << " (a stale shared-memory region?); retrying";
+      continue;
+    }
+    if (rc != 0) return FiStatus("fi_enable", rc);
+    return ep;
+  }
+}
+
 FidPtr<fid_ep> FabricTransport::OpenSendEndpoint() {
   // It receives nothing: a small receive side keeps its shared memory small.
   InfoPtr info(fi_dupinfo(info_.get()));
   if (info == nullptr) return nullptr;
   info->rx_attr->size = std::min<size_t>(info->rx_attr->size, 64);
-  FidPtr<fid_ep> ep;
-  int rc = 0;
-  const char* call = "fi_endpoint";
-  // EBUSY: a stale region of the same name, removed by the provider (see
-  // Open()); the next endpoint gets another name.
-  for (int attempt = 1; attempt <= 3; ++attempt) {
-    fid_ep* raw = nullptr;
-    call = "fi_endpoint";
-    rc = fi_endpoint(domain_.get(), info.get(), &raw, nullptr);
-    ep.reset(rc == 0 ? raw : nullptr);
-    if (rc == 0) {
-      call = "fi_ep_bind(av)";
-      rc = fi_ep_bind(ep.get(), &av_->fid, 0);
-    }
-    if (rc == 0) {
-      call = "fi_ep_bind(cq)";
-      rc = fi_ep_bind(ep.get(), &cq_->fid, FI_TRANSMIT | FI_RECV);
-    }
-    if (rc == 0) {
-      call = "fi_enable";
-      rc = fi_enable(ep.get());
-    }
-    if (rc != -FI_EBUSY) break;
-    ep.reset();
-  }
-  if (rc != 0) {
-    KLOG(Warning, kLogModule) << "cannot open a send endpoint for a peer ("
-                              << call << " failed: " << FiError(rc)
-                              << "); its messages go from the main endpoint";
+  absl::StatusOr<FidPtr<fid_ep>> ep = OpenEndpoint(info.get());
+  if (!ep.ok()) {
+    KLOG(Warning, kLogModule)
+        << "cannot open a send endpoint for a peer (" << ep.status().message()
+        << "); its messages go from the main endpoint";
     return nullptr;
   }
   send_endpoints_.fetch_add(1, std::memory_order_relaxed);
-  return ep;
+  return *std::move(ep);
 }
 
 std::string FabricTransport::PeerName(PeerId peer) const {

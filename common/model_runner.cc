@@ -235,15 +235,19 @@ struct ModelRunner::Impl {
   int ranks = 1;
   int experts_per_rank = 0;  // n_routed_experts / ranks
   int first_expert = 0;      // rank * experts_per_rank
-  // Routed-expert ownership (SetExpertOwners) and which experts' weights
-  // are held (also layers[l].experts).
+  // Routed-expert ownership (SetExpertOwners); which experts' weights are
+  // held is layers[l].experts (the same experts in every MoE layer).
   mutable absl::Mutex experts_mu;
   std::vector<int> owner ABSL_GUARDED_BY(experts_mu);  // by expert id
-  std::vector<char> held ABSL_GUARDED_BY(experts_mu);  // by expert id
   absl::Mutex set_owners_mu;  // one SetExpertOwners at a time
+  int first_moe_layer = -1;   // -1: no MoE layer
 
   bool OwnBlock(int e) const {
     return e >= first_expert && e < first_expert + experts_per_rank;
+  }
+  bool HeldLocked(int e) const ABSL_SHARED_LOCKS_REQUIRED(experts_mu) {
+    return first_moe_layer >= 0 &&
+           layers[size_t(first_moe_layer)].experts[size_t(e)] != nullptr;
   }
 };
 
@@ -267,7 +271,7 @@ bool ModelRunner::OwnsExpert(int expert) const {
 bool ModelRunner::HoldsExpert(int expert) const {
   if (expert < 0 || expert >= impl_->cfg.n_routed_experts) return false;
   absl::ReaderMutexLock lock(&impl_->experts_mu);
-  return impl_->held[size_t(expert)] != 0;
+  return impl_->HeldLocked(expert);
 }
 
 std::vector<int> ModelRunner::ExpertOwners() const {
@@ -278,8 +282,8 @@ std::vector<int> ModelRunner::ExpertOwners() const {
 std::vector<int> ModelRunner::HeldExperts() const {
   absl::ReaderMutexLock lock(&impl_->experts_mu);
   std::vector<int> out;
-  for (size_t e = 0; e < impl_->held.size(); ++e)
-    if (impl_->held[e]) out.push_back(int(e));
+  for (int e = 0; e < impl_->cfg.n_routed_experts; ++e)
+    if (impl_->HeldLocked(e)) out.push_back(e);
   return out;
 }
 
@@ -302,7 +306,7 @@ absl::StatusOr<std::vector<int>> ModelRunner::MissingExperts(
   absl::ReaderMutexLock lock(&m.experts_mu);
   std::vector<int> missing;
   for (int e = 0; e < E; ++e)
-    if (owners[size_t(e)] == m.rank && !m.held[size_t(e)]) missing.push_back(e);
+    if (owners[size_t(e)] == m.rank && !m.HeldLocked(e)) missing.push_back(e);
   return missing;
 }
 
@@ -333,14 +337,10 @@ absl::Status ModelRunner::SetExpertOwners(const std::vector<int>& owners,
   for (auto& [le, ffn] : loaded) {
     m.layers[size_t(le.first)].experts[size_t(le.second)] = std::move(ffn);
   }
-  for (int e : missing) m.held[size_t(e)] = 1;
   // Experts handed back are released; a step still computing one keeps its
   // weights alive until it is done (shared_ptr).
   for (int e = 0; e < m.cfg.n_routed_experts; ++e) {
-    if (!m.held[size_t(e)] || owners[size_t(e)] == m.rank || m.OwnBlock(e)) {
-      continue;
-    }
-    m.held[size_t(e)] = 0;
+    if (owners[size_t(e)] == m.rank || m.OwnBlock(e)) continue;
     for (Layer& L : m.layers) {
       if (L.moe) L.experts[size_t(e)].reset();
     }
@@ -420,11 +420,8 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   {
     absl::MutexLock lock(&m.experts_mu);
     m.owner.resize(size_t(c.n_routed_experts));
-    m.held.assign(size_t(c.n_routed_experts), 0);
-    for (int e = 0; e < c.n_routed_experts; ++e) {
+    for (int e = 0; e < c.n_routed_experts; ++e)
       m.owner[size_t(e)] = e / m.experts_per_rank;
-      m.held[size_t(e)] = m.OwnBlock(e) ? 1 : 0;
-    }
   }
   m.embed = Vec(f, "model.embed_tokens.weight");
   m.final_norm = Vec(f, "model.norm.weight");
@@ -475,6 +472,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
     L.moe = c.IsMoeLayer(l);
     const std::string mlp = p + "mlp.";
     if (L.moe) {
+      if (m.first_moe_layer < 0) m.first_moe_layer = l;
       L.router = Lin(f, mlp + "gate.weight");
       L.experts.resize(size_t(c.n_routed_experts));
       for (int e = m.first_expert; e < m.first_expert + m.experts_per_rank;

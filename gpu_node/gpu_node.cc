@@ -53,16 +53,25 @@ class Fnv64 {
 // noticed within this long.
 constexpr absl::Duration kCancelPoll = absl::Milliseconds(50);
 
-// Emulated-HBM bytes of the weights `runner` holds: dense weights and the
-// rank's own block (RankWeightBytes) plus the experts it took over.
-int64_t HeldWeightBytes(const ModelRunner& runner) {
+// Emulated-HBM bytes of the dense weights and the rank's own block
+// (RankWeightBytes) plus the experts of `experts` beyond that block.
+int64_t WeightBytesWith(const ModelRunner& runner,
+                        const std::vector<int>& experts) {
   const ModelConfig& c = runner.config();
   int64_t bytes = RankWeightBytes(c, runner.rank(), runner.ranks());
   const int per_rank = c.n_routed_experts / runner.ranks();
-  for (int e : runner.HeldExperts()) {
+  for (int e : experts) {
     if (e / per_rank != runner.rank()) bytes += ExpertWeightBytes(c, e);
   }
   return bytes;
+}
+
+// The experts `owners` gives `rank`, in increasing id.
+std::vector<int> OwnedBy(const std::vector<int>& owners, int rank) {
+  std::vector<int> owned;
+  for (size_t e = 0; e < owners.size(); ++e)
+    if (owners[e] == rank) owned.push_back(int(e));
+  return owned;
 }
 
 class GpuNodeService final : public cluster::GpuNode::Service {
@@ -102,19 +111,15 @@ class GpuNodeService final : public cluster::GpuNode::Service {
   // emulated HBM) and releases those given back.
   absl::Status SetExpertOwners(const std::vector<int>& owners) {
     ASSIGN_OR_RETURN(std::vector<int> missing, runner_->MissingExperts(owners));
-    const ModelConfig& c = runner_->config();
     const int rank = runner_->rank();
-    const int per_rank = c.n_routed_experts / runner_->ranks();
     // What the rank will hold: dense weights, its own block and every
     // expert beyond the block that `owners` gives it.
-    int64_t weights = RankWeightBytes(c, rank, runner_->ranks());
-    std::vector<int> extra;
-    for (int e = 0; e < c.n_routed_experts; ++e) {
-      if (owners[size_t(e)] == rank && e / per_rank != rank) {
-        weights += ExpertWeightBytes(c, e);
-        extra.push_back(e);
-      }
-    }
+    const std::vector<int> owned = OwnedBy(owners, rank);
+    const int64_t weights = WeightBytesWith(*runner_, owned);
+    const int per_rank = runner_->config().n_routed_experts / runner_->ranks();
+    std::vector<int> extra;  // beyond its own block
+    for (int e : owned)
+      if (e / per_rank != rank) extra.push_back(e);
     const int64_t kv =
         local_ != nullptr ? int64_t(local_->capacity_bytes()) : int64_t(0);
     if (options_->hbm_bytes > 0 && weights + kv > options_->hbm_bytes) {
@@ -139,18 +144,12 @@ class GpuNodeService final : public cluster::GpuNode::Service {
       files = *std::move(loaded);
     }
     RETURN_IF_ERROR(runner_->SetExpertOwners(owners, files));
-    KLOG(Info, "gpu_node") << "rank " << rank << " owns experts " << OwnedList()
-                           << " (loaded " << missing.size() << "; weights "
-                           << HeldWeightBytes(*runner_) << " bytes)";
+    KLOG(Info, "gpu_node") << "rank " << rank << " owns experts "
+                           << absl::StrJoin(owned, ",") << " (loaded "
+                           << missing.size() << "; weights "
+                           << WeightBytesWith(*runner_, runner_->HeldExperts())
+                           << " bytes)";
     return absl::OkStatus();
-  }
-
-  std::string OwnedList() const {
-    std::vector<int> owned;
-    const std::vector<int> owners = runner_->ExpertOwners();
-    for (size_t e = 0; e < owners.size(); ++e)
-      if (owners[e] == runner_->rank()) owned.push_back(int(e));
-    return absl::StrJoin(owned, ",");
   }
 
   grpc::Status RunTurn(
@@ -314,7 +313,8 @@ class GpuNodeService final : public cluster::GpuNode::Service {
       (*stats)["experts_owned"] = double(owned);
       (*stats)["experts_held"] = double(runner_->HeldExperts().size());
     }
-    (*stats)["weight_bytes"] = double(HeldWeightBytes(*runner_));
+    (*stats)["weight_bytes"] =
+        double(WeightBytesWith(*runner_, runner_->HeldExperts()));
     if (local_ != nullptr) {
       (*stats)["kv_used_bytes"] = double(local_->used_bytes());
       (*stats)["kv_capacity_bytes"] = double(local_->capacity_bytes());
