@@ -296,14 +296,33 @@ class State {
   // (a rank that has not started yet is not lost) and the GPU nodes
   // reported the model's routed experts.
   int MovableExpertsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    const int ranks = RankCountLocked();
-    if (ranks < 2) return 0;
-    for (int r = 0; r < ranks; ++r)
-      if (ranks_seen_.count(r) == 0) return 0;
+    if (!AllRanksSeenLocked()) return 0;
     for (const auto& [id, n] : nodes_)
       if (n.role == NodeRole::kGpu && AliveLocked(n) && n.routed_experts > 0)
         return n.routed_experts;
     return 0;
+  }
+
+  // Whether the alive ranks can serve every turn while some rank is down:
+  // more than one rank, every rank registered at least once, and either the
+  // experts can move (MovableExpertsLocked) or the model is dense (the GPU
+  // nodes report no routed experts: every rank holds every weight and no
+  // step needs another rank).
+  bool RankLossToleratedLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!AllRanksSeenLocked()) return false;
+    for (const auto& [id, n] : nodes_)
+      if (n.role == NodeRole::kGpu && AliveLocked(n)) return true;
+    return false;
+  }
+
+  // More than one rank, and each has registered at least once (a rank that
+  // has not started yet is not lost).
+  bool AllRanksSeenLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const int ranks = RankCountLocked();
+    if (ranks < 2) return false;
+    for (int r = 0; r < ranks; ++r)
+      if (ranks_seen_.count(r) == 0) return false;
+    return true;
   }
 
   ClusterState SnapshotLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -344,6 +363,11 @@ class State {
   std::set<int> ranks_seen_ ABSL_GUARDED_BY(mu_);  // GPU ranks registered
   std::map<int, uint32_t> owners_ranks_ ABSL_GUARDED_BY(mu_);
   uint64_t owners_version_ ABSL_GUARDED_BY(mu_) = 0;
+  // Bumped when a table is pushed without a rank the previous one had (or
+  // with another node for it): a turn whose GPU call failed since then may
+  // have failed because of it (ResumeTurn). Not bumped by the first table
+  // or by a rank joining.
+  uint64_t rank_removals_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Time owners_pushed_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
 
   // Scheduling: running turns by rank, the admission queue (turn ids, front
@@ -464,6 +488,13 @@ void PushPeers(State* s) {
     }
     if (s->owners_version_ == 0 || alive != s->owners_ranks_ ||
         owners != s->owners_) {
+      for (const auto& [rank, id] : s->owners_ranks_) {
+        auto now = alive.find(rank);
+        if (now == alive.end() || now->second != id) {
+          s->rank_removals_++;
+          break;
+        }
+      }
       s->owners_version_++;
       s->owners_ranks_ = alive;
       s->owners_ = owners;
@@ -1186,8 +1217,9 @@ class KaratService final : public v1::Karat::Service {
   // table is pushed again. Makes RPCs: call without the lock.
   void ProbeGpuNodes();
   // After the GPU call of the turn on `turn->rank` failed with UNAVAILABLE:
-  // false when no GPU rank was lost since the call started (the ownership
-  // version and the alive ranks it started with); otherwise waits (bounded)
+  // false when no GPU rank was lost since the call started (no table
+  // without one of its ranks was pushed, State::rank_removals_, and the
+  // alive ranks it started with are alive); otherwise waits (bounded)
   // for the alive ranks to own every expert, moves the turn to an alive
   // rank (gpu_only: only to the rank holding the session's KV) and rewrites
   // `run` to continue it: the KV up to the session's kv_len is on its home,
@@ -1197,7 +1229,7 @@ class KaratService final : public v1::Karat::Service {
   // errors when it cannot be resumed.
   absl::StatusOr<bool> ResumeTurn(grpc::ServerContext* ctx,
                                   const std::string& sid, int generated,
-                                  int remaining, uint64_t owners_version,
+                                  int remaining, uint64_t removals_before,
                                   const std::map<int, uint32_t>& alive_before,
                                   AdmittedTurn* turn, cl::RunTurnRequest* run);
 
@@ -1291,19 +1323,26 @@ absl::Status KaratService::CheckNodesLocked(bool* settling) const {
         who = " (node " + n.name + ")";
     return who;
   };
-  if (s_->MovableExpertsLocked() == 0) {
+  if (!s_->RankLossToleratedLocked()) {
+    // One rank, or not every rank has registered yet: every rank is needed.
     for (int r = 0; r < ranks; ++r) {
       if (s_->RankNodeLocked(r) != nullptr) continue;
       return absl::UnavailableError(absl::StrCat(
-          "GPU rank ", r, " of ", ranks, node_of(r),
-          " is not alive; every rank holds a share of the experts, so no turn "
-          "can run until it is restarted with --rank ",
-          r, " --ranks ", ranks));
+          "GPU rank ", r, " of ", ranks, node_of(r), " is not alive",
+          ranks > 1 ? " and not every rank has registered since the "
+                      "coordinator started (from then on a lost rank's turns "
+                      "move to the alive ranks)"
+                    : "",
+          "; no turn can run until it is ",
+          s_->ranks_seen_.count(r) > 0 ? "restarted" : "started",
+          " with --rank ", r, " --ranks ", ranks));
     }
     return absl::OkStatus();
   }
-  // Every expert needs an alive owner that acknowledged it.
+  // Every expert needs an alive owner that acknowledged it; a dense model
+  // (no experts to move) needs the alive ranks to have taken the new table.
   const std::map<int, uint32_t> alive = s_->AliveRanksLocked();
+  const bool experts = s_->MovableExpertsLocked() > 0;
   std::vector<std::string> down;
   std::vector<int> down_ranks;
   for (int r = 0; r < ranks; ++r) {
@@ -1321,8 +1360,10 @@ absl::Status KaratService::CheckNodesLocked(bool* settling) const {
     if (settling != nullptr) *settling = true;
     return absl::UnavailableError(
         absl::StrCat("the GPU ranks changed", lost,
-                     "; the expert ownership is being moved to the alive "
-                     "ranks"));
+                     experts ? "; the expert ownership is being moved to the "
+                               "alive ranks"
+                             : "; the rank table is being pushed to the alive "
+                               "ranks"));
   }
   for (const auto& [r, id] : alive) {
     const Node& n = s_->nodes_.at(id);
@@ -1339,8 +1380,8 @@ absl::Status KaratService::CheckNodesLocked(bool* settling) const {
     }
     if (settling != nullptr) *settling = true;
     return absl::UnavailableError(absl::StrCat(
-        "GPU rank ", r, " (node ", n.name,
-        ") has not acknowledged its experts yet", lost,
+        "GPU rank ", r, " (node ", n.name, ") has not acknowledged ",
+        experts ? "its experts" : "the rank table", " yet", lost,
         n.owners_error.empty() ? std::string()
                                : absl::StrCat(" (", n.owners_error, ")")));
   }
@@ -1390,14 +1431,14 @@ void KaratService::ProbeGpuNodes() {
 
 absl::StatusOr<bool> KaratService::ResumeTurn(
     grpc::ServerContext* ctx, const std::string& sid, int generated,
-    int remaining, uint64_t owners_version,
+    int remaining, uint64_t removals_before,
     const std::map<int, uint32_t>& alive_before, AdmittedTurn* turn,
     cl::RunTurnRequest* run) {
   ProbeGpuNodes();
   {
     absl::MutexLock lock(&s_->mu_);
     const std::map<int, uint32_t> alive = s_->AliveRanksLocked();
-    bool rank_lost = s_->owners_version_ != owners_version;
+    bool rank_lost = s_->rank_removals_ != removals_before;
     for (const auto& [rank, id] : alive_before) {
       auto now = alive.find(rank);
       if (now == alive.end() || now->second != id) rank_lost = true;
@@ -1923,7 +1964,7 @@ grpc::Status KaratService::Generate(
   // rank after a GPU rank was lost (DESIGN.md §7).
   for (;;) {
     grpc::ClientContext gpu_ctx;
-    uint64_t owners_version = 0;
+    uint64_t removals_at_start = 0;
     std::map<int, uint32_t> alive_at_start;
     {
       absl::MutexLock lock(&s_->mu_);
@@ -1940,7 +1981,7 @@ grpc::Status KaratService::Generate(
           t->second.started = true;
         }
       }
-      owners_version = s_->owners_version_;
+      removals_at_start = s_->rank_removals_;
       alive_at_start = s_->AliveRanksLocked();
     }
     KLOG(Info, kLog) << "session=" << sid
@@ -2062,7 +2103,7 @@ grpc::Status KaratService::Generate(
             absl::StrCat(turn.gpu_name, " (rank ", turn.rank, ")");
         absl::StatusOr<bool> resumed =
             ResumeTurn(ctx, sid, generated, req->max_new_tokens() - generated,
-                       owners_version, alive_at_start, &turn, &run);
+                       removals_at_start, alive_at_start, &turn, &run);
         if (resumed.ok() && *resumed) {
           ++resumes;
           absl::MutexLock lock(&s_->mu_);
