@@ -368,6 +368,11 @@ class State {
   // have failed because of it (ResumeTurn). Not bumped by the first table
   // or by a rank joining.
   uint64_t rank_removals_ ABSL_GUARDED_BY(mu_) = 0;
+  // Bumped when a KARAT node that was alive is taken for lost (its
+  // heartbeats ran out, or a probe found it gone): a turn whose GPU call
+  // failed since then may have failed because of it (ResumeTurn).
+  uint64_t karat_losses_ ABSL_GUARDED_BY(mu_) = 0;
+  std::set<uint32_t> karat_alive_ ABSL_GUARDED_BY(mu_);  // as last seen
   absl::Time owners_pushed_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
 
   // Scheduling: running turns by rank, the admission queue (turn ids, front
@@ -390,6 +395,8 @@ class State {
   int64_t turns_refused_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t turns_resumed_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t gpu_ranks_lost_ ABSL_GUARDED_BY(mu_) = 0;
+  // Sessions moved to a new home during a turn, their home KARAT node lost.
+  int64_t sessions_rehomed_ ABSL_GUARDED_BY(mu_) = 0;
   double imbalance_sum_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t imbalance_samples_ ABSL_GUARDED_BY(mu_) = 0;
   double device_imbalance_sum_ ABSL_GUARDED_BY(mu_) = 0;
@@ -553,10 +560,71 @@ void PushPeers(State* s) {
   for (std::thread& thread : threads) thread.join();
 }
 
+// Tells every alive GPU node that the KARAT node `name` at
+// `fabric_address` is lost (GpuNode.KaratNodeLost), so that the attention
+// outputs they still await from it fail at once.
+void PushKaratNodeLost(State* s, const std::string& name,
+                       const std::string& fabric_address) {
+  struct Target {
+    std::string name;
+    std::shared_ptr<grpc::Channel> channel;
+  };
+  std::vector<Target> targets;
+  {
+    absl::MutexLock lock(&s->mu_);
+    for (const auto& [id, n] : s->nodes_)
+      if (n.role == NodeRole::kGpu && s->AliveLocked(n))
+        targets.push_back({n.name, n.channel});
+  }
+  cl::KaratNodeLostRequest req;
+  req.set_node_name(name);
+  req.set_fabric_address(fabric_address);
+  auto push = [&](const Target& t) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline(s));
+    cl::KaratNodeLostResponse resp;
+    grpc::Status st =
+        cl::GpuNode::NewStub(t.channel)->KaratNodeLost(&ctx, req, &resp);
+    if (!st.ok()) {
+      KLOG(Warning, kLog) << "cannot tell " << t.name << " that KARAT node "
+                          << name << " is lost: " << st.error_message();
+    }
+  };
+  std::vector<std::thread> threads;
+  for (const Target& t : targets) threads.emplace_back(push, std::cref(t));
+  for (std::thread& thread : threads) thread.join();
+}
+
+// Takes every KARAT node that was alive and no longer is for lost: counts
+// it (State::karat_losses_) and posts a KaratNodeLost push for it.
+void NoteLostKaratNodesLocked(State* s, ControlPusher* pusher)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu_) {
+  for (const auto& [id, n] : s->nodes_) {
+    if (n.role != NodeRole::kKarat) continue;
+    if (s->AliveLocked(n)) {
+      s->karat_alive_.insert(id);
+      continue;
+    }
+    if (s->karat_alive_.erase(id) == 0) continue;
+    s->karat_losses_++;
+    s->capacity_epoch_++;
+    KLOG(Warning, kLog) << "KARAT node " << n.name
+                        << " is not alive; the turns waiting on it resume on "
+                           "other homes";
+    if (pusher != nullptr) {
+      pusher->Post(absl::StrCat("karat_lost/", id),
+                   [s, name = n.name, address = n.fabric_address] {
+                     PushKaratNodeLost(s, name, address);
+                   });
+    }
+  }
+}
+
 // Keeps the rank table and the expert ownership in step with the alive GPU
 // ranks: posts a SetPeers push when a rank stops being alive (heartbeats
 // run out, or a probe found it gone) or when a push did not reach an alive
-// rank (retried every second).
+// rank (retried every second). Also notes the KARAT nodes that stop being
+// alive (NoteLostKaratNodesLocked).
 class RankWatcher {
  public:
   RankWatcher(State* s, ControlPusher* pusher)
@@ -580,6 +648,7 @@ class RankWatcher {
       bool push = false;
       {
         absl::MutexLock state(&s_->mu_);
+        NoteLostKaratNodesLocked(s_, pusher_);
         if (s_->owners_version_ == 0) continue;  // no GPU node yet
         const std::map<int, uint32_t> alive = s_->AliveRanksLocked();
         if (alive == s_->owners_ranks_) posted_.reset();
@@ -1141,6 +1210,8 @@ class KaratService final : public v1::Karat::Service {
     m["turns_refused"] = double(s_->turns_refused_);
     m["turns_resumed"] = double(s_->turns_resumed_);
     m["gpu_ranks_lost"] = double(s_->gpu_ranks_lost_);
+    m["karat_nodes_lost"] = double(s_->karat_losses_);
+    m["sessions_rehomed"] = double(s_->sessions_rehomed_);
     m["expert_ownership_version"] = double(s_->owners_version_);
     m["microbatch_token_imbalance_mean"] =
         s_->imbalance_samples_ > 0 ? s_->imbalance_sum_ / s_->imbalance_samples_
@@ -1212,26 +1283,41 @@ class KaratService final : public v1::Karat::Service {
   absl::Status CheckNodesLocked(bool* settling = nullptr) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(s_->mu_);
 
-  // Asks every alive GPU node for its stats; those that cannot be reached
-  // are taken for lost at once (not after node_timeout_ms) and the rank
-  // table is pushed again. Makes RPCs: call without the lock.
-  void ProbeGpuNodes();
+  // Asks every alive node for its stats; those that cannot be reached are
+  // taken for lost at once (not after node_timeout_ms): for a GPU node the
+  // rank table is pushed again, for a KARAT node the GPU nodes are told
+  // (NoteLostKaratNodesLocked). Makes RPCs: call without the lock.
+  void ProbeNodes();
+  // What a turn's GPU call started with, to tell afterwards whether a node
+  // was lost meanwhile.
+  struct LossMarks {
+    uint64_t rank_removals = 0;           // State::rank_removals_
+    uint64_t karat_losses = 0;            // State::karat_losses_
+    std::map<int, uint32_t> alive_ranks;  // rank -> node id
+  };
   // After the GPU call of the turn on `turn->rank` failed with UNAVAILABLE:
-  // false when no GPU rank was lost since the call started (no table
-  // without one of its ranks was pushed, State::rank_removals_, and the
-  // alive ranks it started with are alive); otherwise waits (bounded)
-  // for the alive ranks to own every expert, moves the turn to an alive
-  // rank (gpu_only: only to the rank holding the session's KV) and rewrites
+  // false when no node was lost since the call started (`before`: no table
+  // without one of its ranks was pushed, the alive ranks it started with
+  // are alive, no KARAT node was taken for lost; the nodes are probed
+  // first). Otherwise waits (bounded) for the alive ranks to own every
+  // expert, moves the turn to an alive rank if its rank was lost or a
+  // rank was (gpu_only: only to the rank holding the session's KV), to a
+  // new home if its home KARAT node was lost (ReplaceHome), and rewrites
   // `run` to continue it: the KV up to the session's kv_len is on its home,
   // the token log's tail is fed again (after `generated` tokens of the turn
-  // it holds sampled ones: resumed_decode), `remaining` tokens are left. True
-  // once resumed; CANCELLED when the client went away meanwhile, other
+  // it holds sampled ones: resumed_decode), `remaining` tokens are left.
+  // True once resumed; CANCELLED when the client went away meanwhile, other
   // errors when it cannot be resumed.
   absl::StatusOr<bool> ResumeTurn(grpc::ServerContext* ctx,
                                   const std::string& sid, int generated,
-                                  int remaining, uint64_t removals_before,
-                                  const std::map<int, uint32_t>& alive_before,
+                                  int remaining, const LossMarks& before,
                                   AdmittedTurn* turn, cl::RunTurnRequest* run);
+  // For ResumeTurn: the session's home KARAT node is lost; reserves KV for
+  // its token log plus `remaining` tokens on the device ChooseHomeDevices
+  // prefers (the next one when a device refuses), makes it the session's
+  // home with no KV stored (kv_len 0) and points `turn` and `run` there.
+  absl::Status ReplaceHome(const std::string& sid, int remaining,
+                           AdmittedTurn* turn, cl::RunTurnRequest* run);
 
   struct Attempt {
     enum Kind { kAdmitted, kWait, kFailed } kind;
@@ -1388,68 +1474,94 @@ absl::Status KaratService::CheckNodesLocked(bool* settling) const {
   return absl::OkStatus();
 }
 
-void KaratService::ProbeGpuNodes() {
+void KaratService::ProbeNodes() {
   struct Target {
     uint32_t id;
     std::string name;
+    NodeRole role;
     std::shared_ptr<grpc::Channel> channel;
   };
   std::vector<Target> targets;
   {
     absl::MutexLock lock(&s_->mu_);
     for (const auto& [id, n] : s_->nodes_)
-      if (n.role == NodeRole::kGpu && s_->AliveLocked(n))
-        targets.push_back({id, n.name, n.channel});
+      if (s_->AliveLocked(n))
+        targets.push_back({id, n.name, n.role, n.channel});
   }
-  bool lost = false;
-  for (const Target& t : targets) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() +
-                     std::chrono::seconds(2));
-    cl::StatsRequest req;
-    cl::StatsResponse resp;
-    grpc::Status st =
-        cl::GpuNode::NewStub(t.channel)->GetStats(&ctx, req, &resp);
+  // In parallel: each probe may wait out its deadline.
+  std::vector<grpc::Status> status(targets.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < targets.size(); ++i) {
+    threads.emplace_back([&, i] {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() +
+                       std::chrono::seconds(2));
+      cl::StatsRequest req;
+      cl::StatsResponse resp;
+      status[i] = targets[i].role == NodeRole::kGpu
+                      ? cl::GpuNode::NewStub(targets[i].channel)
+                            ->GetStats(&ctx, req, &resp)
+                      : cl::KaratNode::NewStub(targets[i].channel)
+                            ->GetStats(&ctx, req, &resp);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  bool gpu_lost = false;
+  absl::MutexLock lock(&s_->mu_);
+  for (size_t i = 0; i < targets.size(); ++i) {
+    const Target& t = targets[i];
     // A node that answers, even with an error, is there.
-    if (st.error_code() != grpc::StatusCode::UNAVAILABLE) continue;
-    absl::MutexLock lock(&s_->mu_);
+    if (status[i].error_code() != grpc::StatusCode::UNAVAILABLE) continue;
     auto it = s_->nodes_.find(t.id);
     if (it == s_->nodes_.end() || it->second.lost) continue;
     it->second.lost = true;
-    s_->gpu_ranks_lost_++;
     s_->capacity_epoch_++;
-    lost = true;
-    KLOG(Warning, kLog) << "GPU node " << t.name << " (rank " << it->second.rank
-                        << ") does not answer: " << st.error_message()
-                        << "; taking it for lost";
+    if (t.role == NodeRole::kGpu) {
+      s_->gpu_ranks_lost_++;
+      gpu_lost = true;
+      KLOG(Warning, kLog) << "GPU node " << t.name << " (rank "
+                          << it->second.rank
+                          << ") does not answer: " << status[i].error_message()
+                          << "; taking it for lost";
+    } else {
+      KLOG(Warning, kLog) << "KARAT node " << t.name
+                          << " does not answer: " << status[i].error_message()
+                          << "; taking it for lost";
+    }
   }
-  if (lost && control_ != nullptr) {
+  NoteLostKaratNodesLocked(s_, control_);
+  if (gpu_lost && control_ != nullptr) {
     State* s = s_;
     control_->Post("peers", [s] { PushPeers(s); });
   }
 }
 
-absl::StatusOr<bool> KaratService::ResumeTurn(
-    grpc::ServerContext* ctx, const std::string& sid, int generated,
-    int remaining, uint64_t removals_before,
-    const std::map<int, uint32_t>& alive_before, AdmittedTurn* turn,
-    cl::RunTurnRequest* run) {
-  ProbeGpuNodes();
+absl::StatusOr<bool> KaratService::ResumeTurn(grpc::ServerContext* ctx,
+                                              const std::string& sid,
+                                              int generated, int remaining,
+                                              const LossMarks& before,
+                                              AdmittedTurn* turn,
+                                              cl::RunTurnRequest* run) {
+  ProbeNodes();
+  bool rank_lost = false, home_lost = false;
   {
     absl::MutexLock lock(&s_->mu_);
     const std::map<int, uint32_t> alive = s_->AliveRanksLocked();
-    bool rank_lost = s_->rank_removals_ != removals_before;
-    for (const auto& [rank, id] : alive_before) {
+    rank_lost = s_->rank_removals_ != before.rank_removals;
+    for (const auto& [rank, id] : before.alive_ranks) {
       auto now = alive.find(rank);
       if (now == alive.end() || now->second != id) rank_lost = true;
     }
-    if (!rank_lost) return false;
+    const bool karat_lost = s_->karat_losses_ != before.karat_losses;
+    if (!rank_lost && !karat_lost) return false;
+    if (!s_->gpu_only()) {
+      const Session& session = s_->sessions_.at(sid);
+      auto home = s_->nodes_.find(session.home.node_id);
+      home_lost = home == s_->nodes_.end() || !s_->AliveLocked(home->second);
+    }
   }
   // Wait for the alive ranks to own every expert.
   const absl::Time give_up = absl::Now() + s_->queue_timeout();
-  int rank = -1;
-  bool push_old = false, push_new = false;
-  const int old_rank = turn->rank;
   {
     absl::MutexLock lock(&s_->mu_);
     for (;;) {
@@ -1473,6 +1585,18 @@ absl::StatusOr<bool> KaratService::ResumeTurn(
       s_->mu_.AwaitWithTimeout(absl::Condition(&changed),
                                absl::Milliseconds(50));
     }
+  }
+  // The home is gone: a new one, where the KV is rebuilt from the token log
+  // by prefill (DESIGN.md §7).
+  if (home_lost) {
+    absl::Status moved = ReplaceHome(sid, remaining, turn, run);
+    if (!moved.ok()) return moved;
+  }
+  int rank = -1;
+  bool push_old = false, push_new = false;
+  const int old_rank = turn->rank;
+  {
+    absl::MutexLock lock(&s_->mu_);
     Session& session = s_->sessions_.at(sid);
     const std::map<int, uint32_t> alive = s_->AliveRanksLocked();
     if (s_->gpu_only()) {
@@ -1483,6 +1607,9 @@ absl::StatusOr<bool> KaratService::ResumeTurn(
             "the session's KV was on GPU rank ", session.rank,
             ", which was lost; its next turn places the session again"));
       rank = session.rank;
+    } else if (!rank_lost && alive.count(old_rank) > 0 &&
+               alive.at(old_rank) == turn->gpu_id) {
+      rank = old_rank;  // only a KARAT node was lost: the rank stays
     } else {
       // The alive rank with the fewest running turns besides this one.
       size_t best = 0;
@@ -1501,7 +1628,6 @@ absl::StatusOr<bool> KaratService::ResumeTurn(
     // The turn leaves its old rank's batch and joins the new one.
     RunningTurn moved;
     moved.session_id = sid;
-    moved.home = session.home;
     auto old = s_->ranks_.find(old_rank);
     if (old != s_->ranks_.end()) {
       auto t = old->second.running.find(turn->key);
@@ -1511,6 +1637,7 @@ absl::StatusOr<bool> KaratService::ResumeTurn(
       }
       push_old = s_->RecomputeMicroBatchesLocked(old_rank);
     }
+    moved.home = session.home;
     auto old_node = s_->nodes_.find(turn->gpu_id);
     if (old_node != s_->nodes_.end()) old_node->second.active_turns--;
     gpu.active_turns++;
@@ -1523,17 +1650,18 @@ absl::StatusOr<bool> KaratService::ResumeTurn(
     turn->gpu_id = gpu.id;
     turn->gpu_name = gpu.name;
     turn->gpu_channel = gpu.channel;
-    // The KV up to kv_len is on the home device; the rest of the token log
-    // (the last sampled token, or the whole prompt when the prefill did not
-    // finish) is fed again. Sampling is keyed by (seed, position), so the
-    // tokens are the ones the turn would have produced.
+    // The KV up to kv_len is on the home device (0 on a new home); the rest
+    // of the token log (the last sampled token, or the whole prompt when the
+    // prefill did not finish, or all of it on a new home) is fed again.
+    // Sampling is keyed by (seed, position), so the tokens are the ones the
+    // turn would have produced.
     const int pos_start = session.kv_len;
     const int feed_end = static_cast<int>(session.history.size());
     run->set_pos_start(pos_start);
     run->mutable_feed_tokens()->Assign(session.history.begin() + pos_start,
                                        session.history.end());
     run->set_max_new_tokens(remaining);
-    // After the first token the feed holds sampled tokens only.
+    // After the first token the feed ends with sampled tokens.
     run->set_resumed_decode(generated > 0);
     run->clear_prefill_ends();
     for (int end : session.prefill_ends)
@@ -1542,6 +1670,77 @@ absl::StatusOr<bool> KaratService::ResumeTurn(
   if (push_old) PostMicroBatchPush(old_rank);
   if (push_new && rank != old_rank) PostMicroBatchPush(rank);
   return true;
+}
+
+absl::Status KaratService::ReplaceHome(const std::string& sid, int remaining,
+                                       AdmittedTurn* turn,
+                                       cl::RunTurnRequest* run) {
+  struct Try {
+    HomeDevice home;
+    std::string name;
+    std::shared_ptr<grpc::Channel> channel;
+  };
+  std::vector<Try> tries;
+  uint64_t key = 0;
+  int tokens = 0;
+  std::string old_name;
+  {
+    absl::MutexLock lock(&s_->mu_);
+    const Session& session = s_->sessions_.at(sid);
+    key = session.key;
+    tokens = static_cast<int>(session.history.size()) + remaining;
+    auto old = s_->nodes_.find(session.home.node_id);
+    old_name = old == s_->nodes_.end()
+                   ? absl::StrCat("node ", session.home.node_id)
+                   : old->second.name;
+    for (const HomeDevice& h : ChooseHomeDevices(s_->SnapshotLocked())) {
+      const Node& n = s_->nodes_.at(h.node_id);
+      tries.push_back({h, n.name, n.channel});
+    }
+  }
+  std::string refusals;
+  for (const Try& t : tries) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline(s_));
+    cl::ReserveRequest rreq;
+    rreq.set_session(key);
+    rreq.set_device(t.home.device);
+    rreq.set_tokens(tokens);
+    cl::ReserveResponse rresp;
+    grpc::Status st =
+        cl::KaratNode::NewStub(t.channel)->Reserve(&ctx, rreq, &rresp);
+    if (!st.ok()) {
+      absl::StrAppend(&refusals, refusals.empty() ? "" : "; ", t.name, "/",
+                      t.home.device, ": ", st.error_message());
+      continue;
+    }
+    absl::MutexLock lock(&s_->mu_);
+    auto n = s_->nodes_.find(t.home.node_id);
+    if (n == s_->nodes_.end())
+      return absl::UnavailableError(absl::StrCat(
+          "KARAT node ", t.name, " went away while the session moved to it"));
+    for (auto& d : n->second.devices)
+      if (d.device() == t.home.device) d.set_used_bytes(rresp.used_bytes());
+    Session& session = s_->sessions_.at(sid);
+    session.home = t.home;
+    session.kv_len = 0;
+    turn->placement.set_node_id(n->second.id);
+    turn->placement.set_node_name(n->second.name);
+    turn->placement.set_fabric_address(n->second.fabric_address);
+    turn->placement.set_device(t.home.device);
+    *run->mutable_placement() = turn->placement;
+    s_->sessions_rehomed_++;
+    KLOG(Warning, kLog) << "session=" << sid << " home " << old_name
+                        << " is lost; new home " << t.name << "/"
+                        << t.home.device << ", the KV of "
+                        << session.history.size()
+                        << " tokens is rebuilt by prefill";
+    return absl::OkStatus();
+  }
+  return absl::UnavailableError(absl::StrCat(
+      "the session's home ", old_name,
+      " is lost and no alive device can take its ", tokens, " tokens of KV",
+      refusals.empty() ? std::string() : absl::StrCat(" (", refusals, ")")));
 }
 
 KaratService::Attempt KaratService::TryAdmit(const std::string& session_id,
@@ -1964,8 +2163,7 @@ grpc::Status KaratService::Generate(
   // rank after a GPU rank was lost (DESIGN.md §7).
   for (;;) {
     grpc::ClientContext gpu_ctx;
-    uint64_t removals_at_start = 0;
-    std::map<int, uint32_t> alive_at_start;
+    LossMarks at_start;
     {
       absl::MutexLock lock(&s_->mu_);
       if (s_->shutting_down_) gpu_ctx.TryCancel();
@@ -1981,8 +2179,9 @@ grpc::Status KaratService::Generate(
           t->second.started = true;
         }
       }
-      removals_at_start = s_->rank_removals_;
-      alive_at_start = s_->AliveRanksLocked();
+      at_start.rank_removals = s_->rank_removals_;
+      at_start.karat_losses = s_->karat_losses_;
+      at_start.alive_ranks = s_->AliveRanksLocked();
     }
     KLOG(Info, kLog) << "session=" << sid
                      << (resumes > 0 ? " turn resumed on " : " turn on ")
@@ -2103,7 +2302,7 @@ grpc::Status KaratService::Generate(
             absl::StrCat(turn.gpu_name, " (rank ", turn.rank, ")");
         absl::StatusOr<bool> resumed =
             ResumeTurn(ctx, sid, generated, req->max_new_tokens() - generated,
-                       removals_at_start, alive_at_start, &turn, &run);
+                       at_start, &turn, &run);
         if (resumed.ok() && *resumed) {
           ++resumes;
           absl::MutexLock lock(&s_->mu_);

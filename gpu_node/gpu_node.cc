@@ -78,7 +78,7 @@ class GpuNodeService final : public cluster::GpuNode::Service {
  public:
   // `backend` (karat mode) or `local` (gpu_only) is null.
   GpuNodeService(const GpuNodeOptions* options, ModelRunner* runner,
-                 DecodeLoop* loop, const RemoteAttentionBackend* backend,
+                 DecodeLoop* loop, RemoteAttentionBackend* backend,
                  GpuLocalAttention* local, ExpertParallel* experts)
       : options_(options),
         runner_(runner),
@@ -224,6 +224,25 @@ class GpuNodeService final : public cluster::GpuNode::Service {
 
   void set_links(LinkEmulator* links) { links_ = links; }
 
+  grpc::Status KaratNodeLost(
+      grpc::ServerContext*, const cluster::KaratNodeLostRequest* request,
+      cluster::KaratNodeLostResponse* response) override {
+    if (backend_ == nullptr) return grpc::Status::OK;  // gpu_only
+    if (request->fabric_address().empty()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "KaratNodeLost: fabric_address is empty");
+    }
+    const int failed = backend_->FailNode(
+        request->fabric_address(),
+        "the coordinator took it for lost (no heartbeat, or it did not "
+        "answer)");
+    KLOG(Warning, "gpu_node")
+        << "KARAT node " << request->node_name() << " is lost; " << failed
+        << " awaited attention output" << (failed == 1 ? "" : "s") << " failed";
+    response->set_failed_outputs(failed);
+    return grpc::Status::OK;
+  }
+
   grpc::Status SetMicroBatches(grpc::ServerContext*,
                                const cluster::SetMicroBatchesRequest* request,
                                cluster::SetMicroBatchesResponse*) override {
@@ -328,7 +347,7 @@ class GpuNodeService final : public cluster::GpuNode::Service {
   ModelRunner* const runner_;
   absl::Mutex set_peers_mu_;  // one SetPeers at a time
   DecodeLoop* const loop_;
-  const RemoteAttentionBackend* const backend_;
+  RemoteAttentionBackend* const backend_;
   GpuLocalAttention* const local_;
   ExpertParallel* const experts_;
   const int vocab_size_;

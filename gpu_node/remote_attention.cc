@@ -94,6 +94,7 @@ struct RemoteAttentionBackend::Impl {
     float* out = nullptr;
     size_t expected_bytes = 0;
     std::string node;
+    std::string address;  // the node's fabric address (FailNode)
     int mb = 0;
     bool done = false;
     absl::Status status;
@@ -305,6 +306,23 @@ void RemoteAttentionBackend::Abort() {
   impl_->aborted = true;
 }
 
+int RemoteAttentionBackend::FailNode(const std::string& fabric_address,
+                                     const std::string& reason) {
+  impl_->MarkNotReady(fabric_address);
+  int failed = 0;
+  absl::MutexLock lock(&impl_->mu);
+  for (auto& [key, slot] : impl_->pending) {
+    if (slot.done || slot.address != fabric_address) continue;
+    slot.done = true;
+    --impl_->outstanding[slot.mb];
+    slot.status = absl::UnavailableError(
+        absl::StrCat("KARAT node ", slot.node, " is lost: ", reason));
+    impl_->failed[slot.mb] = true;
+    ++failed;
+  }
+  return failed;
+}
+
 uint64_t RemoteAttentionBackend::bytes_sent() const {
   return impl_->bytes_sent.load();
 }
@@ -362,6 +380,7 @@ absl::Status RemoteAttentionBackend::Impl::RunLayer(
       slot.expected_bytes = segs[i].tokens.size() * size_t(s.heads) *
                             size_t(s.out_dim) * sizeof(float);
       slot.node = NodeName(*homes[i]);
+      slot.address = homes[i]->fabric_address();
       slot.mb = mb;
       if (m.pending.emplace(key(i), std::move(slot)).second) {
         ++m.outstanding[mb];

@@ -67,6 +67,12 @@ class RemoteAttentionBackend : public StepBackend {
   // Makes waits in progress and later calls fail with UNAVAILABLE, so a
   // decode loop blocked on a KARAT node can stop promptly. Any thread.
   void Abort();
+  // The KARAT node at `fabric_address` is gone (the coordinator says so):
+  // the outputs still awaited from it fail at once with UNAVAILABLE and
+  // `reason`, instead of after RemoteAttentionOptions::timeout, and the
+  // next frame to that address greets it again. Returns how many awaited
+  // outputs failed. Any thread.
+  int FailNode(const std::string& fabric_address, const std::string& reason);
 
   uint64_t bytes_sent() const;
   uint64_t bytes_received() const;

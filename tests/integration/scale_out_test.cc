@@ -451,6 +451,92 @@ TEST_CASE("a GPU rank lost mid-turn: the turns resume, the rank rejoins",
   }
 }
 
+TEST_CASE("a KARAT node lost mid-turn: the turns resume on a new home",
+          "[integration]") {
+  constexpr int kMaxNew = 40;
+  ClusterSpec spec;
+  spec.karat_nodes = 2;
+  spec.devices = 1;  // the two sessions' homes are on different nodes
+  // Slower steps, so that the node goes away in the middle of the turns.
+  spec.extra_config =
+      "links { source: \"*\" destination: \"*\" latency_us: 2000 }\n";
+  Cluster cluster(spec);
+  auto stub = cluster.NewStub();
+  const uint64_t seeds[2] = {800, 801};
+  const float temperature[2] = {0.0f, 0.8f};
+  std::vector<std::string> ids;
+  for (uint64_t seed : seeds) {
+    grpc::ClientContext ctx;
+    karat::v1::CreateSessionRequest req;
+    req.set_seed(seed);
+    karat::v1::Session sess;
+    REQUIRE(stub->CreateSession(&ctx, req, &sess).ok());
+    ids.push_back(sess.session_id());
+  }
+  auto home_of = [&](const std::string& id) {
+    grpc::ClientContext ctx;
+    karat::v1::GetSessionRequest req;
+    req.set_session_id(id);
+    karat::v1::Session sess;
+    REQUIRE(stub->GetSession(&ctx, req, &sess).ok());
+    return sess.home_node();
+  };
+  std::vector<std::vector<Turn>> got(2);
+  // Turn 0 places both sessions, one per node.
+  for (int s = 0; s < 2; ++s)
+    got[s].push_back(
+        Generate(stub.get(), ids[s], Prompt(s, 0), 6, temperature[s]));
+  const std::string lost = home_of(ids[0]);
+  REQUIRE(home_of(ids[1]) != lost);
+  REQUIRE(cluster.pids().count(lost) == 1);
+  // Turn 1 of both; session 0's home is killed in the middle of it.
+  {
+    StreamedTurn a, b;
+    a.Start(stub.get(), ids[0], Prompt(0, 1), kMaxNew, temperature[0]);
+    b.Start(stub.get(), ids[1], Prompt(1, 1), kMaxNew, temperature[1]);
+    REQUIRE(a.WaitFor(3));
+    REQUIRE(b.WaitFor(3));
+    cluster.Kill(lost);
+    a.thread.join();
+    b.thread.join();
+    got[0].push_back(a.result);
+    got[1].push_back(b.result);
+  }
+  CHECK(home_of(ids[0]) != lost);
+  // And a further turn on the new home.
+  for (int s = 0; s < 2; ++s)
+    got[s].push_back(
+        Generate(stub.get(), ids[s], Prompt(s, 2), 6, temperature[s]));
+  grpc::ClientContext status_ctx;
+  karat::v1::ClusterStatus st;
+  REQUIRE(stub->GetClusterStatus(&status_ctx,
+                                 karat::v1::GetClusterStatusRequest(), &st)
+              .ok());
+  CHECK(st.stats().at("karat_nodes_lost") == 1);
+  CHECK(st.stats().at("sessions_rehomed") >= 1);
+  CHECK(st.stats().at("turns_resumed") >= 1);
+
+  auto files = LoadModel(cluster.model_dir());
+  REQUIRE(files.ok());
+  auto engine = ReferenceEngine::Create(*files);
+  REQUIRE(engine.ok());
+  const int max_new[3] = {6, kMaxNew, 6};
+  for (int s = 0; s < 2; ++s) {
+    ReferenceSession ref;
+    ref.key = uint64_t(s + 1);
+    ref.seed = seeds[s];
+    for (int t = 0; t < 3; ++t) {
+      INFO("session " << s << " turn " << t);
+      INFO(got[s][t].status.error_message());
+      REQUIRE(got[s][t].status.ok());
+      auto want = (*engine)->RunTurn(&ref, EncodeText(Prompt(s, t)), max_new[t],
+                                     temperature[s]);
+      REQUIRE(want.ok());
+      CHECK(got[s][t].tokens == *want);
+    }
+  }
+}
+
 TEST_CASE("a lost GPU rank whose experts the other cannot hold: turns refused",
           "[integration]") {
   ClusterSpec spec;
