@@ -372,7 +372,8 @@ class State {
   // heartbeats ran out, or a probe found it gone): a turn whose GPU call
   // failed since then may have failed because of it (ResumeTurn).
   uint64_t karat_losses_ ABSL_GUARDED_BY(mu_) = 0;
-  std::set<uint32_t> karat_alive_ ABSL_GUARDED_BY(mu_);  // as last seen
+  // KARAT nodes already counted in karat_losses_.
+  std::set<uint32_t> karat_lost_noted_ ABSL_GUARDED_BY(mu_);
   absl::Time owners_pushed_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
 
   // Scheduling: running turns by rank, the admission queue (turn ids, front
@@ -595,17 +596,18 @@ void PushKaratNodeLost(State* s, const std::string& name,
   for (std::thread& thread : threads) thread.join();
 }
 
-// Takes every KARAT node that was alive and no longer is for lost: counts
-// it (State::karat_losses_) and posts a KaratNodeLost push for it.
+// Takes every registered KARAT node that is no longer alive for lost, once:
+// counts it (State::karat_losses_) and posts a KaratNodeLost push for it.
 void NoteLostKaratNodesLocked(State* s, ControlPusher* pusher)
     ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu_) {
   for (const auto& [id, n] : s->nodes_) {
     if (n.role != NodeRole::kKarat) continue;
     if (s->AliveLocked(n)) {
-      s->karat_alive_.insert(id);
+      // Its heartbeats came back: a later loss counts again.
+      s->karat_lost_noted_.erase(id);
       continue;
     }
-    if (s->karat_alive_.erase(id) == 0) continue;
+    if (!s->karat_lost_noted_.insert(id).second) continue;
     s->karat_losses_++;
     s->capacity_epoch_++;
     KLOG(Warning, kLog) << "KARAT node " << n.name

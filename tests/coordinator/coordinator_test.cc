@@ -88,8 +88,11 @@ class FakeGpuNode final : public cl::GpuNode::Service {
           return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
         return grpc::Status::OK;
       }
-      if (i == fail_after.load())
+      if (i == fail_after.load()) {
+        if (fail_once.load()) fail_after = -1;
+        if (on_fail) on_fail();
         return grpc::Status(grpc::StatusCode::UNAVAILABLE, "fake GPU lost");
+      }
       cl::RunTurnEvent ev;
       ev.set_token_id(tokens_[i % tokens_.size()]);
       ev.set_position(pos + i);
@@ -135,6 +138,13 @@ class FakeGpuNode final : public cl::GpuNode::Service {
     }
     return grpc::Status::OK;
   }
+  grpc::Status KaratNodeLost(grpc::ServerContext*,
+                             const cl::KaratNodeLostRequest* req,
+                             cl::KaratNodeLostResponse*) override {
+    absl::MutexLock lock(&mu_);
+    karat_lost_.push_back(req->node_name());
+    return grpc::Status::OK;
+  }
   grpc::Status SetMicroBatches(grpc::ServerContext*,
                                const cl::SetMicroBatchesRequest* req,
                                cl::SetMicroBatchesResponse*) override {
@@ -163,7 +173,15 @@ class FakeGpuNode final : public cl::GpuNode::Service {
     absl::MutexLock lock(&mu_);
     return micro_batches_;
   }
+  std::vector<std::string> karat_lost() {
+    absl::MutexLock lock(&mu_);
+    return karat_lost_;
+  }
   std::atomic<int> hold_after{-1};
+  // With `fail_once` only the first call fails; `on_fail` (set before the
+  // turn) runs just before the failure.
+  std::atomic<bool> fail_once{false};
+  std::function<void()> on_fail;
   // A held turn ends normally once this is set.
   std::atomic<bool> release{false};
   std::atomic<int> fail_after{-1};
@@ -179,6 +197,7 @@ class FakeGpuNode final : public cl::GpuNode::Service {
   std::vector<uint64_t> freed_ ABSL_GUARDED_BY(mu_);
   std::vector<cl::SetPeersRequest> peers_ ABSL_GUARDED_BY(mu_);
   std::vector<std::map<uint64_t, int>> micro_batches_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> karat_lost_ ABSL_GUARDED_BY(mu_);
 };
 
 // Waits (bounded) until `gpu` has received `n` RunTurn calls.
@@ -993,6 +1012,73 @@ TEST_CASE("a lost GPU rank: its turn resumes on the other rank") {
   auto r2 = c.Generate(sid, "k", 2);
   CHECK(r2.status.ok());
   CHECK(t.g1.runs().size() == 2);
+}
+
+TEST_CASE("a lost KARAT node: the running turn resumes on a new home") {
+  Cluster c;
+  FakeKaratNode k0({1000}), k1({1000});
+  auto s0 = std::make_unique<FakeServer>(&k0);
+  auto s1 = std::make_unique<FakeServer>(&k1);
+  c.Register("karat0", "karat", s0->address, 1);
+  c.Register("karat1", "karat", s1->address, 1);
+  FakeGpuNode g({'A', 'B', 'C'});
+  FakeServer gs(&g);
+  c.Register("gpu0", "gpu", gs.address, 0);
+  std::string sid = c.NewSession();
+  // After 2 tokens the session's home goes away and the GPU call fails.
+  std::string home;
+  g.fail_after = 2;
+  g.fail_once = true;
+  g.on_fail = [&] {
+    home = c.Get(sid).home_node();
+    (home == "karat0" ? s0 : s1)
+        ->server->Shutdown(std::chrono::system_clock::now());
+  };
+  auto r = c.Generate(sid, "hi", 5);
+  INFO(r.status.error_message());
+  REQUIRE(r.status.ok());
+  REQUIRE((home == "karat0" || home == "karat1"));
+  const std::string other = home == "karat0" ? "karat1" : "karat0";
+  REQUIRE(r.tokens.size() == 5);
+  CHECK(r.tokens[0].token_id() == 'A');
+  CHECK(r.tokens[1].token_id() == 'B');
+  CHECK(r.tokens[2].token_id() == 'A');  // the resumed call's first token
+  CHECK(r.tokens[4].position() == 7);
+  CHECK(c.Get(sid).home_node() == other);
+  // The new home holds nothing yet: the whole token log (BOS, h, i, A, B)
+  // is fed again, cut where the turn's prefill ended, and ends with a
+  // sampled token.
+  auto runs = g.runs();
+  REQUIRE(runs.size() == 2);
+  CHECK(runs[1].placement().node_name() == other);
+  CHECK(runs[1].pos_start() == 0);
+  CHECK(runs[1].feed_tokens_size() == 5);
+  CHECK(runs[1].feed_tokens(3) == 'A');
+  CHECK(runs[1].feed_tokens(4) == 'B');
+  CHECK(std::vector<int>(runs[1].prefill_ends().begin(),
+                         runs[1].prefill_ends().end()) == std::vector<int>{3});
+  CHECK(runs[1].resumed_decode());
+  CHECK(runs[1].max_new_tokens() == 3);
+  CHECK(runs[1].seed() == runs[0].seed());
+  // KV for the token log and the rest of the turn was reserved there.
+  auto reserves = (other == "karat0" ? k0 : k1).reserves();
+  REQUIRE_FALSE(reserves.empty());
+  CHECK(reserves.back().tokens() == 8);
+  auto stats = c.Status().stats();
+  CHECK(stats.at("karat_nodes_lost") == 1);
+  CHECK(stats.at("sessions_rehomed") == 1);
+  CHECK(stats.at("turns_resumed") == 1);
+  // The GPU node was told.
+  for (int i = 0; i < 1000 && g.karat_lost().empty(); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  CHECK(g.karat_lost() == std::vector<std::string>{home});
+  // The next turn runs on the new home from where the KV ends.
+  auto r2 = c.Generate(sid, "k", 1);
+  CHECK(r2.status.ok());
+  runs = g.runs();
+  REQUIRE(runs.size() == 3);
+  CHECK(runs[2].placement().node_name() == other);
+  CHECK(runs[2].pos_start() == 7);
 }
 
 TEST_CASE("a turn resumes at most 3 times, then fails naming the rank") {
