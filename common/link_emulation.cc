@@ -78,7 +78,12 @@ struct LinkEmulator::Impl {
     return SplitMix64(options.seed ^
                       SplitMix64(Fnv1a64(options.local_name) ^ Fnv1a64(peer)));
   }
+  // Stops the delivery threads: first marks every link stopped and drops
+  // what is queued (StopLinks), then, once the inner transport is shut down
+  // (which ends a send a thread may be blocked in, towards a dead peer),
+  // joins them (JoinLinks).
   void StopLinks();
+  void JoinLinks();
 
   const std::unique_ptr<Transport> inner;
   LinkEmulatorOptions options;
@@ -154,6 +159,16 @@ void LinkEmulator::Impl::StopLinks() {
       link->queued_bytes = 0;
       link->cv.SignalAll();
     }
+  }
+}
+
+void LinkEmulator::Impl::JoinLinks() {
+  std::vector<Link*> all;
+  {
+    absl::MutexLock lock(&links_mu);
+    for (auto& [id, link] : links) all.push_back(link.get());
+  }
+  for (Link* link : all) {
     if (link->thread.joinable()) {
       if (link->thread.get_id() == std::this_thread::get_id()) {
         link->thread.detach();
@@ -369,6 +384,7 @@ std::map<std::string, double> LinkEmulator::Counters() const {
 void LinkEmulator::Shutdown() {
   impl_->StopLinks();
   impl_->inner->Shutdown();
+  impl_->JoinLinks();
 }
 
 }  // namespace karat

@@ -265,6 +265,58 @@ TEST_CASE("shutdown with queued messages does not hang", "[link]") {
   CHECK(p.inbox.Messages().empty());
 }
 
+// A transport whose sends block until it is shut down, as a send towards a
+// dead peer blocks until the send timeout.
+class BlockingTransport final : public Transport {
+ public:
+  std::string LocalAddress() const override { return "blocking"; }
+  absl::StatusOr<PeerId> AddPeer(const std::string&,
+                                 const std::string&) override {
+    return 0;
+  }
+  absl::Status Send(PeerId, const void*, size_t) override {
+    absl::MutexLock lock(&mu_);
+    sending_ = true;
+    mu_.Await(absl::Condition(&shut_down_));
+    return absl::UnavailableError("shut down");
+  }
+  void SetPeerReceiveHandler(PeerReceiveHandler) override {}
+  std::string PeerName(PeerId) const override { return "b"; }
+  size_t MaxMessageSize() const override { return 1 << 20; }
+  void Shutdown() override {
+    absl::MutexLock lock(&mu_);
+    shut_down_ = true;
+  }
+  bool WaitSending() {
+    absl::MutexLock lock(&mu_);
+    return mu_.AwaitWithTimeout(absl::Condition(&sending_), kDeliveryBound);
+  }
+
+ private:
+  absl::Mutex mu_;
+  bool sending_ ABSL_GUARDED_BY(mu_) = false;
+  bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+TEST_CASE("shutdown ends a delivery blocked in the inner transport", "[link]") {
+  // The inner transport is shut down before the delivery threads are
+  // joined; the other order would wait for the blocked send for ever.
+  auto inner = std::make_unique<BlockingTransport>();
+  BlockingTransport* blocking = inner.get();
+  LinkEmulatorOptions o;
+  o.local_name = "a";
+  LinkEmulator a(std::move(inner), o);
+  LinkSettings s;
+  s.latency_us = 1;
+  REQUIRE(a.SetLinks({Rule("a", "b", s)}).ok());
+  auto peer = a.AddPeer("b", "b-address");
+  REQUIRE(peer.ok());
+  REQUIRE(a.Send(*peer, "m", 1).ok());
+  REQUIRE(blocking->WaitSending());
+  a.Shutdown();
+  CHECK(a.Send(*peer, "n", 1).code() == absl::StatusCode::kUnavailable);
+}
+
 TEST_CASE("link stats export as a stats map and Prometheus text", "[link]") {
   LinkStats stats;
   stats.RecordSent("karat0", 100, absl::Microseconds(3));
