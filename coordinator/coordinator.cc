@@ -1302,9 +1302,10 @@ class KaratService final : public v1::Karat::Service {
   // without one of its ranks was pushed, the alive ranks it started with
   // are alive, no KARAT node was taken for lost; the nodes are probed
   // first). Otherwise waits (bounded) for the alive ranks to own every
-  // expert, moves the turn to an alive rank if its rank was lost or a
-  // rank was (gpu_only: only to the rank holding the session's KV), to a
-  // new home if its home KARAT node was lost (ReplaceHome), and rewrites
+  // expert, moves the turn to an alive rank if a rank was lost (gpu_only:
+  // to the rank holding the session's KV), to a new home if the node
+  // holding its KV was lost (ReplaceHome: a KARAT node, in gpu_only mode
+  // its rank), and rewrites
   // `run` to continue it: the KV up to the session's kv_len is on its home,
   // the token log's tail is fed again (after `generated` tokens of the turn
   // it holds sampled ones: resumed_decode), `remaining` tokens are left.
@@ -1314,10 +1315,12 @@ class KaratService final : public v1::Karat::Service {
                                   const std::string& sid, int generated,
                                   int remaining, const LossMarks& before,
                                   AdmittedTurn* turn, cl::RunTurnRequest* run);
-  // For ResumeTurn: the session's home KARAT node is lost; reserves KV for
-  // its token log plus `remaining` tokens on the device ChooseHomeDevices
-  // prefers (the next one when a device refuses), makes it the session's
-  // home with no KV stored (kv_len 0) and points `turn` and `run` there.
+  // For ResumeTurn: the node holding the session's KV is lost (its home
+  // KARAT node; in gpu_only mode its rank). Reserves KV for its token log
+  // plus `remaining` tokens on the device ChooseHomeDevices prefers (gpu_only:
+  // the alive rank with the fewest running turns), the next one when one
+  // refuses, makes it the session's home (and rank) with no KV stored
+  // (kv_len 0) and points `turn` and `run` there.
   absl::Status ReplaceHome(const std::string& sid, int remaining,
                            AdmittedTurn* turn, cl::RunTurnRequest* run);
 
@@ -1556,11 +1559,11 @@ absl::StatusOr<bool> KaratService::ResumeTurn(grpc::ServerContext* ctx,
     }
     const bool karat_lost = s_->karat_losses_ != before.karat_losses;
     if (!rank_lost && !karat_lost) return false;
-    if (!s_->gpu_only()) {
-      const Session& session = s_->sessions_.at(sid);
-      auto home = s_->nodes_.find(session.home.node_id);
-      home_lost = home == s_->nodes_.end() || !s_->AliveLocked(home->second);
-    }
+    // The node holding the session's KV: a KARAT node, or in gpu_only mode
+    // the session's rank.
+    const Session& session = s_->sessions_.at(sid);
+    auto home = s_->nodes_.find(session.home.node_id);
+    home_lost = home == s_->nodes_.end() || !s_->AliveLocked(home->second);
   }
   // Wait for the alive ranks to own every expert.
   const absl::Time give_up = absl::Now() + s_->queue_timeout();
@@ -1602,12 +1605,12 @@ absl::StatusOr<bool> KaratService::ResumeTurn(grpc::ServerContext* ctx,
     Session& session = s_->sessions_.at(sid);
     const std::map<int, uint32_t> alive = s_->AliveRanksLocked();
     if (s_->gpu_only()) {
-      // The KV lives on the session's rank.
+      // The KV lives on the session's rank (a new one after ReplaceHome).
       auto it = alive.find(session.rank);
       if (it == alive.end() || it->second != session.home.node_id)
-        return absl::UnavailableError(absl::StrCat(
-            "the session's KV was on GPU rank ", session.rank,
-            ", which was lost; its next turn places the session again"));
+        return absl::UnavailableError(
+            absl::StrCat("the session's KV was on GPU rank ", session.rank,
+                         ", which is not alive"));
       rank = session.rank;
     } else if (!rank_lost && alive.count(old_rank) > 0 &&
                alive.at(old_rank) == turn->gpu_id) {
@@ -1679,6 +1682,7 @@ absl::Status KaratService::ReplaceHome(const std::string& sid, int remaining,
                                        cl::RunTurnRequest* run) {
   struct Try {
     HomeDevice home;
+    int rank = -1;  // gpu_only
     std::string name;
     std::shared_ptr<grpc::Channel> channel;
   };
@@ -1686,6 +1690,7 @@ absl::Status KaratService::ReplaceHome(const std::string& sid, int remaining,
   uint64_t key = 0;
   int tokens = 0;
   std::string old_name;
+  const bool gpu_only = s_->gpu_only();
   {
     absl::MutexLock lock(&s_->mu_);
     const Session& session = s_->sessions_.at(sid);
@@ -1695,9 +1700,24 @@ absl::Status KaratService::ReplaceHome(const std::string& sid, int remaining,
     old_name = old == s_->nodes_.end()
                    ? absl::StrCat("node ", session.home.node_id)
                    : old->second.name;
-    for (const HomeDevice& h : ChooseHomeDevices(s_->SnapshotLocked())) {
-      const Node& n = s_->nodes_.at(h.node_id);
-      tries.push_back({h, n.name, n.channel});
+    if (gpu_only) {
+      // The KV moves to an alive rank: fewest running turns first.
+      std::vector<std::pair<size_t, int>> ranks;  // (running, rank)
+      for (const auto& [r, id] : s_->AliveRanksLocked()) {
+        auto it = s_->ranks_.find(r);
+        ranks.emplace_back(
+            it == s_->ranks_.end() ? 0 : it->second.running.size(), r);
+      }
+      std::sort(ranks.begin(), ranks.end());
+      for (const auto& [running, r] : ranks) {
+        const Node* n = s_->RankNodeLocked(r);
+        tries.push_back({HomeDevice{n->id, 0}, r, n->name, n->channel});
+      }
+    } else {
+      for (const HomeDevice& h : ChooseHomeDevices(s_->SnapshotLocked())) {
+        const Node& n = s_->nodes_.at(h.node_id);
+        tries.push_back({h, -1, n.name, n.channel});
+      }
     }
   }
   std::string refusals;
@@ -1710,7 +1730,9 @@ absl::Status KaratService::ReplaceHome(const std::string& sid, int remaining,
     rreq.set_tokens(tokens);
     cl::ReserveResponse rresp;
     grpc::Status st =
-        cl::KaratNode::NewStub(t.channel)->Reserve(&ctx, rreq, &rresp);
+        gpu_only
+            ? cl::GpuNode::NewStub(t.channel)->Reserve(&ctx, rreq, &rresp)
+            : cl::KaratNode::NewStub(t.channel)->Reserve(&ctx, rreq, &rresp);
     if (!st.ok()) {
       absl::StrAppend(&refusals, refusals.empty() ? "" : "; ", t.name, "/",
                       t.home.device, ": ", st.error_message());
@@ -1720,17 +1742,24 @@ absl::Status KaratService::ReplaceHome(const std::string& sid, int remaining,
     auto n = s_->nodes_.find(t.home.node_id);
     if (n == s_->nodes_.end())
       return absl::UnavailableError(absl::StrCat(
-          "KARAT node ", t.name, " went away while the session moved to it"));
-    for (auto& d : n->second.devices)
-      if (d.device() == t.home.device) d.set_used_bytes(rresp.used_bytes());
+          "node ", t.name, " went away while the session moved to it"));
     Session& session = s_->sessions_.at(sid);
     session.home = t.home;
     session.kv_len = 0;
-    turn->placement.set_node_id(n->second.id);
-    turn->placement.set_node_name(n->second.name);
-    turn->placement.set_fabric_address(n->second.fabric_address);
-    turn->placement.set_device(t.home.device);
-    *run->mutable_placement() = turn->placement;
+    if (gpu_only) {
+      session.rank = t.rank;
+      if (n->second.devices.empty())
+        n->second.devices.push_back(KvDevice(n->second.kv_capacity_bytes));
+      n->second.devices[0].set_used_bytes(rresp.used_bytes());
+    } else {
+      for (auto& d : n->second.devices)
+        if (d.device() == t.home.device) d.set_used_bytes(rresp.used_bytes());
+      turn->placement.set_node_id(n->second.id);
+      turn->placement.set_node_name(n->second.name);
+      turn->placement.set_fabric_address(n->second.fabric_address);
+      turn->placement.set_device(t.home.device);
+      *run->mutable_placement() = turn->placement;
+    }
     s_->sessions_rehomed_++;
     KLOG(Warning, kLog) << "session=" << sid << " home " << old_name
                         << " is lost; new home " << t.name << "/"
@@ -1740,8 +1769,9 @@ absl::Status KaratService::ReplaceHome(const std::string& sid, int remaining,
     return absl::OkStatus();
   }
   return absl::UnavailableError(absl::StrCat(
-      "the session's home ", old_name,
-      " is lost and no alive device can take its ", tokens, " tokens of KV",
+      "the session's home ", old_name, " is lost and no alive ",
+      gpu_only ? "GPU rank" : "device", " can take its ", tokens,
+      " tokens of KV",
       refusals.empty() ? std::string() : absl::StrCat(" (", refusals, ")")));
 }
 

@@ -1282,6 +1282,52 @@ TEST_CASE("gpu_only: the KV is reserved on the rank, which the session keeps") {
   CHECK(g0.freed() == std::vector<uint64_t>{runs[0].session()});
 }
 
+TEST_CASE("gpu_only: a lost rank's turn moves its KV to an alive rank") {
+  Cluster c(64, [](Options& o) { o.mode = "gpu_only"; });
+  FakeGpuNode g0({'A', 'B', 'C'}), g1({'X', 'Y', 'Z'});
+  FakeServer s0(&g0), s1(&g1);
+  c.Register("gpu0", "gpu", s0.address, 0, 0, 2);
+  const uint32_t id1 = c.Register("gpu1", "gpu", s1.address, 0, 1, 2);
+  std::string sid = c.NewSession();
+  // The turn goes to rank 0, whose heartbeats stop: after 2 tokens its
+  // call fails and it has been silent for 6 s.
+  g0.fail_after = 2;
+  g0.on_fail = [&] {
+    c.clock.Advance(absl::Seconds(4));
+    cl::HeartbeatRequest hb;
+    cl::HeartbeatResponse hr;
+    hb.set_node_id(id1);
+    grpc::ClientContext ctx;
+    REQUIRE(c.membership->Heartbeat(&ctx, hb, &hr).ok());
+    c.clock.Advance(absl::Seconds(2));
+  };
+  auto r = c.Generate(sid, "hi", 5);
+  INFO(r.status.error_message());
+  REQUIRE(r.status.ok());
+  REQUIRE(r.tokens.size() == 5);
+  CHECK(r.tokens[1].token_id() == 'B');
+  CHECK(r.tokens[2].token_id() == 'X');
+  CHECK(c.Get(sid).home_node() == "gpu1");
+  // Rank 1 holds no KV of the session: the whole token log is fed again.
+  auto runs = g1.runs();
+  REQUIRE(runs.size() == 1);
+  CHECK(runs[0].pos_start() == 0);
+  CHECK(runs[0].feed_tokens_size() == 5);
+  CHECK(runs[0].resumed_decode());
+  CHECK(std::vector<int>(runs[0].prefill_ends().begin(),
+                         runs[0].prefill_ends().end()) == std::vector<int>{3});
+  REQUIRE_FALSE(g1.reserves().empty());
+  CHECK(g1.reserves().back().tokens() == 8);
+  auto stats = c.Status().stats();
+  CHECK(stats.at("sessions_rehomed") == 1);
+  CHECK(stats.at("turns_resumed") == 1);
+  // Its next turn stays on rank 1.
+  REQUIRE(c.Generate(sid, "k", 1).status.ok());
+  runs = g1.runs();
+  REQUIRE(runs.size() == 2);
+  CHECK(runs[1].pos_start() == 7);
+}
+
 TEST_CASE(
     "recovery: a rebuild from the token log carries the turn boundaries") {
   Cluster c;
