@@ -561,6 +561,42 @@ void PushPeers(State* s) {
   for (std::thread& thread : threads) thread.join();
 }
 
+// Reserves KV room for `tokens` positions of session `key` on a home: a
+// KARAT node's `device`, or in gpu_only mode the GPU rank (device 0) whose
+// node `channel` reaches.
+grpc::Status ReserveKv(const State* s,
+                       const std::shared_ptr<grpc::Channel>& channel,
+                       uint64_t key, int device, int tokens,
+                       cl::ReserveResponse* resp) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Deadline(s));
+  cl::ReserveRequest req;
+  req.set_session(key);
+  req.set_device(device);
+  req.set_tokens(tokens);
+  return s->gpu_only()
+             ? cl::GpuNode::NewStub(channel)->Reserve(&ctx, req, resp)
+             : cl::KaratNode::NewStub(channel)->Reserve(&ctx, req, resp);
+}
+
+// Makes `home` on node `n` the session's home (in gpu_only mode with the
+// session on `rank`), after a Reserve there answered `used_bytes`.
+void SetHomeLocked(State* s, Session* session, Node* n, const HomeDevice& home,
+                   int rank, int64_t used_bytes)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu_) {
+  session->has_home = true;
+  session->home = home;
+  if (s->gpu_only()) {
+    session->rank = rank;
+    if (n->devices.empty())
+      n->devices.push_back(KvDevice(n->kv_capacity_bytes));
+    n->devices[0].set_used_bytes(used_bytes);
+  } else {
+    for (auto& d : n->devices)
+      if (d.device() == home.device) d.set_used_bytes(used_bytes);
+  }
+}
+
 // Tells every alive GPU node that the KARAT node `name` at
 // `fabric_address` is lost (GpuNode.KaratNodeLost), so that the attention
 // outputs they still await from it fail at once.
@@ -1722,17 +1758,9 @@ absl::Status KaratService::ReplaceHome(const std::string& sid, int remaining,
   }
   std::string refusals;
   for (const Try& t : tries) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(Deadline(s_));
-    cl::ReserveRequest rreq;
-    rreq.set_session(key);
-    rreq.set_device(t.home.device);
-    rreq.set_tokens(tokens);
     cl::ReserveResponse rresp;
     grpc::Status st =
-        gpu_only
-            ? cl::GpuNode::NewStub(t.channel)->Reserve(&ctx, rreq, &rresp)
-            : cl::KaratNode::NewStub(t.channel)->Reserve(&ctx, rreq, &rresp);
+        ReserveKv(s_, t.channel, key, t.home.device, tokens, &rresp);
     if (!st.ok()) {
       absl::StrAppend(&refusals, refusals.empty() ? "" : "; ", t.name, "/",
                       t.home.device, ": ", st.error_message());
@@ -1744,16 +1772,9 @@ absl::Status KaratService::ReplaceHome(const std::string& sid, int remaining,
       return absl::UnavailableError(absl::StrCat(
           "node ", t.name, " went away while the session moved to it"));
     Session& session = s_->sessions_.at(sid);
-    session.home = t.home;
+    SetHomeLocked(s_, &session, &n->second, t.home, t.rank, rresp.used_bytes());
     session.kv_len = 0;
-    if (gpu_only) {
-      session.rank = t.rank;
-      if (n->second.devices.empty())
-        n->second.devices.push_back(KvDevice(n->second.kv_capacity_bytes));
-      n->second.devices[0].set_used_bytes(rresp.used_bytes());
-    } else {
-      for (auto& d : n->second.devices)
-        if (d.device() == t.home.device) d.set_used_bytes(rresp.used_bytes());
+    if (!gpu_only) {
       turn->placement.set_node_id(n->second.id);
       turn->placement.set_node_name(n->second.name);
       turn->placement.set_fabric_address(n->second.fabric_address);
@@ -1878,17 +1899,9 @@ KaratService::Attempt KaratService::TryAdmit(const std::string& session_id,
   absl::Status other_error;
   bool busy_refusal = false;
   for (const Try& t : tries) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(Deadline(s_));
-    cl::ReserveRequest rreq;
-    rreq.set_session(key);
-    rreq.set_device(t.home.device);
-    rreq.set_tokens(tokens);
     cl::ReserveResponse rresp;
     grpc::Status st =
-        gpu_only
-            ? cl::GpuNode::NewStub(t.channel)->Reserve(&ctx, rreq, &rresp)
-            : cl::KaratNode::NewStub(t.channel)->Reserve(&ctx, rreq, &rresp);
+        ReserveKv(s_, t.channel, key, t.home.device, tokens, &rresp);
     if (st.ok()) {
       absl::MutexLock lock(&s_->mu_);
       auto sit = s_->sessions_.find(session_id);
@@ -1904,17 +1917,8 @@ KaratService::Attempt KaratService::TryAdmit(const std::string& session_id,
                          << "/" << t.home.device;
       }
       if (replacing) session.kv_len = 0;
-      session.has_home = true;
-      session.home = t.home;
-      if (gpu_only) {
-        session.rank = t.rank;
-        if (n->second.devices.empty())
-          n->second.devices.push_back(KvDevice(n->second.kv_capacity_bytes));
-        n->second.devices[0].set_used_bytes(rresp.used_bytes());
-      } else {
-        for (auto& d : n->second.devices)
-          if (d.device() == t.home.device) d.set_used_bytes(rresp.used_bytes());
-      }
+      SetHomeLocked(s_, &session, &n->second, t.home, t.rank,
+                    rresp.used_bytes());
       // Admitted: the turn joins its rank's batch.
       gpu->active_turns++;
       s_->active_generations_++;

@@ -61,6 +61,44 @@ std::string Prompt(int s, int t) {
   return p;
 }
 
+// A new session with `seed`; FAILs the test when it cannot be created.
+std::string NewSession(karat::v1::Karat::Stub* stub, uint64_t seed) {
+  grpc::ClientContext ctx;
+  karat::v1::CreateSessionRequest req;
+  req.set_seed(seed);
+  karat::v1::Session sess;
+  REQUIRE(stub->CreateSession(&ctx, req, &sess).ok());
+  return sess.session_id();
+}
+
+// Checks `got[s][t]`, turn t of session s (data-plane key s + 1, created
+// first, second, ...), against the reference engine: prompt Prompt(s, t),
+// max_new[t] tokens at temperature[s], seed seeds[s].
+void CheckReference(const std::string& model_dir,
+                    const std::vector<std::vector<Turn>>& got,
+                    const std::vector<uint64_t>& seeds,
+                    const std::vector<float>& temperature,
+                    const std::vector<int>& max_new) {
+  auto files = LoadModel(model_dir);
+  REQUIRE(files.ok());
+  auto engine = ReferenceEngine::Create(*files);
+  REQUIRE(engine.ok());
+  for (size_t s = 0; s < got.size(); ++s) {
+    ReferenceSession ref;
+    ref.key = uint64_t(s + 1);
+    ref.seed = seeds[s];
+    for (size_t t = 0; t < got[s].size(); ++t) {
+      INFO("session " << s << " turn " << t);
+      INFO(got[s][t].status.error_message());
+      REQUIRE(got[s][t].status.ok());
+      auto want = (*engine)->RunTurn(&ref, EncodeText(Prompt(int(s), int(t))),
+                                     max_new[t], temperature[s]);
+      REQUIRE(want.ok());
+      CHECK(got[s][t].tokens == *want);
+    }
+  }
+}
+
 double Stat(const karat::v1::ClusterStatus& st, const std::string& node,
             const std::string& key) {
   for (const auto& n : st.nodes()) {
@@ -210,14 +248,8 @@ TEST_CASE("rebuild after a lost KARAT node keeps per-turn method state",
     auto stub = cluster.NewStub();
     std::vector<std::string> ids;
     std::vector<std::vector<Turn>> got(kSessions);
-    for (int s = 0; s < kSessions; ++s) {
-      grpc::ClientContext ctx;
-      karat::v1::CreateSessionRequest req;
-      req.set_seed(uint64_t(900 + s));
-      karat::v1::Session sess;
-      REQUIRE(stub->CreateSession(&ctx, req, &sess).ok());
-      ids.push_back(sess.session_id());
-    }
+    for (int s = 0; s < kSessions; ++s)
+      ids.push_back(NewSession(stub.get(), uint64_t(900 + s)));
     // Two turns, then one KARAT node goes away.
     for (int t = 0; t < 2; ++t) {
       for (int s = 0; s < kSessions; ++s) {
@@ -344,14 +376,7 @@ TEST_CASE("a GPU rank lost mid-turn: the turns resume, the rank rejoins",
   const uint64_t seeds[2] = {700, 701};
   const float temperature[2] = {0.0f, 0.8f};
   std::vector<std::string> ids;
-  for (uint64_t seed : seeds) {
-    grpc::ClientContext ctx;
-    karat::v1::CreateSessionRequest req;
-    req.set_seed(seed);
-    karat::v1::Session sess;
-    REQUIRE(stub->CreateSession(&ctx, req, &sess).ok());
-    ids.push_back(sess.session_id());
-  }
+  for (uint64_t seed : seeds) ids.push_back(NewSession(stub.get(), seed));
   // Every rank owns its block once both acknowledged it (a dense model has
   // none to own).
   auto owned = [&](const std::string& node) {
@@ -432,23 +457,8 @@ TEST_CASE("a GPU rank lost mid-turn: the turns resume, the rank rejoins",
   }
   CHECK(generated > 0);  // the restarted rank ran a turn
 
-  auto engine = ReferenceEngine::Create(*files);
-  REQUIRE(engine.ok());
-  const int max_new[2] = {kMaxNew, 8};
-  for (int s = 0; s < 2; ++s) {
-    ReferenceSession ref;
-    ref.key = uint64_t(s + 1);
-    ref.seed = seeds[s];
-    for (int t = 0; t < 2; ++t) {
-      INFO("session " << s << " turn " << t);
-      INFO(got[s][t].status.error_message());
-      REQUIRE(got[s][t].status.ok());
-      auto want = (*engine)->RunTurn(&ref, EncodeText(Prompt(s, t)), max_new[t],
-                                     temperature[s]);
-      REQUIRE(want.ok());
-      CHECK(got[s][t].tokens == *want);
-    }
-  }
+  CheckReference(cluster.model_dir(), got, {seeds[0], seeds[1]},
+                 {temperature[0], temperature[1]}, {kMaxNew, 8});
 }
 
 TEST_CASE("a KARAT node lost mid-turn: the turns resume on a new home",
@@ -465,14 +475,7 @@ TEST_CASE("a KARAT node lost mid-turn: the turns resume on a new home",
   const uint64_t seeds[2] = {800, 801};
   const float temperature[2] = {0.0f, 0.8f};
   std::vector<std::string> ids;
-  for (uint64_t seed : seeds) {
-    grpc::ClientContext ctx;
-    karat::v1::CreateSessionRequest req;
-    req.set_seed(seed);
-    karat::v1::Session sess;
-    REQUIRE(stub->CreateSession(&ctx, req, &sess).ok());
-    ids.push_back(sess.session_id());
-  }
+  for (uint64_t seed : seeds) ids.push_back(NewSession(stub.get(), seed));
   auto home_of = [&](const std::string& id) {
     grpc::ClientContext ctx;
     karat::v1::GetSessionRequest req;
@@ -516,25 +519,8 @@ TEST_CASE("a KARAT node lost mid-turn: the turns resume on a new home",
   CHECK(st.stats().at("sessions_rehomed") >= 1);
   CHECK(st.stats().at("turns_resumed") >= 1);
 
-  auto files = LoadModel(cluster.model_dir());
-  REQUIRE(files.ok());
-  auto engine = ReferenceEngine::Create(*files);
-  REQUIRE(engine.ok());
-  const int max_new[3] = {6, kMaxNew, 6};
-  for (int s = 0; s < 2; ++s) {
-    ReferenceSession ref;
-    ref.key = uint64_t(s + 1);
-    ref.seed = seeds[s];
-    for (int t = 0; t < 3; ++t) {
-      INFO("session " << s << " turn " << t);
-      INFO(got[s][t].status.error_message());
-      REQUIRE(got[s][t].status.ok());
-      auto want = (*engine)->RunTurn(&ref, EncodeText(Prompt(s, t)), max_new[t],
-                                     temperature[s]);
-      REQUIRE(want.ok());
-      CHECK(got[s][t].tokens == *want);
-    }
-  }
+  CheckReference(cluster.model_dir(), got, {seeds[0], seeds[1]},
+                 {temperature[0], temperature[1]}, {6, kMaxNew, 6});
 }
 
 TEST_CASE("a lost GPU rank whose experts the other cannot hold: turns refused",
@@ -550,14 +536,7 @@ TEST_CASE("a lost GPU rank whose experts the other cannot hold: turns refused",
       std::max(RankWeightBytes(*config, 0, 2), RankWeightBytes(*config, 1, 2));
   Cluster cluster(spec);
   auto stub = cluster.NewStub();
-  auto new_session = [&] {
-    grpc::ClientContext ctx;
-    karat::v1::CreateSessionRequest req;
-    req.set_seed(5);
-    karat::v1::Session sess;
-    REQUIRE(stub->CreateSession(&ctx, req, &sess).ok());
-    return sess.session_id();
-  };
+  auto new_session = [&] { return NewSession(stub.get(), 5); };
   const std::string id = new_session();
   Turn before = Generate(stub.get(), id, Prompt(0, 0), 4, 0.0f);
   INFO(before.status.error_message());
