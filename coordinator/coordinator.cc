@@ -24,6 +24,7 @@
 #include "cluster.grpc.pb.h"
 #include "common/link_rules.h"
 #include "common/log.h"
+#include "common/process_fault.h"
 #include "common/tokenizer.h"
 #include "coordinator/cluster_config.h"
 #include "coordinator/placement.h"
@@ -917,6 +918,64 @@ class AdminService final : public cl::Admin::Service {
     for (const auto& l : s_->links_) *resp->add_links() = l;
     resp->set_seed(s_->options().link_seed);
     return grpc::Status::OK;
+  }
+
+  grpc::Status InjectProcessFault(grpc::ServerContext*,
+                                  const cl::ProcessFaultRequest* req,
+                                  cl::ProcessFaultResponse* resp) override {
+    if (absl::Status valid =
+            ValidateProcessFault(req->action(), req->pause_ms());
+        !valid.ok())
+      return ToGrpc(valid);
+    std::shared_ptr<grpc::Channel> channel;
+    NodeRole role = NodeRole::kKarat;
+    {
+      absl::MutexLock lock(&s_->mu_);
+      std::vector<std::string> names;
+      for (const auto& [id, n] : s_->nodes_) {
+        if (n.name != req->node()) {
+          names.push_back(n.name);
+          continue;
+        }
+        // A restarted node registers again under the same name: the alive
+        // one is meant.
+        if (!s_->AliveLocked(n)) continue;
+        channel = n.channel;
+        role = n.role;
+      }
+      if (channel == nullptr) {
+        const bool known = std::any_of(
+            s_->nodes_.begin(), s_->nodes_.end(),
+            [&](const auto& e) { return e.second.name == req->node(); });
+        if (known)
+          return grpc::Status(
+              grpc::StatusCode::FAILED_PRECONDITION,
+              absl::StrCat("node ", req->node(), " is not alive"));
+        std::sort(names.begin(), names.end());
+        names.erase(std::unique(names.begin(), names.end()), names.end());
+        return grpc::Status(
+            grpc::StatusCode::NOT_FOUND,
+            absl::StrCat("no node named \"", req->node(), "\" (registered: ",
+                         names.empty() ? "none" : absl::StrJoin(names, ", "),
+                         ")"));
+      }
+    }
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline(s_));
+    cl::ProcessFaultRequest fault = *req;
+    grpc::Status st =
+        role == NodeRole::kGpu
+            ? cl::GpuNode::NewStub(channel)->InjectFault(&ctx, fault, resp)
+            : cl::KaratNode::NewStub(channel)->InjectFault(&ctx, fault, resp);
+    KLOG(Warning, kLog) << "process fault " << req->action() << " on node "
+                        << req->node()
+                        << (req->action() == "pause"
+                                ? absl::StrCat(" for ", req->pause_ms(), " ms")
+                                : std::string())
+                        << (st.ok() ? std::string()
+                                    : absl::StrCat(" failed: ",
+                                                   st.error_message()));
+    return st;
   }
 
  private:

@@ -7,10 +7,12 @@ add_library(karat_coordinator STATIC
   # The only compiled parts of common/ the coordinator needs (tokenizer.h and
   # status_macros.h are header-only): logging, and the model config and
   # tensor list for the config checks (RankWeightBytes), and the link rules
-  # (common/link_rules.h, shared with the nodes and karatctl). Compiled in so that
+  # (common/link_rules.h, shared with the nodes and karatctl), and the admin
+  # API's process-fault check (common/process_fault.h). Compiled in so that
   # the coordinator does not pull the model kernels and libfabric.
   common/log.cc
   common/link_rules.cc
+  common/process_fault.cc
   common/json.cc
   common/numeric.cc
   common/model_config.cc

@@ -17,6 +17,7 @@
 #include "common/membership.h"
 #include "common/model_runner.h"
 #include "common/node_daemon.h"
+#include "common/process_fault.h"
 #include "common/status_macros.h"
 #include "common/transport.h"
 #include "gpu_node/decode_loop.h"
@@ -223,6 +224,12 @@ class GpuNodeService final : public cluster::GpuNode::Service {
   }
 
   void set_links(LinkEmulator* links) { links_ = links; }
+
+  grpc::Status InjectFault(grpc::ServerContext*,
+                           const cluster::ProcessFaultRequest* request,
+                           cluster::ProcessFaultResponse*) override {
+    return ToGrpc(ScheduleProcessFault(request->action(), request->pause_ms()));
+  }
 
   grpc::Status KaratNodeLost(
       grpc::ServerContext*, const cluster::KaratNodeLostRequest* request,

@@ -19,6 +19,7 @@
 #include "common/membership.h"
 #include "common/model_config.h"
 #include "common/node_daemon.h"
+#include "common/process_fault.h"
 #include "common/status_macros.h"
 #include "common/transport.h"
 #include "karat_node/data_plane.h"
@@ -87,6 +88,12 @@ class KaratNodeService final : public cluster::KaratNode::Service {
     for (const auto& d : handler_->Devices()) *response->add_devices() = d;
     if (links_ != nullptr) links_->stats()->ExportTo(response->mutable_stats());
     return grpc::Status::OK;
+  }
+
+  grpc::Status InjectFault(grpc::ServerContext*,
+                           const cluster::ProcessFaultRequest* request,
+                           cluster::ProcessFaultResponse*) override {
+    return ToGrpc(ScheduleProcessFault(request->action(), request->pause_ms()));
   }
 
   // Link emulation of the data plane. GPU nodes are known to the data plane

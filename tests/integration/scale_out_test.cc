@@ -10,12 +10,14 @@
 #include <atomic>
 #include <catch2/catch.hpp>
 #include <chrono>
+#include <fstream>
 #include <map>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "cluster.grpc.pb.h"
 #include "common/model_config.h"
 #include "common/reference_engine.h"
 #include "common/tokenizer.h"
@@ -461,6 +463,37 @@ TEST_CASE("a GPU rank lost mid-turn: the turns resume, the rank rejoins",
                  {temperature[0], temperature[1]}, {kMaxNew, 8});
 }
 
+// Admin.InjectProcessFault through the coordinator.
+grpc::Status ProcessFault(const Cluster& cluster, const std::string& node,
+                          const std::string& action, int pause_ms = 0) {
+  auto admin = karat::cluster::Admin::NewStub(grpc::CreateChannel(
+      cluster.coordinator_address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  karat::cluster::ProcessFaultRequest req;
+  req.set_node(node);
+  req.set_action(action);
+  req.set_pause_ms(pause_ms);
+  karat::cluster::ProcessFaultResponse resp;
+  return admin->InjectProcessFault(&ctx, req, &resp);
+}
+
+// Whether process `pid` (a child of this one) has ended and not been reaped,
+// waiting for it up to 30 s.
+bool EndedUnreaped(pid_t pid) {
+  for (int i = 0; i < 3000; ++i) {
+    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+    std::string line;
+    std::getline(stat, line);
+    const size_t paren = line.rfind(')');
+    if (paren != std::string::npos && paren + 2 < line.size() &&
+        line[paren + 2] == 'Z')
+      return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return false;
+}
+
 TEST_CASE("a KARAT node lost mid-turn: the turns resume on a new home",
           "[integration]") {
   constexpr int kMaxNew = 40;
@@ -490,16 +523,30 @@ TEST_CASE("a KARAT node lost mid-turn: the turns resume on a new home",
     got[s].push_back(
         Generate(stub.get(), ids[s], Prompt(s, 0), 6, temperature[s]));
   const std::string lost = home_of(ids[0]);
-  REQUIRE(home_of(ids[1]) != lost);
+  const std::string kept = home_of(ids[1]);
+  REQUIRE(kept != lost);
   REQUIRE(cluster.pids().count(lost) == 1);
-  // Turn 1 of both; session 0's home is killed in the middle of it.
+  // The admin API refuses bad faults.
+  CHECK(ProcessFault(cluster, "nope", "kill").error_code() ==
+        grpc::StatusCode::NOT_FOUND);
+  grpc::Status bad = ProcessFault(cluster, lost, "explode");
+  CHECK(bad.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK(bad.error_message().find("action") != std::string::npos);
+  bad = ProcessFault(cluster, lost, "pause", 0);
+  CHECK(bad.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK(bad.error_message().find("pause_ms") != std::string::npos);
+  // Turn 1 of both: session 1's home is paused for a while, then session
+  // 0's home is killed, both through the admin API, in the middle of it.
   {
     StreamedTurn a, b;
     a.Start(stub.get(), ids[0], Prompt(0, 1), kMaxNew, temperature[0]);
     b.Start(stub.get(), ids[1], Prompt(1, 1), kMaxNew, temperature[1]);
     REQUIRE(a.WaitFor(3));
     REQUIRE(b.WaitFor(3));
-    cluster.Kill(lost);
+    REQUIRE(ProcessFault(cluster, kept, "pause", 300).ok());
+    REQUIRE(ProcessFault(cluster, lost, "kill").ok());
+    REQUIRE(EndedUnreaped(cluster.pids().at(lost)));
+    cluster.Kill(lost);  // reaps it and removes its shared memory
     a.thread.join();
     b.thread.join();
     got[0].push_back(a.result);

@@ -59,6 +59,10 @@ commands:
   link list
       Link emulation of the data plane (the coordinator pushes it to the
       nodes); `status` shows the rules and per-link counters too.
+  fault kill --node NAME
+  fault pause --node NAME --ms N
+      A process fault (DESIGN.md §7): the node dies by SIGKILL, or stops
+      (SIGSTOP) for N ms; the coordinator forwards it to the node.
   metrics
       The coordinator's counters (TTFT / TBT histograms, throughput, admission
       queue, micro-batch token imbalance per rank) and every node's counters
@@ -406,6 +410,27 @@ int Link(const std::string& address, const std::string& action,
   return resp.not_applied_size() > 0 ? 1 : 0;
 }
 
+int Fault(const std::string& address, const std::string& action,
+          const Flags& f) {
+  if (!f.Has("node")) Usage("fault " + action + " needs --node");
+  if (action == "pause" && !f.Has("ms")) Usage("fault pause needs --ms");
+  cluster::ProcessFaultRequest req;
+  req.set_node(f.Str("node"));
+  req.set_action(action);
+  req.set_pause_ms(static_cast<int32_t>(f.Int("ms", 0)));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  cluster::ProcessFaultResponse resp;
+  const grpc::Status gs =
+      AdminStub(address)->InjectProcessFault(&ctx, req, &resp);
+  if (!gs.ok()) return PrintError(FromGrpc(gs));
+  std::printf(
+      "%s %s%s\n", action == "kill" ? "killed" : "paused", req.node().c_str(),
+      action == "pause" ? absl::StrCat(" for ", req.pause_ms(), " ms").c_str()
+                        : "");
+  return 0;
+}
+
 // The coordinator's stats map in the Prometheus text format:
 // "<h>_bucket_le_<b>" / "<h>_count" / "<h>_sum" become the histogram
 // karat_coordinator_<h>, "rank.<r>.<name>" the series
@@ -585,7 +610,7 @@ int Main(int argc, char** argv) {
   if (command == "plan") return Plan(Flags(rest, {"config"}, {}));
 
   std::set<std::string> known, switches;
-  std::string link_action;
+  std::string link_action;  // or the fault action
   if (command == "generate") {
     known = {"prompt", "max-new-tokens", "temperature", "seed", "session"};
     switches = {"ids"};
@@ -602,6 +627,12 @@ int Main(int argc, char** argv) {
     rest.erase(rest.begin());
     known = {"from", "to", "latency-us", "jitter-us", "bandwidth-mbps", "loss"};
     switches = {"down", "up"};
+  } else if (command == "fault") {
+    if (rest.empty() || (rest[0] != "kill" && rest[0] != "pause"))
+      Usage("fault needs kill or pause");
+    link_action = rest[0];
+    rest.erase(rest.begin());
+    known = {"node", "ms"};
   } else if (command == "bench") {
     known = {"trace",        "sessions",           "turns",       "scale",
              "output-scale", "max-new-tokens-cap", "think-scale", "seed",
@@ -628,6 +659,7 @@ int Main(int argc, char** argv) {
   if (command == "status") return Status(client, address, flags);
   if (command == "metrics") return Metrics(client);
   if (command == "link") return Link(address, link_action, flags);
+  if (command == "fault") return Fault(address, link_action, flags);
 
   BenchOptions b;
   if (!flags.Has("trace") || !flags.Has("sessions") || !flags.Has("turns") ||
