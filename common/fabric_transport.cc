@@ -25,6 +25,30 @@
 // keeps a reference to it until the completion arrives, even when the call
 // times out, so the provider never reads freed memory.
 //
+// Asynchronous sends. SendSharedAsync() posts like SendShared() and returns;
+// the callback travels with the SendOp. Whoever decides the outcome (the
+// thread that reads the completion, the progress thread when the deadline
+// passes, FailPeer(), Shutdown()) queues the callback, and the progress
+// thread calls it at the top of its loop, with no lock held (never inside a
+// receive handler or a send, whose caller may hold locks the callback
+// takes); Shutdown() calls what is left once the progress thread stopped.
+// The deadlines are checked by the progress thread only while asynchronous
+// sends are in flight (its sleeps end by the earliest one), so an idle
+// endpoint stays idle. An RMA message is written and its notice posted at
+// once where the provider orders sends after writes; elsewhere the notice
+// must wait for the write's completion, and such a send is synchronous.
+//
+// Send ops. An op is recycled once the provider is done with it (its
+// completion, or the endpoint closed) and its owner (the waiting sender or
+// the callback) let go of it; an op whose outcome was decided early (a
+// timeout, FailPeer()) keeps its buffer and message reference until then.
+//
+// Failed peers. FailPeer() marks the peer (later sends fail at once, until
+// AddPeer() adds it again), decides the outcome of every op to it that is
+// not decided yet (a waiting sender wakes at once; a sender blocked on a
+// full transmit queue sees the mark at its next retry), and leaves the
+// buffers to the provider.
+//
 // Waiting. When the provider gives the CQ an FI_WAIT_FD wait object (tcp and
 // verbs through ofi_rxm), the progress thread sleeps in poll() on that fd and
 // on an eventfd used to wake it, after fi_trywait() says sleeping is safe. The
@@ -299,6 +323,11 @@ struct ReleasedSlots {
   std::atomic<size_t> count{0};          // slots.size()
 };
 
+// A posted send. It is recycled once both the provider is done with it
+// (`completed`: its completion arrived, or the endpoint closed) and its owner
+// (`released`: the waiting sender, or the callback of an asynchronous send)
+// no longer looks at it; a send failed early (timeout, FailPeer()) keeps its
+// buffer until the provider is done.
 struct SendOp {
   OpContext op{{}, OpKind::kSend, this};
   std::unique_ptr<char[]> buffer;
@@ -306,14 +335,24 @@ struct SendOp {
   // A zero-copy send's message, held until its completion.
   std::shared_ptr<const std::string> owned;
   PeerId peer = kUnknownPeer;
-  // NowNs() when the send was queued; guarded by FabricTransport::send_mu_.
+  size_t len = 0;
+  // Unique per send (set when the op is taken for one), so that a pointer
+  // kept across an unlock can tell the same send from a later one at the
+  // same address. The rest is guarded by
+  // FabricTransport::send_mu_.
+  uint64_t generation = 0;
+  // NowNs() when the send was queued.
   int64_t queued_ns = 0;
   // Set with `done`, read without the lock by a spinning sender.
   std::atomic<bool> done_flag{false};
-  // Guarded by FabricTransport::send_mu_.
-  bool done = false;
-  bool abandoned = false;  // the sender gave up waiting; recycle on completion
+  bool done = false;       // the outcome (`status`) is decided
+  bool completed = false;  // the provider is done with the buffer
+  bool released = false;   // the owner no longer looks at the op
   absl::Status status;
+  // An asynchronous send's callback, until the outcome is decided, and the
+  // NowNs() after which it fails.
+  Transport::SendDone callback;
+  int64_t deadline_ns = 0;
 };
 
 // The sender's side of the landing zone a peer granted. Guarded by
@@ -355,6 +394,9 @@ struct Peer {
   // The endpoint user messages to this peer go out from (see "Send
   // endpoints"); null: the main endpoint. Closed by Shutdown().
   FidPtr<fid_ep> send_ep;
+  // Set by FailPeer(): sends fail with it until AddPeer() adds the address
+  // again.
+  absl::Status failed;
 };
 
 // What SendImpl posts: a message (with remote CQ data when `has_data`) or
@@ -383,6 +425,10 @@ class FabricTransport final : public Transport {
   absl::Status Send(PeerId peer, const void* data, size_t len) override;
   absl::Status SendShared(PeerId peer,
                           std::shared_ptr<const std::string> message) override;
+  absl::Status SendSharedAsync(PeerId peer,
+                               std::shared_ptr<const std::string> message,
+                               SendDone done) override;
+  absl::Status FailPeer(PeerId peer, const absl::Status& reason) override;
   void SetPeerReceiveHandler(PeerReceiveHandler handler) override;
   std::string PeerName(PeerId peer) const override;
   size_t MaxMessageSize() const override { return options_.max_message_size; }
@@ -459,20 +505,29 @@ class FabricTransport final : public Transport {
   void SendCredit(ZoneIn* zone);
   void FlushCredits();
   // Sends (or RMA-writes) one message; `owned`, when set, holds the bytes
-  // at `data` and lets the provider read them in place.
+  // at `data` and lets the provider read them in place. With `async` (a
+  // non-empty callback) the send does not wait for its completion: on OK
+  // the callback was either moved into the posted op (`*async` left empty)
+  // or left in place, meaning the message is complete already (inject); on
+  // an error it is left in place (not to be called).
   absl::Status SendMessage(PeerId peer, const char* data, size_t len,
-                           std::shared_ptr<const std::string> owned);
+                           std::shared_ptr<const std::string> owned,
+                           SendDone* async = nullptr);
   // The RMA path of SendMessage(): nullopt when the message must go as a
   // plain message instead (no zone yet, zone full, or a handshake started).
+  // `async` only where the provider orders sends after writes.
   std::optional<absl::Status> TrySendRma(
       PeerId peer, const char* data, size_t len,
-      std::shared_ptr<const std::string>* owned);
+      std::shared_ptr<const std::string>* owned, SendDone* async);
   absl::Status SendControl(PeerId peer, ControlKind kind,
                            std::string_view body);
   absl::Status SendImpl(PeerId peer, const char* data, size_t len,
                         std::shared_ptr<const std::string> owned,
                         const WireOp& wire = WireOp(),
-                        bool* post_failed = nullptr);
+                        bool* post_failed = nullptr, SendDone* async = nullptr);
+  // The error a send to `peer` fails with at once (FailPeer()); OK when
+  // none.
+  absl::Status PeerFailure(PeerId peer) const;
   // Messages up to the provider's inject size: the provider copies them at
   // once and reports no completion, so nothing waits.
   absl::Status InjectSend(PeerId peer, fid_ep* ep, fi_addr_t fi_addr,
@@ -498,9 +553,27 @@ class FabricTransport final : public Transport {
   // CQ itself, since nobody else will.
   void AwaitSendOnProgressThread(SendOp* op, size_t len, absl::Time deadline);
   void HandleError();
+  // The provider is done with `op` (its completion, or an error).
   void CompleteSend(SendOp* op, absl::Status status);
+  // Decides `op`'s outcome: wakes its waiting sender, or queues its callback
+  // for RunReadyCallbacks(); recycles it when the provider is done too.
+  void FinishOp(SendOp* op, absl::Status status)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(send_mu_);
+  // Calls the callbacks whose outcome is decided, with no lock held: on the
+  // progress thread at the top of its loop (never inside a receive handler
+  // or a send, whose caller may hold locks a callback takes), and in
+  // Shutdown() once the progress thread stopped.
+  void RunReadyCallbacks();
+  // Fails the asynchronous sends whose deadline passed; cheap while none
+  // is in flight or due.
+  void ExpireAsyncSends();
+  // "send of N bytes to peer 'X' not completed within T ms", and what it may
+  // be waiting behind.
+  std::string TimeoutMessage(PeerId peer, size_t len, PeerId blocker) const;
   void RetryPendingReceives();
   void Wake();
+  // Sleeps until woken, a completion (fd mode) or `poll_backoff` (polling
+  // mode), and no later than the next asynchronous send's deadline.
   void WaitForWork(absl::Duration poll_backoff);
   SendOp* AcquireSendOp(size_t len);
   void RecycleSendOp(SendOp* op) ABSL_EXCLUSIVE_LOCKS_REQUIRED(send_mu_);
@@ -606,6 +679,19 @@ class FabricTransport final : public Transport {
   absl::Mutex send_mu_;
   absl::flat_hash_set<SendOp*> in_flight_ ABSL_GUARDED_BY(send_mu_);
   std::vector<std::unique_ptr<SendOp>> free_ops_ ABSL_GUARDED_BY(send_mu_);
+  // Callbacks of asynchronous sends whose outcome is decided, to call with
+  // no lock held; ready_count_ is its size, readable without the lock.
+  std::vector<std::pair<SendDone, absl::Status>> ready_callbacks_
+      ABSL_GUARDED_BY(send_mu_);
+  std::atomic<size_t> ready_count_{0};
+  // Asynchronous sends whose outcome is not decided yet, and the earliest
+  // deadline among them (INT64_MAX: none; may be earlier than the real
+  // one, which only costs a scan). Written under send_mu_.
+  std::atomic<int> async_in_flight_{0};
+  std::atomic<int64_t> next_async_deadline_ns_{INT64_MAX};
+  std::atomic<uint64_t> async_sent_{0}, sends_failed_peer_{0},
+      async_expired_{0};
+  std::atomic<uint64_t> next_generation_{1};
 
   absl::Mutex shutdown_mu_;
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
@@ -859,6 +945,7 @@ absl::StatusOr<PeerId> FabricTransport::InsertPeer(const std::string& name,
       peer.name = name;
       peer.learnt = false;
     }
+    if (!learnt) peer.failed = absl::OkStatus();  // added again: usable
     return it->second;
   }
   fi_addr_t fi_addr = FI_ADDR_UNSPEC;
@@ -972,6 +1059,10 @@ std::map<std::string, double> FabricTransport::Counters() const {
   c["messages_held"] = double(messages_held_.load());
   c["holds_returned"] = double(holds_returned_.load());
   c["rma_enabled"] = rma_ ? 1 : 0;
+  c["async_sends"] = double(async_sent_.load());
+  c["async_sends_in_flight"] = double(async_in_flight_.load());
+  c["async_sends_timed_out"] = double(async_expired_.load());
+  c["sends_failed_peer"] = double(sends_failed_peer_.load());
   return c;
 }
 
@@ -991,14 +1082,19 @@ SendOp* FabricTransport::AcquireSendOp(size_t len) {
   }
   op->done = false;
   op->done_flag.store(false, std::memory_order_relaxed);
-  op->abandoned = false;
+  op->completed = false;
+  op->released = false;
   op->status = absl::OkStatus();
+  op->len = 0;
+  op->deadline_ns = 0;
+  op->generation = next_generation_.fetch_add(1, std::memory_order_relaxed);
   return op.release();
 }
 
 void FabricTransport::RecycleSendOp(SendOp* op) {
   in_flight_.erase(op);
   op->owned.reset();
+  op->callback = nullptr;
   if (free_ops_.size() < kMaxCachedSendOps) {
     free_ops_.emplace_back(op);
   } else {
@@ -1023,20 +1119,61 @@ absl::Status FabricTransport::SendShared(
   return SendMessage(peer, data, len, std::move(message));
 }
 
+absl::Status FabricTransport::SendSharedAsync(
+    PeerId peer, std::shared_ptr<const std::string> message, SendDone done) {
+  if (message == nullptr) {
+    return absl::InvalidArgumentError("SendSharedAsync: null message");
+  }
+  if (!done) return absl::InvalidArgumentError("SendSharedAsync: no callback");
+  const char* data = message->data();
+  const size_t len = message->size();
+  // Small messages are copied into the op's buffer before SendMessage()
+  // returns; `message` keeps the bytes alive until then.
+  std::shared_ptr<const std::string> owned;
+  if (options_.zero_copy_threshold > 0 && len >= options_.zero_copy_threshold) {
+    owned = message;
+  }
+  if (rma_ && !send_after_write_ && len >= options_.rma_threshold &&
+      len <= options_.max_message_size) {
+    // The notice may only follow the write once it completed: waiting for
+    // that is the send, so this one is synchronous.
+    RETURN_IF_ERROR(SendMessage(peer, data, len, std::move(owned)));
+    async_sent_.fetch_add(1, std::memory_order_relaxed);
+    done(absl::OkStatus());
+    return absl::OkStatus();
+  }
+  RETURN_IF_ERROR(SendMessage(peer, data, len, std::move(owned), &done));
+  async_sent_.fetch_add(1, std::memory_order_relaxed);
+  if (done) done(absl::OkStatus());  // complete already (inject)
+  return absl::OkStatus();
+}
+
 absl::Status FabricTransport::SendMessage(
     PeerId peer, const char* data, size_t len,
-    std::shared_ptr<const std::string> owned) {
+    std::shared_ptr<const std::string> owned, SendDone* async) {
   if (rma_ && len >= options_.rma_threshold &&
       len <= options_.max_message_size) {
-    std::optional<absl::Status> sent = TrySendRma(peer, data, len, &owned);
+    // A failed peer gets no zone request either.
+    RETURN_IF_ERROR(PeerFailure(peer));
+    std::optional<absl::Status> sent =
+        TrySendRma(peer, data, len, &owned, async);
     if (sent.has_value()) return *std::move(sent);
   }
-  return SendImpl(peer, data, len, std::move(owned));
+  return SendImpl(peer, data, len, std::move(owned), WireOp(), nullptr, async);
+}
+
+absl::Status FabricTransport::PeerFailure(PeerId peer) const {
+  absl::MutexLock lock(&peers_mu_);
+  if (peer < 0 || static_cast<size_t>(peer) >= peers_.size()) {
+    return absl::OkStatus();  // reported as an unknown id by the caller
+  }
+  return peers_[peer].failed;
 }
 
 std::optional<absl::Status> FabricTransport::TrySendRma(
     PeerId peer, const char* data, size_t len,
-    std::shared_ptr<const std::string>* owned) {
+    std::shared_ptr<const std::string>* owned, SendDone* async) {
+  if (async != nullptr && !send_after_write_) async = nullptr;
   ZoneOut* zone;
   {
     absl::MutexLock lock(&peers_mu_);
@@ -1118,7 +1255,8 @@ std::optional<absl::Status> FabricTransport::TrySendRma(
   const std::string_view notice_body(reinterpret_cast<const char*>(&notice),
                                      sizeof(notice));
   if (send_after_write_) wire.notice = notice_body;
-  absl::Status status = SendImpl(peer, data, len, *owned, wire, &post_failed);
+  absl::Status status =
+      SendImpl(peer, data, len, *owned, wire, &post_failed, async);
   if (status.ok() && !send_after_write_) {
     status = SendControl(peer, ControlKind::kRmaNotice, notice_body);
   }
@@ -1138,7 +1276,8 @@ std::optional<absl::Status> FabricTransport::TrySendRma(
       absl::MutexLock lock(&rma_mu_);
       zone->state = ZoneOut::State::kRefused;
     }
-    return SendImpl(peer, data, len, std::move(*owned));
+    return SendImpl(peer, data, len, std::move(*owned), WireOp(), nullptr,
+                    async);
   }
   return status;
 }
@@ -1190,6 +1329,7 @@ absl::Status FabricTransport::InjectSend(PeerId peer, fid_ep* send_ep,
     if (deadline == absl::InfiniteFuture()) {
       deadline = absl::Now() + absl::Milliseconds(options_.send_timeout_ms);
     }
+    if (absl::Status failed = PeerFailure(peer); !failed.ok()) return failed;
     // The transmit queue is full: reap completions to free it.
     if (DrainCompletions(/*try_only=*/!OnProgressThread()) > 0) {
       backoff = kMinPollBackoff;
@@ -1218,7 +1358,8 @@ absl::Status FabricTransport::InjectSend(PeerId peer, fid_ep* send_ep,
 absl::Status FabricTransport::SendImpl(PeerId peer, const char* data,
                                        size_t len,
                                        std::shared_ptr<const std::string> owned,
-                                       const WireOp& wire, bool* post_failed) {
+                                       const WireOp& wire, bool* post_failed,
+                                       SendDone* async) {
   if (len > options_.max_message_size) {
     return absl::InvalidArgumentError(
         absl::StrCat("message of ", len, " bytes exceeds the maximum of ",
@@ -1232,6 +1373,7 @@ absl::Status FabricTransport::SendImpl(PeerId peer, const char* data,
     if (peer < 0 || static_cast<size_t>(peer) >= peers_.size()) {
       return absl::InvalidArgumentError(absl::StrCat("unknown peer id ", peer));
     }
+    if (!peers_[peer].failed.ok()) return peers_[peer].failed;
     fi_addr = peers_[peer].fi_addr;
     send_ep = peers_[peer].send_ep.get();
   }
@@ -1244,6 +1386,7 @@ absl::Status FabricTransport::SendImpl(PeerId peer, const char* data,
 
   SendOp* op = AcquireSendOp(owned != nullptr ? 0 : len);
   op->peer = peer;
+  op->len = len;
   const char* payload = op->buffer.get();
   if (owned != nullptr) {
     op->owned = std::move(owned);
@@ -1303,6 +1446,10 @@ absl::Status FabricTransport::SendImpl(PeerId peer, const char* data,
           wire.write ? "fi_writemsg" : "fi_send", " failed: ", FiError(rc)));
       break;
     }
+    if (absl::Status failed = PeerFailure(peer); !failed.ok()) {
+      post_status = std::move(failed);
+      break;
+    }
     // The transmit queue is full: reap completions to free it.
     if (DrainCompletions(/*try_only=*/!OnProgressThread()) > 0) {
       backoff = kMinPollBackoff;
@@ -1325,7 +1472,7 @@ absl::Status FabricTransport::SendImpl(PeerId peer, const char* data,
   }
   if (!post_status.ok()) {
     absl::MutexLock lock(&send_mu_);
-    RecycleSendOp(op);
+    RecycleSendOp(op);  // never posted: nothing else refers to it
     return post_status;
   }
   last_activity_ns_.store(NowNs(), std::memory_order_relaxed);
@@ -1341,6 +1488,41 @@ absl::Status FabricTransport::SendImpl(PeerId peer, const char* data,
                         : SendImpl(peer, wire.notice.data(), wire.notice.size(),
                                    nullptr, control);
   }
+  if (async != nullptr) {
+    // Asynchronous: the callback goes with the op; whoever decides the
+    // outcome calls it (the deadline is the progress thread's to enforce).
+    {
+      absl::MutexLock lock(&send_mu_);
+      if (op->done) {
+        // Completed, failed (FailPeer) or ended by Shutdown() already: the
+        // caller learns it now. An error returns with the callback left to
+        // the caller; a completion leaves it in place, for the caller to
+        // call (no lock held there).
+        absl::Status early = op->status;
+        op->released = true;
+        if (op->completed) RecycleSendOp(op);
+        if (early.ok()) early = notice_status;
+        return early;
+      }
+      op->callback = std::move(*async);
+      *async = nullptr;
+      op->deadline_ns = absl::ToUnixNanos(deadline);
+      async_in_flight_.fetch_add(1, std::memory_order_relaxed);
+      if (op->deadline_ns <
+          next_async_deadline_ns_.load(std::memory_order_relaxed)) {
+        next_async_deadline_ns_.store(op->deadline_ns,
+                                      std::memory_order_relaxed);
+      }
+      if (!notice_status.ok()) FinishOp(op, notice_status);
+    }
+    // Manual-progress providers move data only when the CQ is read, and the
+    // deadline is checked by the progress thread: make sure it runs.
+    if (!OnProgressThread() &&
+        progress_sleeping_.load(std::memory_order_seq_cst)) {
+      Wake();
+    }
+    return absl::OkStatus();
+  }
   if (OnProgressThread()) {
     AwaitSendOnProgressThread(op, len, deadline);
   } else if (!SpinForSend(op, len, deadline)) {
@@ -1353,17 +1535,23 @@ absl::Status FabricTransport::SendImpl(PeerId peer, const char* data,
   {
     absl::MutexLock lock(&send_mu_);
     send_mu_.AwaitWithDeadline(absl::Condition(&op->done), deadline);
+    // From now on the op is the provider's only: it is recycled when its
+    // completion arrives, or when Shutdown() closes the endpoint.
+    op->released = true;
     if (op->done) {
       absl::Status status = std::move(op->status);
-      RecycleSendOp(op);
+      if (op->completed) RecycleSendOp(op);
       if (status.ok()) status = notice_status;
       return status;
     }
-    // The buffer still belongs to the provider; the progress thread recycles
-    // the op when its completion arrives, Shutdown() when the endpoint closes.
-    op->abandoned = true;
+    op->done = true;  // timed out; FailPeer() and Shutdown() skip it
     blocker = OldestOtherSend(op);
   }
+  return absl::UnavailableError(TimeoutMessage(peer, len, blocker));
+}
+
+std::string FabricTransport::TimeoutMessage(PeerId peer, size_t len,
+                                            PeerId blocker) const {
   std::string cause;
   if (blocker != kUnknownPeer) {
     cause = absl::StrCat("; an earlier send to peer '", PeerName(blocker),
@@ -1376,15 +1564,15 @@ absl::Status FabricTransport::SendImpl(PeerId peer, const char* data,
           "one from this endpoint");
     }
   }
-  return absl::UnavailableError(absl::StrCat(
-      "send of ", len, " bytes to peer '", PeerName(peer),
-      "' not completed within ", options_.send_timeout_ms, " ms", cause));
+  return absl::StrCat("send of ", len, " bytes to peer '", PeerName(peer),
+                      "' not completed within ", options_.send_timeout_ms,
+                      " ms", cause);
 }
 
 PeerId FabricTransport::OldestOtherSend(const SendOp* op) const {
   const SendOp* oldest = nullptr;
   for (const SendOp* other : in_flight_) {
-    if (other == op || other->done || other->peer == op->peer ||
+    if (other == op || other->completed || other->peer == op->peer ||
         other->queued_ns > op->queued_ns) {
       continue;
     }
@@ -1455,13 +1643,17 @@ void FabricTransport::WaitForWork(absl::Duration poll_backoff) {
   pollfd fds[2];
   int nfds = 0;
   fds[nfds++] = pollfd{wake_fd_.get(), POLLIN, 0};
-  timespec timeout;
+  absl::Duration wait = poll_backoff;
   if (cq_fd_ >= 0) {
     fds[nfds++] = pollfd{cq_fd_, POLLIN, 0};
-    timeout = absl::ToTimespec(absl::Milliseconds(kWaitTimeoutMs));
-  } else {
-    timeout = absl::ToTimespec(poll_backoff);
+    wait = absl::Milliseconds(kWaitTimeoutMs);
   }
+  if (async_in_flight_.load(std::memory_order_relaxed) > 0) {
+    const int64_t until =
+        next_async_deadline_ns_.load(std::memory_order_relaxed) - NowNs();
+    wait = std::min(wait, absl::Nanoseconds(std::max<int64_t>(until, 0)));
+  }
+  const timespec timeout = absl::ToTimespec(wait);
   const int rc = ppoll(fds, nfds, &timeout, nullptr);
   if (rc > 0 && (fds[0].revents & POLLIN)) {
     uint64_t value;
@@ -1479,6 +1671,8 @@ void FabricTransport::ProgressLoop() {
   while (!stop_.load(std::memory_order_acquire)) {
     RepostReleased();
     RetryPendingReceives();
+    ExpireAsyncSends();
+    RunReadyCallbacks();
     if (DeliverOne()) {
       backoff = kMinPollBackoff;
       last_completion = absl::Now();
@@ -1520,8 +1714,8 @@ void FabricTransport::ProgressLoop() {
     // A sender that queues a receive from now on sees the flag and wakes us;
     // one queued before is seen here.
     progress_sleeping_.store(true, std::memory_order_seq_cst);
-    bool queued;
-    {
+    bool queued = ready_count_.load() > 0;
+    if (!queued) {
       absl::MutexLock lock(&recv_mu_);
       queued = !received_.empty();
     }
@@ -1592,6 +1786,11 @@ int FabricTransport::DrainCompletions(bool try_only) {
   }
   cq_mu_.Unlock();
   if (handled > 0) last_activity_ns_.store(NowNs(), std::memory_order_relaxed);
+  // Callbacks run on the progress thread, at the top of its loop.
+  if (!OnProgressThread() && ready_count_.load() > 0 &&
+      progress_sleeping_.load(std::memory_order_seq_cst)) {
+    Wake();
+  }
   return handled;
 }
 
@@ -2048,13 +2247,125 @@ void FabricTransport::HandleError() {
 
 void FabricTransport::CompleteSend(SendOp* op, absl::Status status) {
   absl::MutexLock lock(&send_mu_);
-  if (op->abandoned) {
+  op->completed = true;
+  if (!op->done) {
+    FinishOp(op, std::move(status));
+  } else if (op->released) {
     RecycleSendOp(op);
-    return;
   }
+}
+
+void FabricTransport::FinishOp(SendOp* op, absl::Status status) {
   op->status = std::move(status);
   op->done = true;
   op->done_flag.store(true, std::memory_order_release);
+  if (op->callback) {
+    ready_callbacks_.emplace_back(std::move(op->callback), op->status);
+    ready_count_.fetch_add(1);
+    op->callback = nullptr;
+    op->released = true;
+    async_in_flight_.fetch_sub(1, std::memory_order_relaxed);
+  }
+  if (op->released && op->completed) RecycleSendOp(op);
+}
+
+void FabricTransport::RunReadyCallbacks() {
+  while (ready_count_.load() > 0) {
+    std::vector<std::pair<SendDone, absl::Status>> ready;
+    {
+      absl::MutexLock lock(&send_mu_);
+      ready.swap(ready_callbacks_);
+      ready_count_.store(0);
+    }
+    for (auto& [done, status] : ready) done(std::move(status));
+  }
+}
+
+void FabricTransport::ExpireAsyncSends() {
+  if (async_in_flight_.load(std::memory_order_relaxed) == 0) return;
+  const int64_t now = NowNs();
+  if (now < next_async_deadline_ns_.load(std::memory_order_relaxed)) return;
+  struct Expired {
+    SendOp* op;
+    uint64_t generation;
+    PeerId peer;
+    size_t len;
+    PeerId blocker;
+  };
+  std::vector<Expired> expired;
+  {
+    absl::MutexLock lock(&send_mu_);
+    int64_t next = INT64_MAX;
+    for (SendOp* op : in_flight_) {
+      if (!op->callback || op->done) continue;
+      if (op->deadline_ns <= now) {
+        expired.push_back(Expired{op, op->generation, op->peer, op->len,
+                                  OldestOtherSend(op)});
+      } else {
+        next = std::min(next, op->deadline_ns);
+      }
+    }
+    next_async_deadline_ns_.store(next, std::memory_order_relaxed);
+  }
+  if (expired.empty()) return;
+  // Messages name peers with PeerName(), not under send_mu_.
+  std::vector<absl::Status> statuses;
+  statuses.reserve(expired.size());
+  for (const Expired& e : expired) {
+    statuses.push_back(
+        absl::UnavailableError(TimeoutMessage(e.peer, e.len, e.blocker)));
+  }
+  {
+    absl::MutexLock lock(&send_mu_);
+    for (size_t i = 0; i < expired.size(); ++i) {
+      SendOp* op = expired[i].op;
+      // Still the same send (an op is recycled only once it is done), and
+      // not completed meanwhile.
+      if (!in_flight_.contains(op) || op->generation != expired[i].generation ||
+          op->done) {
+        continue;
+      }
+      async_expired_.fetch_add(1, std::memory_order_relaxed);
+      FinishOp(op, statuses[i]);
+    }
+  }
+  for (const absl::Status& status : statuses) {
+    KLOG(Warning, kLogModule) << status.message();
+  }
+}
+
+absl::Status FabricTransport::FailPeer(PeerId peer,
+                                       const absl::Status& reason) {
+  absl::Status failure;
+  std::string name;
+  {
+    absl::MutexLock lock(&peers_mu_);
+    if (peer < 0 || static_cast<size_t>(peer) >= peers_.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("unknown peer id ", peer));
+    }
+    name = peers_[peer].name;
+    failure = absl::UnavailableError(absl::StrCat(
+        "send to peer '", name, "': peer failed: ", reason.message()));
+    peers_[peer].failed = failure;
+  }
+  int ended = 0;
+  {
+    absl::MutexLock lock(&send_mu_);
+    std::vector<SendOp*> ops;
+    for (SendOp* op : in_flight_) {
+      if (op->peer == peer && !op->done) ops.push_back(op);
+    }
+    for (SendOp* op : ops) {
+      FinishOp(op, failure);
+      ++ended;
+    }
+  }
+  sends_failed_peer_.fetch_add(ended, std::memory_order_relaxed);
+  KLOG(Info, kLogModule) << "peer '" << name << "' failed (" << reason.message()
+                         << "): " << ended << " sends in progress ended";
+  // The callbacks of the asynchronous ones run on the progress thread.
+  if (!OnProgressThread()) Wake();
+  return absl::OkStatus();
 }
 
 void FabricTransport::Shutdown() {
@@ -2095,19 +2406,24 @@ void FabricTransport::Shutdown() {
     fabric_.reset();
     info_.reset();
   }
-  absl::MutexLock lock(&send_mu_);
-  std::vector<SendOp*> ops(in_flight_.begin(), in_flight_.end());
-  for (SendOp* op : ops) {
-    if (op->abandoned) {
-      in_flight_.erase(op);
-      delete op;
-    } else if (!op->done) {
-      op->status = absl::UnavailableError(
-          "transport shut down before the send completed");
-      op->done = true;
-      op->done_flag.store(true, std::memory_order_release);
+  {
+    // The endpoints are closed: the provider is done with every buffer. A
+    // thread still handling completions it read before (cq_mu_) finishes
+    // first, so that no op it refers to is recycled under it.
+    absl::MutexLock cq_lock(&cq_mu_);
+    absl::MutexLock lock(&send_mu_);
+    std::vector<SendOp*> ops(in_flight_.begin(), in_flight_.end());
+    for (SendOp* op : ops) {
+      op->completed = true;
+      if (!op->done) {
+        FinishOp(op, absl::UnavailableError(
+                         "transport shut down before the send completed"));
+      } else if (op->released) {
+        RecycleSendOp(op);
+      }
     }
   }
+  RunReadyCallbacks();
 }
 
 }  // namespace

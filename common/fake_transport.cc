@@ -140,6 +140,9 @@ struct PeerTable {
   struct Peer {
     std::string name;
     std::string address;
+    // Set by FailPeer(): sends fail with it until AddPeer() adds the address
+    // again.
+    absl::Status failed;
   };
   mutable absl::Mutex mu;
   std::vector<Peer> peers ABSL_GUARDED_BY(mu);
@@ -172,10 +175,11 @@ class FakeTransport final : public Transport {
     absl::MutexLock lock(&table_->mu);
     if (auto it = table_->by_address.find(address);
         it != table_->by_address.end()) {
+      table_->peers[it->second].failed = absl::OkStatus();
       return it->second;
     }
     const PeerId id = static_cast<PeerId>(table_->peers.size());
-    table_->peers.push_back(PeerTable::Peer{name, address});
+    table_->peers.push_back(PeerTable::Peer{name, address, absl::OkStatus()});
     table_->by_address.emplace(address, id);
     return id;
   }
@@ -218,6 +222,19 @@ class FakeTransport final : public Transport {
         });
   }
 
+  // Messages are queued at once, so there is never a send in progress to
+  // end: only later sends fail.
+  absl::Status FailPeer(PeerId peer, const absl::Status& reason) override {
+    absl::MutexLock lock(&table_->mu);
+    if (peer < 0 || static_cast<size_t>(peer) >= table_->peers.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("unknown peer id ", peer));
+    }
+    table_->peers[peer].failed = absl::UnavailableError(
+        absl::StrCat("send to peer '", table_->peers[peer].name,
+                     "': peer failed: ", reason.message()));
+    return absl::OkStatus();
+  }
+
   size_t MaxMessageSize() const override { return kFakeMaxMessageSize; }
 
   void Shutdown() override {
@@ -257,6 +274,7 @@ class FakeTransport final : public Transport {
       }
       target = table_->peers[peer];
     }
+    if (!target.failed.ok()) return target.failed;
     std::shared_ptr<Mailbox> mailbox = fabric_->Find(target.address);
     if (mailbox == nullptr || !mailbox->Deliver(address_, std::move(message))) {
       return absl::UnavailableError(absl::StrCat(

@@ -29,8 +29,16 @@ constexpr const char* kLogModule = "link";
 struct Pending {
   std::shared_ptr<const std::string> data;
   absl::Time deliver_at;
-  absl::Time sent_at;  // when Send() was called
+  absl::Time sent_at;        // when Send() was called
+  Transport::SendDone done;  // SendSharedAsync()'s callback, or empty
 };
+
+// Calls the callbacks of discarded messages with `status` (no lock held).
+void FailPending(std::deque<Pending>& discarded, const absl::Status& status) {
+  for (Pending& p : discarded) {
+    if (p.done) p.done(status);
+  }
+}
 
 }  // namespace
 
@@ -49,6 +57,8 @@ struct LinkEmulator::Impl {
     absl::Time last_delivery ABSL_GUARDED_BY(mu) = absl::InfinitePast();
     std::mt19937_64 rng ABSL_GUARDED_BY(mu);
     bool stop ABSL_GUARDED_BY(mu) = false;
+    // Set by FailPeer() until AddPeer() adds the peer again.
+    absl::Status failed ABSL_GUARDED_BY(mu);
     bool thread_started ABSL_GUARDED_BY(mu) = false;
     absl::CondVar cv;
     std::thread thread;
@@ -113,8 +123,15 @@ void LinkEmulator::Impl::DeliveryLoop(Link* link) {
       for (size_t i = 0; i < link->queue.size(); ++i) {
         stats.RecordFailed(link->name);
       }
-      link->queue.clear();
+      std::deque<Pending> discarded;
+      discarded.swap(link->queue);
       link->queued_bytes = 0;
+      const absl::Status down = absl::UnavailableError(
+          absl::StrCat("send to peer '", link->name, "': link ",
+                       options.local_name, " -> ", link->name, " went down"));
+      link->mu.Unlock();
+      FailPending(discarded, down);
+      link->mu.Lock();
       continue;
     }
     const absl::Time now = absl::Now();
@@ -128,6 +145,29 @@ void LinkEmulator::Impl::DeliveryLoop(Link* link) {
     link->queued_bytes -= size;
     const std::string name = link->name;
     link->mu.Unlock();
+    if (p.done) {
+      // The delivery thread goes on with the next message; the outcome goes
+      // to the sender's callback.
+      std::shared_ptr<LinkStats> counters = options.stats;
+      const absl::Time sent_at = p.sent_at;
+      Transport::SendDone done = std::move(p.done);
+      const absl::Status status = inner->SendSharedAsync(
+          link->id, std::move(p.data),
+          [counters, name, size, sent_at, done](absl::Status s) {
+            if (s.ok()) {
+              counters->RecordSent(name, size, absl::Now() - sent_at);
+            } else {
+              counters->RecordFailed(name);
+            }
+            done(std::move(s));
+          });
+      if (!status.ok()) {
+        stats.RecordFailed(name);
+        done(status);
+      }
+      link->mu.Lock();
+      continue;
+    }
     const absl::Status status = inner->SendShared(link->id, std::move(p.data));
     if (status.ok()) {
       stats.RecordSent(name, size, absl::Now() - p.sent_at);
@@ -148,6 +188,8 @@ void LinkEmulator::Impl::StopLinks() {
     for (auto& [id, link] : links) all.push_back(link.get());
   }
   for (Link* link : all) {
+    std::deque<Pending> discarded;
+    std::string name;
     {
       absl::MutexLock lock(&link->mu);
       link->stop = true;
@@ -155,10 +197,14 @@ void LinkEmulator::Impl::StopLinks() {
         KLOG(Info, kLogModule) << "shutdown discards " << link->queue.size()
                                << " messages queued to '" << link->name << "'";
       }
-      link->queue.clear();
+      discarded.swap(link->queue);
       link->queued_bytes = 0;
       link->cv.SignalAll();
+      name = link->name;
     }
+    FailPending(discarded,
+                absl::UnavailableError(absl::StrCat(
+                    "send to peer '", name, "': transport is shut down")));
   }
 }
 
@@ -260,6 +306,9 @@ absl::StatusOr<PeerId> LinkEmulator::AddPeer(const std::string& name,
         ResolveLink(impl_->rules, impl_->options.local_name, slot->name);
     slot->stop = impl_->shut_down;
     slot->rng.seed(impl_->LinkSeed(slot->name));
+  } else {
+    absl::MutexLock link_lock(&slot->mu);
+    slot->failed = absl::OkStatus();  // added again: usable
   }
   return id;
 }
@@ -278,9 +327,43 @@ absl::Status LinkEmulator::SendShared(
   return SendMessage(peer, data, len, std::move(message));
 }
 
+absl::Status LinkEmulator::SendSharedAsync(
+    PeerId peer, std::shared_ptr<const std::string> message, SendDone done) {
+  if (message == nullptr) {
+    return absl::InvalidArgumentError("SendSharedAsync: null message");
+  }
+  if (!done) return absl::InvalidArgumentError("SendSharedAsync: no callback");
+  const char* data = message->data();
+  const size_t len = message->size();
+  return SendMessage(peer, data, len, std::move(message), &done);
+}
+
+absl::Status LinkEmulator::FailPeer(PeerId peer, const absl::Status& reason) {
+  Impl::Link* link = impl_->Find(peer);
+  if (link == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown peer id ", peer));
+  }
+  std::deque<Pending> discarded;
+  absl::Status failure;
+  {
+    absl::MutexLock lock(&link->mu);
+    failure = absl::UnavailableError(absl::StrCat(
+        "send to peer '", link->name, "': peer failed: ", reason.message()));
+    link->failed = failure;
+    for (size_t i = 0; i < link->queue.size(); ++i) {
+      impl_->options.stats->RecordFailed(link->name);
+    }
+    discarded.swap(link->queue);
+    link->queued_bytes = 0;
+    link->cv.SignalAll();
+  }
+  FailPending(discarded, failure);
+  return impl_->inner->FailPeer(peer, reason);
+}
+
 absl::Status LinkEmulator::SendMessage(
     PeerId peer, const char* data, size_t len,
-    std::shared_ptr<const std::string> shared) {
+    std::shared_ptr<const std::string> shared, SendDone* async) {
   Impl::Link* link = impl_->Find(peer);
   LinkStats& stats = *impl_->options.stats;
   if (link == nullptr) {
@@ -288,6 +371,7 @@ absl::Status LinkEmulator::SendMessage(
   }
   const absl::Time start = absl::Now();
   std::string name;
+  bool lost = false;
   {
     absl::MutexLock lock(&link->mu);
     name = link->name;
@@ -302,16 +386,19 @@ absl::Status LinkEmulator::SendMessage(
       return absl::UnavailableError(absl::StrCat("send to peer '", link->name,
                                                  "': transport is shut down"));
     }
+    if (!link->failed.ok()) return link->failed;
     if (s.Active() || !link->queue.empty()) {
       if (s.loss > 0 && std::uniform_real_distribution<double>(
                             0.0, 1.0)(link->rng) < s.loss) {
         stats.RecordDropped(name);
-        return absl::OkStatus();
+        lost = true;
       }
+    }
+    if (!lost && (s.Active() || !link->queue.empty())) {
       const size_t max_queued = impl_->options.max_queued_bytes;
       // Runs under link->mu (absl::Condition evaluates it with the lock).
       auto has_room = [link, len, max_queued]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-        return link->stop || link->queue.empty() ||
+        return link->stop || !link->failed.ok() || link->queue.empty() ||
                link->queued_bytes + len <= max_queued;
       };
       link->mu.Await(absl::Condition(&has_room));
@@ -319,6 +406,7 @@ absl::Status LinkEmulator::SendMessage(
         return absl::UnavailableError(absl::StrCat(
             "send to peer '", link->name, "': transport is shut down"));
       }
+      if (!link->failed.ok()) return link->failed;
       const absl::Time now = absl::Now();
       absl::Time ready = now;
       if (s.bandwidth_mbps > 0) {
@@ -338,7 +426,9 @@ absl::Status LinkEmulator::SendMessage(
       if (shared == nullptr) {
         shared = std::make_shared<const std::string>(data, len);
       }
-      link->queue.push_back(Pending{std::move(shared), deliver_at, start});
+      Pending pending{std::move(shared), deliver_at, start, nullptr};
+      if (async != nullptr) pending.done = std::move(*async);
+      link->queue.push_back(std::move(pending));
       link->queued_bytes += len;
       if (!link->thread_started) {
         link->thread_started = true;
@@ -347,6 +437,33 @@ absl::Status LinkEmulator::SendMessage(
       link->cv.Signal();
       return absl::OkStatus();
     }
+  }
+  if (lost) {
+    // As Send() returns OK for a lost message, the callback gets OK.
+    if (async != nullptr) {
+      SendDone done = std::move(*async);
+      done(absl::OkStatus());
+    }
+    return absl::OkStatus();
+  }
+  if (async != nullptr) {
+    std::shared_ptr<LinkStats> counters = impl_->options.stats;
+    SendDone done = std::move(*async);
+    absl::Status status = impl_->inner->SendSharedAsync(
+        peer, std::move(shared),
+        [counters, name, len, start, done](absl::Status s) {
+          if (s.ok()) {
+            counters->RecordSent(name, len, absl::Now() - start);
+          } else {
+            counters->RecordFailed(name);
+          }
+          done(std::move(s));
+        });
+    if (!status.ok()) {
+      stats.RecordFailed(name);
+      *async = std::move(done);  // not sent: the caller keeps its callback
+    }
+    return status;
   }
   const absl::Status status =
       shared != nullptr ? impl_->inner->SendShared(peer, std::move(shared))

@@ -21,6 +21,11 @@
 // busy waiting); Send() then returns once the message is queued, and an
 // error of the delayed send is logged and counted as failed. A sender that
 // gets more than `max_queued_bytes` ahead of a link blocks until it drains.
+// SendSharedAsync() follows the same rules, and reports to its callback what
+// became of the message: OK when the wrapped transport completed it (or it
+// was lost, as a lost packet is not noticed), UNAVAILABLE when the link went
+// down, the peer was failed or the emulator shut down with the message
+// still queued, or the wrapped transport's error.
 #pragma once
 
 #include <cstdint>
@@ -76,6 +81,13 @@ class LinkEmulator final : public Transport {
   // link queues the reference instead of a copy.
   absl::Status SendShared(PeerId peer,
                           std::shared_ptr<const std::string> message) override;
+  absl::Status SendSharedAsync(PeerId peer,
+                               std::shared_ptr<const std::string> message,
+                               SendDone done) override;
+  // Discards the messages queued to `peer` (their callbacks get the
+  // failure), fails later sends until AddPeer() adds it again, and fails
+  // the peer in the wrapped transport.
+  absl::Status FailPeer(PeerId peer, const absl::Status& reason) override;
   // The wrapped transport's sender ids, names and counters, passed through.
   void SetPeerReceiveHandler(PeerReceiveHandler handler) override;
   std::string PeerName(PeerId peer) const override;
@@ -86,10 +98,12 @@ class LinkEmulator final : public Transport {
   void Shutdown() override;
 
  private:
-  // Send() and SendShared(): `shared`, when set, holds the `len` bytes at
-  // `data`.
+  // Send(), SendShared() and SendSharedAsync(): `shared`, when set, holds
+  // the `len` bytes at `data`; `async`, when set, the callback (moved out
+  // when the call returns OK).
   absl::Status SendMessage(PeerId peer, const char* data, size_t len,
-                           std::shared_ptr<const std::string> shared);
+                           std::shared_ptr<const std::string> shared,
+                           SendDone* async = nullptr);
 
   struct Impl;
   std::unique_ptr<Impl> impl_;

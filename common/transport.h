@@ -55,6 +55,49 @@ class Transport {
                                   std::shared_ptr<const std::string> message) {
     return Send(peer, message->data(), message->size());
   }
+  // The outcome of an asynchronous send (SendSharedAsync()).
+  using SendDone = std::function<void(absl::Status)>;
+  // Sends `*message` like SendShared(), but returns once the message is
+  // handed to the provider (a full transmit queue still blocks, up to the
+  // send timeout) instead of waiting for its completion. The outcome goes
+  // to `done`, called exactly once when this returns OK and never when it
+  // returns an error (bad arguments, a peer that cannot be posted to, a
+  // failed peer, shutdown; as with Send(), an error does not prove that the
+  // peer never gets the message): OK once the provider completed it,
+  // UNAVAILABLE naming the peer on a provider error, when it is not
+  // completed within the send timeout, when the peer is failed
+  // (FailPeer()) or when the transport shuts down first. `done` runs
+  // without any of the transport's locks held: on the caller's thread
+  // before this returns when the outcome is known at once (small messages
+  // the provider copies at once, a transport that sends synchronously),
+  // otherwise on a thread of the transport (the libfabric transport: its
+  // progress thread, between receive handlers, never inside a handler or
+  // another send; a link emulator's queue thread) or in Shutdown(). It must
+  // not block, and may call the transport (send again). Messages to one
+  // peer keep their order with the other sends to it, synchronous or not.
+  // The transport keeps its reference to the string until the provider is
+  // done with the bytes, as SendShared() does. The default implementation
+  // calls SendShared(), then `done`.
+  virtual absl::Status SendSharedAsync(
+      PeerId peer, std::shared_ptr<const std::string> message, SendDone done) {
+    if (message == nullptr) {
+      return absl::InvalidArgumentError("SendSharedAsync: null message");
+    }
+    if (!done)
+      return absl::InvalidArgumentError("SendSharedAsync: no callback");
+    absl::Status status = SendShared(peer, std::move(message));
+    if (!status.ok()) return status;
+    done(absl::OkStatus());
+    return absl::OkStatus();
+  }
+  // Gives up on `peer` (e.g. a process known to be dead): every send to it
+  // in progress, a synchronous one waiting for its completion or for room
+  // in the transmit queue as well as an asynchronous one, finishes at once
+  // with UNAVAILABLE carrying `reason`'s message, and later sends to it fail
+  // at once, until AddPeer() adds its address again. Bytes the provider may
+  // still read stay referenced until it completes them or the transport
+  // shuts down. INVALID_ARGUMENT for an id this endpoint never issued.
+  virtual absl::Status FailPeer(PeerId peer, const absl::Status& reason) = 0;
   // Set before the first message can arrive (before publishing the address).
   // Replaces any handler set before with either call.
   virtual void SetPeerReceiveHandler(PeerReceiveHandler handler) = 0;

@@ -111,6 +111,12 @@ struct ExpertParallel::Impl {
       const ExpertWork& work, const std::vector<int>& owners) const;
   absl::Status SendFrame(PeerId peer, const FrameHeader& header,
                          const std::vector<std::string_view>& sections);
+  // A dispatch frame, sent without waiting for its completion: a send that
+  // fails later fails the dispatch `id` (and wakes its call) with the
+  // message SendFrame()'s caller would have given.
+  absl::Status SendDispatch(PeerId peer, const FrameHeader& header,
+                            const std::vector<std::string_view>& sections,
+                            uint64_t id, std::string failure_prefix);
   void Receive(const FrameView& frame, PeerId from,
                const std::string_view* message);
   // Queues the dispatch for the service thread; `seq` 0 takes the next
@@ -152,6 +158,11 @@ struct ExpertParallel::Impl {
   std::deque<Parked> refused ABSL_GUARDED_BY(mu);
   uint64_t parked_events ABSL_GUARDED_BY(mu) = 0;  // wakes the service thread
   std::thread service;
+  // Dispatches sent asynchronously whose outcome is not reported yet: the
+  // destructor waits for them (the transport reports each exactly once, at
+  // the latest when it shuts down or the send times out), since their
+  // callbacks refer to this object.
+  int sends_in_flight ABSL_GUARDED_BY(mu) = 0;
 
   std::atomic<uint64_t> frames_sent{0}, bytes_sent{0}, frames_received{0},
       bytes_received{0}, dispatches_sent{0}, dispatches_served{0}, rows_sent{0},
@@ -249,6 +260,45 @@ absl::Status ExpertParallel::Impl::SendFrame(
   const size_t size = buffer->size();
   absl::Status s = transport->SendShared(peer, std::move(buffer));
   if (!s.ok()) {
+    send_errors.fetch_add(1);
+    return s;
+  }
+  frames_sent.fetch_add(1);
+  bytes_sent.fetch_add(size);
+  return absl::OkStatus();
+}
+
+absl::Status ExpertParallel::Impl::SendDispatch(
+    PeerId peer, const FrameHeader& header,
+    const std::vector<std::string_view>& sections, uint64_t id,
+    std::string failure_prefix) {
+  auto buffer = std::make_shared<std::string>();
+  EncodeFrame(header, sections, buffer.get());
+  const size_t size = buffer->size();
+  {
+    absl::MutexLock lock(&mu);
+    ++sends_in_flight;
+  }
+  // Runs on a transport thread (or here, before the call returns): only
+  // marks the dispatch failed.
+  absl::Status s = transport->SendSharedAsync(
+      peer, std::move(buffer), [this, id, failure_prefix](absl::Status status) {
+        absl::MutexLock lock(&mu);
+        --sends_in_flight;
+        if (status.ok()) return;
+        send_errors.fetch_add(1);
+        auto it = pending.find(id);
+        if (it == pending.end() || it->second.done) return;  // answered
+        Pending& p = it->second;
+        p.done = true;
+        p.status = absl::UnavailableError(
+            absl::StrCat(failure_prefix, status.message()));
+        --p.call->outstanding;
+        p.call->failed = true;
+      });
+  if (!s.ok()) {
+    absl::MutexLock lock(&mu);
+    --sends_in_flight;
     send_errors.fetch_add(1);
     return s;
   }
@@ -388,16 +438,21 @@ absl::Status ExpertParallel::Impl::Run(int mb, WaitHooks* hooks, uint64_t step,
     header.step = step;
     header.session = id;
     header.n_tokens = uint32_t(distinct.size());
+    // Every dispatch is posted before any is waited for; one whose send
+    // fails later fails the call as one refused now does.
+    std::string failure_prefix =
+        absl::StrCat("cannot send MoeDispatch of layer ", work.layer,
+                     " to GPU rank ", plan.rank, " (", peer.name, "): ");
     absl::Status sent =
-        SendFrame(peer.id, header,
-                  {SectionBytes(ids.data(), ids.size() * 4),
-                   SectionBytes(counts.data(), counts.size() * 4),
-                   SectionBytes(indices.data(), indices.size() * 4),
-                   SectionBytes(rows.data(), rows.size() * sizeof(float))});
+        SendDispatch(peer.id, header,
+                     {SectionBytes(ids.data(), ids.size() * 4),
+                      SectionBytes(counts.data(), counts.size() * 4),
+                      SectionBytes(indices.data(), indices.size() * 4),
+                      SectionBytes(rows.data(), rows.size() * sizeof(float))},
+                     id, failure_prefix);
     if (!sent.ok()) {
-      return finish(absl::UnavailableError(absl::StrCat(
-          "cannot send MoeDispatch of layer ", work.layer, " to GPU rank ",
-          plan.rank, " (", peer.name, "): ", sent.message())));
+      return finish(
+          absl::UnavailableError(absl::StrCat(failure_prefix, sent.message())));
     }
     dispatches_sent.fetch_add(1);
     rows_sent.fetch_add(distinct.size());
@@ -824,6 +879,13 @@ ExpertParallel::~ExpertParallel() {
     impl_->stopping = true;
   }
   if (impl_->service.joinable()) impl_->service.join();
+  // Outcomes of dispatches still with the transport (none once it is shut
+  // down, as the daemon does first).
+  absl::MutexLock lock(&impl_->mu);
+  auto reported = [this]() ABSL_SHARED_LOCKS_REQUIRED(impl_->mu) {
+    return impl_->sends_in_flight == 0;
+  };
+  impl_->mu.Await(absl::Condition(&reported));
 }
 
 int ExpertParallel::rank() const { return impl_->rank; }
@@ -883,9 +945,30 @@ absl::Status ExpertParallel::SetPeers(
     Impl::Peer peer;
   };
   std::vector<Released> released;
+  // Ranks that left the table (or came back at another address): their
+  // transport peers are failed below, so that a send blocked toward a dead
+  // rank ends now instead of after the send timeout.
+  std::vector<std::pair<PeerId, std::string>> dropped;
   {
     absl::MutexLock lock(&m.peers_mu);
     absl::MutexLock jobs_lock(&m.mu);
+    absl::flat_hash_set<PeerId> kept;
+    for (const Impl::Peer& peer : table) {
+      if (peer.known) kept.insert(peer.id);
+    }
+    for (size_t r = 0; r < m.peers.size(); ++r) {
+      const Impl::Peer& old = m.peers[r];
+      if (!old.known || old.id == kUnknownPeer || kept.contains(old.id)) {
+        continue;
+      }
+      const bool rejoined = r < table.size() && table[r].known;
+      dropped.emplace_back(
+          old.id, rejoined ? absl::StrCat("GPU rank ", r,
+                                          " rejoined the cluster as another "
+                                          "node")
+                           : absl::StrCat("GPU rank ", r,
+                                          " was removed from the cluster"));
+    }
     // Dispatches waiting on a rank that left the table (lost) or came back
     // as another node fail now rather than after `timeout`.
     for (auto& [id, p] : m.pending) {
@@ -921,6 +1004,15 @@ absl::Status ExpertParallel::SetPeers(
                                  ? ""
                                  : absl::StrCat("; serving ", released.size(),
                                                 " parked dispatches"));
+  for (const auto& [id, reason] : dropped) {
+    const absl::Status failed =
+        m.transport->FailPeer(id, absl::UnavailableError(reason));
+    if (!failed.ok()) {
+      KLOG(Warning, kLogModule)
+          << "rank " << m.rank << ": " << reason
+          << ", but failing its transport peer: " << failed;
+    }
+  }
   // Queued in their arrival places (OnDispatch keeps the queue in order).
   for (Released& r : released) {
     absl::StatusOr<FrameView> frame = DecodeFrame(r.parked.bytes.view());

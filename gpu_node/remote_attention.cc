@@ -29,13 +29,29 @@ std::string NodeName(const cluster::KaratPlacement& p) {
 struct RemoteAttentionBackend::Impl {
   Impl(const AttnShapes& s, Transport* t, const RemoteAttentionOptions& o)
       : shapes(s), transport(t), options(o) {}
+  // The callbacks of frames still with the transport refer to this object:
+  // wait for their outcomes (none once the transport is shut down, as the
+  // daemon does first; otherwise at the latest after its send timeout).
+  ~Impl() {
+    absl::MutexLock lock(&mu);
+    auto reported = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu) {
+      return sends_in_flight == 0;
+    };
+    mu.Await(absl::Condition(&reported));
+  }
 
   void OnMessage(std::string_view message, PeerId from);
   absl::StatusOr<PeerId> EnsurePeer(const cluster::KaratPlacement& p);
   void MarkNotReady(const std::string& fabric_address);
+  // Sends one request frame of a layer without waiting for its completion;
+  // a send that fails later fails the segment's slot (`key`) and wakes the
+  // layer's wait with the error a refused send returns here.
+  using Key = std::tuple<uint32_t, uint64_t, uint32_t,
+                         uint64_t>;  // micro-batch, step, layer, session
   absl::Status Send(int mb, PeerId peer, const std::string& node,
                     const FrameHeader& header,
-                    const std::vector<std::string_view>& sections);
+                    const std::vector<std::string_view>& sections,
+                    const Key& key);
   absl::Status RunLayer(int mb, WaitHooks* hooks, int layer,
                         const std::vector<Segment>& segs,
                         LayerTraffic* traffic);
@@ -81,15 +97,12 @@ struct RemoteAttentionBackend::Impl {
   // Written by the decode loop between steps, read during steps.
   absl::flat_hash_map<uint64_t, cluster::KaratPlacement> placements;
   std::atomic<uint64_t> step{0};
-  // Per micro-batch: the last layer run, and the frame encoding buffer
+  // Per micro-batch: the last layer run, and the frame encoding buffers
   // (see Send()).
   int last_layer[2] = {-1, -1};
-  std::shared_ptr<std::string> buffer[2] = {std::make_shared<std::string>(),
-                                            std::make_shared<std::string>()};
+  std::vector<std::shared_ptr<std::string>> buffers[2];
 
   // Shared with the receive handler.
-  using Key = std::tuple<uint32_t, uint64_t, uint32_t,
-                         uint64_t>;  // micro-batch, step, layer, session
   struct Slot {
     float* out = nullptr;
     size_t expected_bytes = 0;
@@ -106,6 +119,8 @@ struct RemoteAttentionBackend::Impl {
   bool aborted ABSL_GUARDED_BY(mu) = false;
   absl::flat_hash_set<uint64_t> hello_waiting ABSL_GUARDED_BY(mu);
   absl::flat_hash_set<uint64_t> hello_acked ABSL_GUARDED_BY(mu);
+  // Frames sent whose outcome the transport has not reported yet.
+  int sends_in_flight ABSL_GUARDED_BY(mu) = 0;
 };
 
 void RemoteAttentionBackend::Impl::OnMessage(std::string_view message,
@@ -164,28 +179,63 @@ void RemoteAttentionBackend::Impl::OnMessage(std::string_view message,
 
 absl::Status RemoteAttentionBackend::Impl::Send(
     int mb, PeerId peer, const std::string& node, const FrameHeader& header,
-    const std::vector<std::string_view>& sections) {
-  std::shared_ptr<std::string>& buffer = this->buffer[mb];
-  // The frame is encoded into one reused buffer. The transport may still
-  // hold it after a send (Transport::SendShared: until the provider is done,
-  // even past a timed-out call); it is rewritten only once this is again
-  // its only owner, and replaced by a fresh one otherwise.
-  if (buffer.use_count() == 1) {
+    const std::vector<std::string_view>& sections, const Key& key) {
+  // Frames are encoded into reused buffers, one per frame in flight. The
+  // transport holds a buffer until the provider is done with it (even past
+  // a failed send); a buffer is rewritten only once this is again its only
+  // owner, and a new one joins the pool otherwise.
+  std::vector<std::shared_ptr<std::string>>& pool = buffers[mb];
+  std::shared_ptr<std::string>* buffer = nullptr;
+  for (std::shared_ptr<std::string>& b : pool) {
+    if (b.use_count() == 1) {
+      buffer = &b;
+      break;
+    }
+  }
+  // Beyond this many frames in flight, further buffers are not kept.
+  constexpr size_t kMaxPooledBuffers = 64;
+  std::shared_ptr<std::string> fresh;
+  if (buffer != nullptr) {
     // Pairs with the transport's release of its reference, so that the
     // provider's reads of the old bytes happen before the rewrite.
     std::atomic_thread_fence(std::memory_order_acquire);
+  } else if (pool.size() < kMaxPooledBuffers) {
+    pool.push_back(std::make_shared<std::string>());
+    buffer = &pool.back();
   } else {
-    buffer = std::make_shared<std::string>();
+    fresh = std::make_shared<std::string>();
+    buffer = &fresh;
   }
-  EncodeFrame(header, sections, buffer.get());
-  const size_t size = buffer->size();
+  EncodeFrame(header, sections, buffer->get());
+  const size_t size = (*buffer)->size();
+  const std::string prefix =
+      absl::StrCat("cannot send ", FrameTypeName(header.type),
+                   " to KARAT node ", node, ": ");
+  {
+    absl::MutexLock lock(&mu);
+    ++sends_in_flight;
+  }
   // The transport reads a large frame in place and copies a small one
-  // (FabricOptions::zero_copy_threshold).
-  absl::Status s = transport->SendShared(peer, buffer);
+  // (FabricOptions::zero_copy_threshold). The callback runs on a transport
+  // thread (or here, before the call returns).
+  absl::Status s = transport->SendSharedAsync(
+      peer, *buffer, [this, key, prefix](absl::Status status) {
+        absl::MutexLock lock(&mu);
+        --sends_in_flight;
+        if (status.ok()) return;
+        auto it = pending.find(key);
+        if (it == pending.end() || it->second.done) return;  // answered
+        Slot& slot = it->second;
+        slot.done = true;
+        slot.status =
+            absl::UnavailableError(absl::StrCat(prefix, status.message()));
+        --outstanding[slot.mb];
+        failed[slot.mb] = true;
+      });
   if (!s.ok()) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot send ", FrameTypeName(header.type),
-                     " to KARAT node ", node, ": ", s.message()));
+    absl::MutexLock lock(&mu);
+    --sends_in_flight;
+    return absl::UnavailableError(absl::StrCat(prefix, s.message()));
   }
   bytes_sent.fetch_add(size);
   return absl::OkStatus();
@@ -308,17 +358,35 @@ void RemoteAttentionBackend::Abort() {
 
 int RemoteAttentionBackend::FailNode(const std::string& fabric_address,
                                      const std::string& reason) {
-  impl_->MarkNotReady(fabric_address);
   int failed = 0;
-  absl::MutexLock lock(&impl_->mu);
-  for (auto& [key, slot] : impl_->pending) {
-    if (slot.done || slot.address != fabric_address) continue;
-    slot.done = true;
-    --impl_->outstanding[slot.mb];
-    slot.status = absl::UnavailableError(
-        absl::StrCat("KARAT node ", slot.node, " is lost: ", reason));
-    impl_->failed[slot.mb] = true;
-    ++failed;
+  {
+    absl::MutexLock lock(&impl_->mu);
+    for (auto& [key, slot] : impl_->pending) {
+      if (slot.done || slot.address != fabric_address) continue;
+      slot.done = true;
+      --impl_->outstanding[slot.mb];
+      slot.status = absl::UnavailableError(
+          absl::StrCat("KARAT node ", slot.node, " is lost: ", reason));
+      impl_->failed[slot.mb] = true;
+      ++failed;
+    }
+  }
+  // Sends to it, blocked or later, fail at once too (Transport::FailPeer),
+  // until a handshake adds the address again. A handshake in progress holds
+  // peers_mu up to the timeout: then it is left to fail by itself.
+  if (impl_->peers_mu.TryLock()) {
+    PeerId id = kUnknownPeer;
+    auto it = impl_->peers.find(fabric_address);
+    if (it != impl_->peers.end()) {
+      it->second.ready = false;
+      id = it->second.id;
+    }
+    impl_->peers_mu.Unlock();
+    if (id != kUnknownPeer) {
+      (void)impl_->transport->FailPeer(
+          id,
+          absl::UnavailableError(absl::StrCat("KARAT node is lost: ", reason)));
+    }
   }
   return failed;
 }
@@ -415,7 +483,8 @@ absl::Status RemoteAttentionBackend::Impl::RunLayer(
                      SectionBytes(in.q_scales, n * hi * sizeof(float)),
                      SectionBytes(in.weights, n * hi * sizeof(float)),
                      SectionBytes(in.k_codes, n * di),
-                     SectionBytes(in.k_scales, n * sizeof(float))});
+                     SectionBytes(in.k_scales, n * sizeof(float))},
+                    key(i));
     }
     if (sent.ok()) {
       const AttnInputs in = traffic->AttnFor(int(i), s);
@@ -431,7 +500,7 @@ absl::Status RemoteAttentionBackend::Impl::RunLayer(
       if (segs[i].ends_prefill && s.kv_heads > 0) {
         sections.push_back(SectionBytes(&kEndsPrefill, sizeof(kEndsPrefill)));
       }
-      sent = m.Send(mb, peers[i], node, header, sections);
+      sent = m.Send(mb, peers[i], node, header, sections, key(i));
     }
     if (!sent.ok()) {
       clear_pending();

@@ -107,7 +107,7 @@ std::map<std::string, double> DataPlaneHandler::Counters() const {
   std::map<std::string, double> c;
   c["frames_received"] = double(frames_received_.load());
   c["frames_invalid"] = double(frames_invalid_.load());
-  c["errors"] = double(errors_.load());
+  c["errors"] = double(errors_.load() + reply_failures_->load());
   c["kv_bytes_ingested"] = double(kv_bytes_ingested_.load());
   {
     absl::MutexLock lock(&invalid_mu_);
@@ -281,12 +281,22 @@ void DataPlaneHandler::Reply(const FrameHeader& request, FrameType type,
   // may read a large one in place for as long as it keeps its reference.
   auto buffer = std::make_shared<std::string>();
   EncodeFrame(header, sections, buffer.get());
-  absl::Status sent = transport_->SendShared(peer, std::move(buffer));
+  // The worker goes on without waiting for the completion; a send that
+  // fails later is counted and logged from the transport's thread (the
+  // callback holds no reference to this handler, which may be gone by then).
+  const std::string what =
+      absl::StrCat("session=", request.session, " sending ",
+                   FrameTypeName(header.type), " to node ", request.src_node);
+  absl::Status sent = transport_->SendSharedAsync(
+      peer, std::move(buffer),
+      [failures = reply_failures_, what](absl::Status status) {
+        if (status.ok()) return;
+        failures->fetch_add(1);
+        KLOG(Warning, "karat_node") << what << " failed: " << status;
+      });
   if (!sent.ok()) {
     errors_.fetch_add(1);
-    KLOG(Warning, "karat_node") << "session=" << request.session << " sending "
-                                << FrameTypeName(header.type) << " to node "
-                                << request.src_node << " failed: " << sent;
+    KLOG(Warning, "karat_node") << what << " failed: " << sent;
   }
 }
 

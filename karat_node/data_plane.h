@@ -114,6 +114,10 @@ class DataPlaneHandler {
   std::atomic<uint64_t> frames_received_{0};
   std::atomic<uint64_t> frames_invalid_{0};
   std::atomic<uint64_t> errors_{0};
+  // Replies whose asynchronous send failed after it was posted (counted in
+  // "errors"); shared with the transport's callbacks.
+  const std::shared_ptr<std::atomic<uint64_t>> reply_failures_ =
+      std::make_shared<std::atomic<uint64_t>>(0);
   std::atomic<uint64_t> kv_bytes_ingested_{0};
   // Invalid frames per sender name (only touched for invalid frames).
   mutable absl::Mutex invalid_mu_;

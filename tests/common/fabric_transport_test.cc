@@ -1004,6 +1004,334 @@ TEST_CASE("shm: a held message outlives its transport", "[fabric]") {
   got.clear();  // releases into a closed transport: nothing to re-post
 }
 
+// --- Asynchronous sends and failed peers ---
+
+// Counts the outcomes of asynchronous sends, one slot per send.
+class AsyncOutcomes {
+ public:
+  // A callback for send `i` (slots grow as needed).
+  Transport::SendDone Callback(size_t i) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (calls_.size() <= i) {
+        calls_.resize(i + 1, 0);
+        statuses_.resize(i + 1);
+      }
+    }
+    return [this, i](absl::Status status) {
+      absl::MutexLock lock(&mu_);
+      ++calls_[i];
+      ++total_;
+      statuses_[i] = std::move(status);
+    };
+  }
+  // Waits (bounded) until `n` callbacks ran in all.
+  bool WaitFor(int n) {
+    absl::MutexLock lock(&mu_);
+    auto enough = [this, n]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return total_ >= n;
+    };
+    return mu_.AwaitWithTimeout(absl::Condition(&enough), kDeliveryBound);
+  }
+  int calls(size_t i) {
+    absl::MutexLock lock(&mu_);
+    return i < calls_.size() ? calls_[i] : 0;
+  }
+  absl::Status status(size_t i) {
+    absl::MutexLock lock(&mu_);
+    return statuses_.at(i);
+  }
+  int total() {
+    absl::MutexLock lock(&mu_);
+    return total_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<int> calls_ ABSL_GUARDED_BY(mu_);
+  std::vector<absl::Status> statuses_ ABSL_GUARDED_BY(mu_);
+  int total_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// Asynchronous sends of every size class (injected, copied, in place, and
+// by RMA where the options allow) interleaved with synchronous ones from
+// one thread: everything arrives in call order, and each callback runs
+// exactly once, with OK.
+void AsyncKeepsOrder(const FabricOptions& options) {
+  auto p = OpenPair(options);
+  if (p == nullptr) return;  // provider missing; WARN printed
+  AsyncOutcomes outcomes;
+  const std::vector<size_t> sizes = {7,         100 << 10, 4096,  20 << 10,
+                                     1 << 20,   4097,      1,     300 << 10,
+                                     (1 << 20), 64,        50001, 16 << 10};
+  std::vector<std::string> want;
+  size_t async_sends = 0;
+  for (int round = 0; round < 20; ++round) {
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      auto m = std::make_shared<const std::string>(
+          Pattern(sizes[i], round * 100 + static_cast<int>(i)));
+      want.push_back(*m);
+      if ((i + round) % 3 == 0) {
+        REQUIRE(p->a->SendShared(p->b_at_a, m).ok());
+      } else {
+        const size_t slot = async_sends++;
+        const absl::Status s =
+            p->a->SendSharedAsync(p->b_at_a, m, outcomes.Callback(slot));
+        INFO(s);
+        REQUIRE(s.ok());
+      }
+    }
+  }
+  REQUIRE(p->inbox_b.WaitFor(want.size()));
+  REQUIRE(outcomes.WaitFor(static_cast<int>(async_sends)));
+  const auto got = p->inbox_b.Take();
+  REQUIRE(got.size() == want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    INFO("message " << i << " of " << want[i].size() << " bytes");
+    REQUIRE(got[i] == want[i]);
+  }
+  for (size_t i = 0; i < async_sends; ++i) {
+    INFO("async send " << i << ": " << outcomes.status(i));
+    CHECK(outcomes.calls(i) == 1);
+    CHECK(outcomes.status(i).ok());
+  }
+  CHECK(outcomes.total() == static_cast<int>(async_sends));
+  CHECK(Counter(*p->a, "async_sends_in_flight") == 0);
+}
+
+TEST_CASE("shm: asynchronous sends keep their order with synchronous ones",
+          "[fabric][async]") {
+  FabricOptions options = Options("shm", 1 << 20);
+  SECTION("no RMA (the daemons' setting)") { options.use_rma = false; }
+  SECTION("RMA (a write must complete before its notice)") {
+    options = RmaOptions("shm");
+  }
+  AsyncKeepsOrder(options);
+}
+
+TEST_CASE("tcp: asynchronous sends keep their order with synchronous ones",
+          "[fabric][async]") {
+  FabricOptions options = Options("tcp", 1 << 20);
+  SECTION("RMA (the daemons' setting)") { options = RmaOptions("tcp"); }
+  SECTION("no RMA") { options.use_rma = false; }
+  AsyncKeepsOrder(options);
+}
+
+TEST_CASE("shm: asynchronous sends refuse bad arguments without a callback",
+          "[fabric][async]") {
+  auto p = OpenPair(Options("shm"));
+  REQUIRE(p != nullptr);
+  AsyncOutcomes outcomes;
+  auto m = std::make_shared<const std::string>("x");
+  CHECK(
+      p->a->SendSharedAsync(p->b_at_a, nullptr, outcomes.Callback(0)).code() ==
+      absl::StatusCode::kInvalidArgument);
+  CHECK(p->a->SendSharedAsync(p->b_at_a, m, nullptr).code() ==
+        absl::StatusCode::kInvalidArgument);
+  CHECK(p->a->SendSharedAsync(77, m, outcomes.Callback(0)).code() ==
+        absl::StatusCode::kInvalidArgument);
+  auto big = std::make_shared<const std::string>((1 << 20) + 1, 'b');
+  CHECK(p->a->SendSharedAsync(p->b_at_a, big, outcomes.Callback(0)).code() ==
+        absl::StatusCode::kInvalidArgument);
+  CHECK(p->a->FailPeer(77, absl::UnavailableError("x")).code() ==
+        absl::StatusCode::kInvalidArgument);
+  p->a->Shutdown();
+  CHECK(p->a->SendSharedAsync(p->b_at_a, m, outcomes.Callback(0)).code() ==
+        absl::StatusCode::kUnavailable);
+  CHECK(outcomes.total() == 0);
+}
+
+TEST_CASE("shm and tcp: a failed peer's sends fail at once until re-added",
+          "[fabric][async]") {
+  const std::string provider = GENERATE("shm", "tcp");
+  INFO(provider);
+  auto p = OpenPair(Options(provider));
+  if (p == nullptr) return;  // provider missing; WARN printed
+  REQUIRE(p->a->FailPeer(p->b_at_a, absl::UnavailableError(
+                                        "GPU rank 3 was removed from the "
+                                        "cluster"))
+              .ok());
+  for (size_t size : {size_t{10}, size_t{200} << 10}) {
+    const std::string m(size, 'f');
+    const absl::Status s = p->a->Send(p->b_at_a, m.data(), m.size());
+    INFO(s);
+    CHECK(s.code() == absl::StatusCode::kUnavailable);
+    CHECK(std::string(s.message()).find("GPU rank 3 was removed") !=
+          std::string::npos);
+    CHECK(std::string(s.message()).find("'b'") != std::string::npos);
+    AsyncOutcomes outcomes;
+    const absl::Status a =
+        p->a->SendSharedAsync(p->b_at_a, std::make_shared<const std::string>(m),
+                              outcomes.Callback(0));
+    CHECK(a.code() == absl::StatusCode::kUnavailable);
+    CHECK(outcomes.total() == 0);
+  }
+  // Added again: usable.
+  auto again = p->a->AddPeer("b", p->b->LocalAddress());
+  REQUIRE(again.ok());
+  REQUIRE(*again == p->b_at_a);
+  ExchangeSizes(*p, {1, 100 << 10});
+}
+
+// b, a forked child that received one message from c and was then
+// SIGKILLed; c is this process's endpoint, with b added as peer "b".
+struct KilledPeer {
+  std::unique_ptr<Transport> c;
+  PeerId b = kUnknownPeer;
+  std::string b_address;
+};
+
+KilledPeer OpenKilledPeer(const FabricOptions& options) {
+  int to_parent[2], to_child[2];
+  REQUIRE(pipe(to_parent) == 0);
+  REQUIRE(pipe(to_child) == 0);
+  const pid_t child = fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    close(to_parent[0]);
+    close(to_child[1]);
+    Inbox inbox;
+    auto t = OpenFabricTransport(options);
+    if (!t.ok()) _exit(3);
+    (*t)->SetReceiveHandler(inbox.Handler());
+    if (!WriteString(to_parent[1], (*t)->LocalAddress())) _exit(5);
+    if (!inbox.WaitFor(1)) _exit(7);
+    if (!WriteString(to_parent[1], "ready")) _exit(8);
+    char never;
+    [[maybe_unused]] ssize_t n = read(to_child[0], &never, 1);
+    _exit(0);
+  }
+  close(to_parent[1]);
+  close(to_child[0]);
+  KilledPeer k;
+  auto c = OpenFabricTransport(options);
+  REQUIRE(c.ok());
+  k.c = std::move(*c);
+  REQUIRE(ReadString(to_parent[0], &k.b_address));
+  auto b = k.c->AddPeer("b", k.b_address);
+  REQUIRE(b.ok());
+  k.b = *b;
+  const std::string hello = Pattern(1 << 20, 1);
+  REQUIRE(k.c->Send(k.b, hello.data(), hello.size()).ok());
+  std::string ready;
+  REQUIRE(ReadString(to_parent[0], &ready));
+  REQUIRE(ready == "ready");
+  REQUIRE(kill(child, SIGKILL) == 0);
+  int wstatus = 0;
+  REQUIRE(waitpid(child, &wstatus, 0) == child);
+  REQUIRE(WIFSIGNALED(wstatus));
+  RemoveShmRegionsOf(child);
+  close(to_parent[0]);
+  close(to_child[1]);
+  return k;
+}
+
+// Posts asynchronous sends over the inject size to the dead peer; returns
+// how many were posted (the others failed at once, with UNAVAILABLE).
+size_t PostToDeadPeer(KilledPeer& k, AsyncOutcomes& outcomes) {
+  size_t posted = 0;
+  for (size_t size : {size_t{4097}, size_t{1} << 20, size_t{64} << 10}) {
+    const absl::Status s = k.c->SendSharedAsync(
+        k.b, std::make_shared<const std::string>(size, 'd'),
+        outcomes.Callback(posted));
+    INFO(s);
+    if (s.ok()) {
+      ++posted;
+    } else {
+      CHECK(s.code() == absl::StatusCode::kUnavailable);
+    }
+  }
+  return posted;
+}
+
+TEST_CASE("shm: asynchronous sends to a killed peer end once, with an error",
+          "[fabric][async][dead-peer]") {
+  FabricOptions options = Options("shm", 2 << 20);
+  options.use_rma = RmaPays("shm");
+  SECTION("the send timeout passes") {
+    options.send_timeout_ms = 500;
+    KilledPeer k = OpenKilledPeer(options);
+    AsyncOutcomes outcomes;
+    const size_t posted = PostToDeadPeer(k, outcomes);
+    REQUIRE(outcomes.WaitFor(static_cast<int>(posted)));
+    for (size_t i = 0; i < posted; ++i) {
+      const absl::Status s = outcomes.status(i);
+      INFO(s);
+      CHECK(outcomes.calls(i) == 1);
+      // Where the provider completes a send to the dead peer it is OK;
+      // otherwise the timeout names the peer.
+      if (!s.ok()) {
+        CHECK(s.code() == absl::StatusCode::kUnavailable);
+        CHECK(std::string(s.message()).find("'b'") != std::string::npos);
+      }
+    }
+    k.c->Shutdown();
+    CHECK(outcomes.total() == static_cast<int>(posted));
+  }
+  SECTION("the transport shuts down first") {
+    options.send_timeout_ms = 600000;  // only Shutdown() can end them
+    KilledPeer k = OpenKilledPeer(options);
+    AsyncOutcomes outcomes;
+    const size_t posted = PostToDeadPeer(k, outcomes);
+    k.c->Shutdown();
+    REQUIRE(outcomes.WaitFor(static_cast<int>(posted)));
+    for (size_t i = 0; i < posted; ++i) {
+      const absl::Status s = outcomes.status(i);
+      INFO(s);
+      CHECK(outcomes.calls(i) == 1);
+      CHECK((s.ok() || s.code() == absl::StatusCode::kUnavailable));
+    }
+    CHECK(outcomes.total() == static_cast<int>(posted));
+  }
+}
+
+TEST_CASE("shm: FailPeer ends sends blocked on a killed peer at once",
+          "[fabric][async][dead-peer]") {
+  FabricOptions options = Options("shm", 2 << 20);
+  options.use_rma = RmaPays("shm");
+  // Only FailPeer() can end the sends within the test's bound.
+  options.send_timeout_ms = 600000;
+  KilledPeer k = OpenKilledPeer(options);
+  AsyncOutcomes outcomes;
+  const size_t posted = PostToDeadPeer(k, outcomes);
+  Transport* c = k.c.get();
+  const PeerId b = k.b;
+  auto blocked = std::async(std::launch::async, [c, b] {
+    const std::string m(1 << 20, 's');
+    return c->Send(b, m.data(), m.size());
+  });
+  // Whether the send is blocked yet or not, it must end with the reason.
+  absl::SleepFor(absl::Milliseconds(100));
+  const std::string reason = "GPU rank 2 was removed from the cluster";
+  REQUIRE(c->FailPeer(b, absl::UnavailableError(reason)).ok());
+  REQUIRE(blocked.wait_for(std::chrono::seconds(60)) ==
+          std::future_status::ready);
+  const absl::Status s = blocked.get();
+  INFO(s);
+  CHECK(s.code() == absl::StatusCode::kUnavailable);
+  CHECK(std::string(s.message()).find(reason) != std::string::npos);
+  REQUIRE(outcomes.WaitFor(static_cast<int>(posted)));
+  for (size_t i = 0; i < posted; ++i) {
+    const absl::Status a = outcomes.status(i);
+    INFO(a);
+    CHECK(outcomes.calls(i) == 1);
+    if (!a.ok()) {
+      CHECK(std::string(a.message()).find(reason) != std::string::npos);
+    }
+  }
+  // Later sends fail at once.
+  const absl::Status later = c->Send(b, "x", 1);
+  CHECK(std::string(later.message()).find(reason) != std::string::npos);
+  // Added again, the peer is sent to again (an injected message is taken
+  // into the dead peer's queue or refused by the provider, not by FailPeer).
+  REQUIRE(c->AddPeer("b", k.b_address).ok());
+  const absl::Status again = c->Send(b, "x", 1);
+  INFO(again);
+  CHECK(std::string(again.message()).find(reason) == std::string::npos);
+  c->Shutdown();
+  CHECK(outcomes.total() == static_cast<int>(posted));
+}
+
 TEST_CASE("fake transport: ReceivedBytes copies", "[fabric]") {
   FakeFabric fabric;
   auto t = fabric.NewEndpoint("x");

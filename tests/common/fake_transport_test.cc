@@ -175,6 +175,75 @@ TEST_CASE("fake transport rejects unknown and unreachable peers",
         absl::StatusCode::kInvalidArgument);
 }
 
+TEST_CASE("fake asynchronous sends complete once, in order with others",
+          "[fake_transport]") {
+  FakeFabric fabric;
+  auto a = fabric.NewEndpoint("a");
+  auto b = fabric.NewEndpoint("b");
+  Inbox inbox;
+  b->SetReceiveHandler(inbox.Handler());
+  auto peer_b = a->AddPeer("b", b->LocalAddress());
+  REQUIRE(peer_b.ok());
+  std::vector<int> calls(10, 0);
+  std::vector<absl::Status> statuses(10);
+  std::vector<std::string> want;
+  for (int i = 0; i < 10; ++i) {
+    const std::string m = absl::StrCat("m", i);
+    want.push_back(m);
+    if (i % 2 == 0) {
+      REQUIRE(a->Send(*peer_b, m.data(), m.size()).ok());
+      continue;
+    }
+    REQUIRE(a->SendSharedAsync(*peer_b, std::make_shared<const std::string>(m),
+                               [&calls, &statuses, i](absl::Status s) {
+                                 ++calls[i];
+                                 statuses[i] = std::move(s);
+                               })
+                .ok());
+    // The fake queues at once: the outcome is known before the call returns.
+    CHECK(calls[i] == 1);
+    CHECK(statuses[i].ok());
+  }
+  REQUIRE(inbox.WaitFor(want.size()));
+  CHECK(inbox.Messages() == want);
+  for (int i = 1; i < 10; i += 2) CHECK(calls[i] == 1);
+  // Failed early: an error and no callback.
+  int late_calls = 0;
+  CHECK(a->SendSharedAsync(42, std::make_shared<const std::string>("x"),
+                           [&](absl::Status) { ++late_calls; })
+            .code() == absl::StatusCode::kInvalidArgument);
+  CHECK(late_calls == 0);
+}
+
+TEST_CASE("fake FailPeer fails later sends until the peer is added again",
+          "[fake_transport]") {
+  FakeFabric fabric;
+  auto a = fabric.NewEndpoint("a");
+  auto b = fabric.NewEndpoint("b");
+  Inbox inbox;
+  b->SetReceiveHandler(inbox.Handler());
+  auto peer_b = a->AddPeer("b", b->LocalAddress());
+  REQUIRE(peer_b.ok());
+  CHECK(a->FailPeer(42, absl::UnavailableError("x")).code() ==
+        absl::StatusCode::kInvalidArgument);
+  REQUIRE(a->FailPeer(*peer_b, absl::UnavailableError("rank 1 removed")).ok());
+  const absl::Status s = a->Send(*peer_b, "x", 1);
+  CHECK(s.code() == absl::StatusCode::kUnavailable);
+  CHECK(std::string(s.message()).find("rank 1 removed") != std::string::npos);
+  CHECK(std::string(s.message()).find("'b'") != std::string::npos);
+  int calls = 0;
+  CHECK(a->SendSharedAsync(*peer_b, std::make_shared<const std::string>("y"),
+                           [&](absl::Status) { ++calls; })
+            .code() == absl::StatusCode::kUnavailable);
+  CHECK(calls == 0);
+  auto again = a->AddPeer("b", b->LocalAddress());
+  REQUIRE(again.ok());
+  CHECK(*again == *peer_b);
+  REQUIRE(a->Send(*peer_b, "z", 1).ok());
+  REQUIRE(inbox.WaitFor(1));
+  CHECK(inbox.Messages() == std::vector<std::string>{"z"});
+}
+
 TEST_CASE("fake transport handlers may send", "[fake_transport]") {
   Inbox inbox;
   FakeFabric fabric;

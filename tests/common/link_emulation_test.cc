@@ -265,6 +265,150 @@ TEST_CASE("shutdown with queued messages does not hang", "[link]") {
   CHECK(p.inbox.Messages().empty());
 }
 
+// Outcomes of asynchronous sends, one slot each.
+class Outcomes {
+ public:
+  Transport::SendDone Callback(size_t i) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (calls_.size() <= i) {
+        calls_.resize(i + 1, 0);
+        statuses_.resize(i + 1);
+      }
+    }
+    return [this, i](absl::Status s) {
+      absl::MutexLock lock(&mu_);
+      ++calls_[i];
+      ++total_;
+      statuses_[i] = std::move(s);
+    };
+  }
+  bool WaitFor(int n) {
+    absl::MutexLock lock(&mu_);
+    auto enough = [this, n]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return total_ >= n;
+    };
+    return mu_.AwaitWithTimeout(absl::Condition(&enough), kDeliveryBound);
+  }
+  int calls(size_t i) {
+    absl::MutexLock lock(&mu_);
+    return calls_.at(i);
+  }
+  absl::Status status(size_t i) {
+    absl::MutexLock lock(&mu_);
+    return statuses_.at(i);
+  }
+  int total() {
+    absl::MutexLock lock(&mu_);
+    return total_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<int> calls_ ABSL_GUARDED_BY(mu_);
+  std::vector<absl::Status> statuses_ ABSL_GUARDED_BY(mu_);
+  int total_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+TEST_CASE("asynchronous sends pass plain and delayed links, in order",
+          "[link]") {
+  LinkSettings s;
+  s.latency_us = 1000;
+  s.jitter_us = 2000;
+  for (bool delayed : {false, true}) {
+    INFO("delayed " << delayed);
+    Pair p(delayed ? std::vector<LinkRule>{Rule("a", "b", s)}
+                   : std::vector<LinkRule>{});
+    Outcomes outcomes;
+    std::vector<std::string> want;
+    size_t async = 0;
+    for (int i = 0; i < 20; ++i) {
+      const std::string m = absl::StrCat("m", i);
+      want.push_back(m);
+      if (i % 3 == 0) {
+        REQUIRE(p.Send(m).ok());
+      } else {
+        REQUIRE(p.a->SendSharedAsync(p.peer,
+                                     std::make_shared<const std::string>(m),
+                                     outcomes.Callback(async++))
+                    .ok());
+      }
+    }
+    REQUIRE(p.inbox.WaitFor(want.size()));
+    CHECK(p.inbox.Messages() == want);
+    REQUIRE(outcomes.WaitFor(static_cast<int>(async)));
+    for (size_t i = 0; i < async; ++i) {
+      CHECK(outcomes.calls(i) == 1);
+      CHECK(outcomes.status(i).ok());
+    }
+    const absl::Time bound = absl::Now() + absl::Seconds(60);
+    while (p.a->stats()->Snapshot().at("b").messages < want.size() &&
+           absl::Now() < bound) {
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    CHECK(p.a->stats()->Snapshot().at("b").messages == want.size());
+    CHECK(absl::IsInvalidArgument(
+        p.a->SendSharedAsync(p.peer, nullptr, outcomes.Callback(async))));
+  }
+}
+
+TEST_CASE("asynchronous sends report loss as OK and a down link as an error",
+          "[link]") {
+  LinkSettings lossy;
+  lossy.loss = 1.0;
+  Pair p({Rule("a", "b", lossy)});
+  Outcomes outcomes;
+  REQUIRE(p.a->SendSharedAsync(p.peer, std::make_shared<const std::string>("x"),
+                               outcomes.Callback(0))
+              .ok());
+  REQUIRE(outcomes.WaitFor(1));
+  CHECK(outcomes.status(0).ok());
+  LinkSettings down;
+  down.down = true;
+  REQUIRE(p.a->SetLinks({Rule("a", "b", down)}).ok());
+  const absl::Status st = p.a->SendSharedAsync(
+      p.peer, std::make_shared<const std::string>("y"), outcomes.Callback(1));
+  CHECK(st.code() == absl::StatusCode::kUnavailable);
+  CHECK(outcomes.total() == 1);
+}
+
+TEST_CASE("FailPeer and shutdown end queued asynchronous sends", "[link]") {
+  LinkSettings s;
+  s.latency_us = 10'000'000;  // nothing leaves within the test
+  Pair p({Rule("a", "b", s)});
+  Outcomes outcomes;
+  for (size_t i = 0; i < 3; ++i) {
+    REQUIRE(p.a->SendSharedAsync(p.peer,
+                                 std::make_shared<const std::string>("late"),
+                                 outcomes.Callback(i))
+                .ok());
+  }
+  REQUIRE(p.a->FailPeer(p.peer, absl::UnavailableError("rank 4 removed")).ok());
+  REQUIRE(outcomes.WaitFor(3));
+  for (size_t i = 0; i < 3; ++i) {
+    CHECK(outcomes.calls(i) == 1);
+    CHECK(outcomes.status(i).code() == absl::StatusCode::kUnavailable);
+    CHECK(std::string(outcomes.status(i).message()).find("rank 4 removed") !=
+          std::string::npos);
+  }
+  const absl::Status later = p.Send("x");
+  CHECK(std::string(later.message()).find("rank 4 removed") !=
+        std::string::npos);
+  CHECK(p.a->FailPeer(77, absl::UnavailableError("x")).code() ==
+        absl::StatusCode::kInvalidArgument);
+  // Added again: queued as before; shutdown ends what is queued.
+  REQUIRE(p.a->AddPeer("b", p.b->LocalAddress()).ok());
+  REQUIRE(p.a->SendSharedAsync(p.peer,
+                               std::make_shared<const std::string>("again"),
+                               outcomes.Callback(3))
+              .ok());
+  p.a->Shutdown();
+  REQUIRE(outcomes.WaitFor(4));
+  CHECK(outcomes.calls(3) == 1);
+  CHECK(outcomes.status(3).code() == absl::StatusCode::kUnavailable);
+  CHECK(p.inbox.Messages().empty());
+}
+
 // A transport whose sends block until it is shut down, as a send towards a
 // dead peer blocks until the send timeout.
 class BlockingTransport final : public Transport {
@@ -283,6 +427,9 @@ class BlockingTransport final : public Transport {
   void SetPeerReceiveHandler(PeerReceiveHandler) override {}
   std::string PeerName(PeerId) const override { return "b"; }
   size_t MaxMessageSize() const override { return 1 << 20; }
+  absl::Status FailPeer(PeerId, const absl::Status&) override {
+    return absl::OkStatus();
+  }
   void Shutdown() override {
     absl::MutexLock lock(&mu_);
     shut_down_ = true;

@@ -514,6 +514,19 @@ TEST_CASE("a dead or missing peer fails the step with UNAVAILABLE",
     CHECK(s.message().find("rank 1") != std::string::npos);
     CHECK(ep.Stats()["moe_send_errors"] >= 1);
   }
+  SECTION("a rank dropped from the table fails its transport peer") {
+    // t0 issued id 0 to rank 1's address (its only peer).
+    const PeerId rank1 = 0;
+    REQUIRE(t0->PeerName(rank1) == p1.name());
+    REQUIRE(ep.SetPeers({}).ok());
+    absl::Status s = t0->Send(rank1, "x", 1);
+    CHECK(s.code() == absl::StatusCode::kUnavailable);
+    CHECK(s.message().find("GPU rank 1 was removed from the cluster") !=
+          std::string::npos);
+    // Back in the table: sendable again.
+    REQUIRE(ep.SetPeers({p1}).ok());
+    CHECK(t0->Send(rank1, "x", 1).ok());
+  }
   SECTION("Abort ends a wait at once and refuses later calls") {
     ExpertParallelOptions patient;
     patient.timeout = absl::Seconds(600);
