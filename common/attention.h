@@ -10,6 +10,7 @@
 
 #include "absl/status/status.h"
 #include "common/core_pool.h"
+#include "common/kernel_cost.h"
 #include "common/kv_store.h"
 #include "common/model_config.h"
 
@@ -51,13 +52,8 @@ struct AttnInputs {              // frame kAttnQKV
   const uint16_t* kv = nullptr;  // n x kv_dim bf16
 };
 
-// What one kernel call read and computed, for the device timing model and
-// the benchmarks (bytes of cache entries and metadata read, floating-point
-// operations).
-struct KernelCost {
-  double bytes = 0;
-  double flops = 0;
-};
+// KernelCost (common/kernel_cost.h): for the attention kernels, the bytes of
+// cache entries and metadata read and the floating-point operations.
 
 // Per-session state kept between layers of one step: the selection of the
 // last layer that ran the indexer, per token of the segment (index reuse).

@@ -8,6 +8,8 @@
 #include <cmath>
 #include <utility>
 
+#include "common/kernel_cost.h"
+
 namespace karat {
 namespace {
 
@@ -247,6 +249,10 @@ void LinearWeight::Apply(const float* x, int x_stride, int batch, float* y,
   }
   const Panels panels(out_);
   const double flops = 2.0 * batch * out_ * in_;
+  // For a GPU rank's timing model: the weights once, the rows in and out.
+  ChargeKernelCost(
+      sizeof(float) * (double(out_) * in_ + double(batch) * (in_ + out_)),
+      flops);
   int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
   if (flops < kParallelMinFlops) threads = 1;
 

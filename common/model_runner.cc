@@ -824,6 +824,13 @@ absl::Status LocalAttentionBackend::RunLayer(int layer,
                                              const std::vector<Segment>& segs,
                                              LayerTraffic* t) {
   const bool dsa = impl_->cfg.attention.type == AttentionType::kMlaDsa;
+  // The kernels' cost goes to the calling thread's meter (a GPU rank's
+  // timing model in gpu_only mode; kernel_cost.h), also when a segment fails.
+  KernelCost cost;
+  struct Charge {
+    const KernelCost& cost;
+    ~Charge() { ChargeKernelCost(cost); }
+  } charge{cost};
   for (size_t i = 0; i < segs.size(); ++i) {
     const Segment& seg = segs[i];
     auto it = impl_->sessions.find(seg.session);
@@ -837,18 +844,19 @@ absl::Status LocalAttentionBackend::RunLayer(int layer,
       RETURN_IF_ERROR(RunAttentionLayer(
           *impl_->method, layer, seg.pos_start, n,
           t->AttnFor(int(i), impl_->shapes), seg.ends_prefill, s.cache.get(),
-          s.method_state.get(), t->OutFor(int(i), impl_->shapes)));
+          s.method_state.get(), t->OutFor(int(i), impl_->shapes), &cost));
       continue;
     }
     if (t->has_indexer) {
       RETURN_IF_ERROR(RunIndexer(impl_->shapes, layer, seg.pos_start, n,
                                  t->IndexFor(int(i), impl_->shapes),
-                                 s.cache.get(), &s.sel));
+                                 s.cache.get(), &s.sel, nullptr, &cost));
     }
     RETURN_IF_ERROR(RunAttention(impl_->shapes, layer, seg.pos_start, n,
                                  t->AttnFor(int(i), impl_->shapes),
                                  s.cache.get(), dsa ? &s.sel : nullptr,
-                                 t->OutFor(int(i), impl_->shapes)));
+                                 t->OutFor(int(i), impl_->shapes), nullptr,
+                                 &cost));
   }
   return absl::OkStatus();
 }

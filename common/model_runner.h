@@ -63,11 +63,16 @@ class AttentionBackend {
 // Called by a data-plane backend around each blocking wait for a transfer,
 // on the thread that waits: a GPU rank running two micro-batches switches to
 // the other micro-batch there (DESIGN.md §4, OFMS). Either may block.
+//
+// BeforeSend() is called before a backend sends what the computation so far
+// produced (before the first send of a batch of sends): a rank that emulates
+// a slower GPU waits there until that computation would have completed.
 class WaitHooks {
  public:
   virtual ~WaitHooks() = default;
   virtual void BeforeWait() = 0;
   virtual void AfterWait() = 0;
+  virtual void BeforeSend() {}
 };
 
 // The routed experts of one MoE layer for a step (DESIGN.md §2 step 5).

@@ -61,6 +61,10 @@ absl::Status ValidateClusterConfig(const cluster::ClusterConfig& config) {
       return Invalid(f + ".max_step_tokens", "must be >= 0");
     if (g.max_batch() < 0) return Invalid(f + ".max_batch", "must be >= 0");
     if (g.threads() < 0) return Invalid(f + ".threads", "must be >= 0");
+    if (!(g.hbm_bandwidth_gbps() >= 0) || std::isinf(g.hbm_bandwidth_gbps()))
+      return Invalid(f + ".hbm_bandwidth_gbps", "must be >= 0 and finite");
+    if (!(g.tflops() >= 0) || std::isinf(g.tflops()))
+      return Invalid(f + ".tflops", "must be >= 0 and finite");
   }
   for (int i = 0; i < config.karat_nodes_size(); ++i) {
     const auto& k = config.karat_nodes(i);

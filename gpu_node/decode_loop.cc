@@ -190,7 +190,7 @@ DecodeLoop::DecodeLoop(const ModelRunner* runner, StepBackend* backend,
       backend_(backend),
       options_(options),
       experts_(std::move(experts)),
-      token_(options.schedule),
+      token_(options.schedule, options.timing),
       hooks_{TokenWaitHooks(&token_, 0), TokenWaitHooks(&token_, 1)} {
   if (options_.micro_batches > 1) {
     second_ = std::make_unique<MicroBatchThread>(options_.threads);
@@ -259,6 +259,8 @@ DecodeStats DecodeLoop::stats() const {
   s.busy_seconds = token_.busy_seconds();
   s.stalled_seconds = token_.stalled_seconds();
   s.switches = token_.switches();
+  s.model_wait_seconds = token_.model_wait_seconds();
+  s.model_seconds = token_.model_seconds();
   return s;
 }
 

@@ -114,6 +114,8 @@ struct DecodeLoopOptions {
   // Micro-batches per step (1 or 2) and how the rank switches between them.
   int micro_batches = 1;
   Schedule schedule = Schedule::kOfms;
+  // The rank's timing model (WorkerToken), off by default.
+  GpuTiming timing;
 };
 
 struct DecodeStats {
@@ -133,6 +135,10 @@ struct DecodeStats {
   double busy_seconds = 0;
   double stalled_seconds = 0;
   uint64_t switches = 0;
+  // Timing model: seconds the worker waited out the modelled time of its
+  // operations (part of busy_seconds), and that modelled time.
+  double model_wait_seconds = 0;
+  double model_seconds = 0;
   // Steps that ran two micro-batches, and the tokens of each micro-batch
   // (context lengths are the coordinator's; this is the step work).
   uint64_t two_micro_batch_steps = 0;

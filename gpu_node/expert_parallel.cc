@@ -370,7 +370,9 @@ absl::Status ExpertParallel::Impl::Run(int mb, WaitHooks* hooks, uint64_t step,
     return status;
   };
 
-  // 1. Dispatch the other ranks' rows.
+  // 1. Dispatch the other ranks' rows (once the router's result would be
+  // there on the emulated GPU).
+  if (hooks != nullptr && !plans->empty()) hooks->BeforeSend();
   std::vector<int> local_of(size_t(work.rows), -1);
   for (const DispatchPlan& plan : *plans) {
     Peer peer;

@@ -3,6 +3,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <utility>
 
@@ -323,6 +324,8 @@ class GpuNodeService final : public cluster::GpuNode::Service {
     (*stats)["busy_seconds"] = s.busy_seconds;
     (*stats)["stalled_seconds"] = s.stalled_seconds;
     (*stats)["micro_batch_switches"] = double(s.switches);
+    (*stats)["gpu_model_wait_seconds"] = s.model_wait_seconds;
+    (*stats)["gpu_model_seconds"] = s.model_seconds;
     (*stats)["two_micro_batch_steps"] = double(s.two_micro_batch_steps);
     (*stats)["micro_batch_0_tokens"] = double(s.micro_batch_tokens[0]);
     (*stats)["micro_batch_1_tokens"] = double(s.micro_batch_tokens[1]);
@@ -425,6 +428,16 @@ absl::StatusOr<std::unique_ptr<GpuNodeDaemon>> GpuNodeDaemon::Start(
     return absl::InvalidArgumentError(
         "--max-step-tokens and --max-batch must be > 0");
   }
+  if (!(options.hbm_bandwidth_gbps >= 0) ||
+      !std::isfinite(options.hbm_bandwidth_gbps)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--hbm-bandwidth-gbps must be a finite number >= 0, got ",
+                     options.hbm_bandwidth_gbps));
+  }
+  if (!(options.tflops >= 0) || !std::isfinite(options.tflops)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--tflops must be a finite number >= 0, got ", options.tflops));
+  }
   std::unique_ptr<GpuNodeDaemon> daemon(new GpuNodeDaemon());
   daemon->impl_ = std::make_unique<Impl>();
   Impl* impl = daemon->impl_.get();
@@ -515,6 +528,13 @@ absl::StatusOr<std::unique_ptr<GpuNodeDaemon>> GpuNodeDaemon::Start(
   loop.threads = options.threads;
   loop.micro_batches = options.micro_batches;
   ASSIGN_OR_RETURN(loop.schedule, ParseSchedule(options.schedule));
+  loop.timing.bandwidth_gbps = options.hbm_bandwidth_gbps;
+  loop.timing.tflops = options.tflops;
+  if (loop.timing.enabled()) {
+    KLOG(Info, "gpu_node") << "timing model: HBM " << options.hbm_bandwidth_gbps
+                           << " GB/s, " << options.tflops
+                           << " TFLOP/s (0: term left out)";
+  }
   impl->loop = std::make_unique<DecodeLoop>(impl->runner.get(), step_backend,
                                             loop, impl->ExpertSourceFn());
   // Other ranks' dispatches are computed on this rank's worker. The

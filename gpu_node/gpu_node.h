@@ -54,6 +54,12 @@ struct GpuNodeOptions {
   int tokens_per_page = 64;
   int micro_batches = 2;
   std::string schedule = "ofms";
+  // Timing model of the emulated GPU (DESIGN.md §4), off when both are 0:
+  // every computation of the rank's worker between two transfers completes
+  // no earlier than max(bytes / bandwidth, flops / FLOP rate) after it
+  // started (GpuTiming, WorkerToken). A zero rate leaves its term out.
+  double hbm_bandwidth_gbps = 0;  // 1e9 bytes/s
+  double tflops = 0;              // 1e12 floating-point operations/s
 };
 
 class GpuNodeDaemon {

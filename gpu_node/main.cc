@@ -17,8 +17,18 @@ constexpr char kUsage[] =
     "  [--threads N] [--attention-timeout-ms N] [--send-timeout-ms N]\n"
     "  [--rank R --ranks G] [--mode karat|gpu_only] [--hbm-bytes N]\n"
     "  [--micro-batches 1|2] [--schedule ofms|scms]\n"
+    "  [--hbm-bandwidth-gbps GBPS] [--tflops TFLOPS]\n"
     "  [--port-file PATH]\n"
     "  [--log-level debug|info|warning|error]\n";
+
+double NonNegativeDouble(const karat::NodeFlagParser& parser,
+                         const std::string& flag, const std::string& value) {
+  double v = 0;
+  if (!absl::SimpleAtod(value, &v) || !(v >= 0) || v > 1e12) {
+    parser.BadFlag(flag, "expected a non-negative number, got '" + value + "'");
+  }
+  return v;
+}
 
 karat::GpuNodeOptions ParseFlags(int argc, char** argv) {
   const karat::NodeFlagParser parser("karat-gpu-node", kUsage);
@@ -59,6 +69,10 @@ karat::GpuNodeOptions ParseFlags(int argc, char** argv) {
             parser.BadFlag(flag, "must be ofms or scms");
           }
           o.schedule = value;
+        } else if (flag == "--hbm-bandwidth-gbps") {
+          o.hbm_bandwidth_gbps = NonNegativeDouble(parser, flag, value);
+        } else if (flag == "--tflops") {
+          o.tflops = NonNegativeDouble(parser, flag, value);
         } else if (flag == "--attention-timeout-ms") {
           o.attention_timeout =
               absl::Milliseconds(parser.PositiveInt(flag, value));

@@ -461,6 +461,8 @@ absl::Status RemoteAttentionBackend::Impl::RunLayer(
     m.outstanding[mb] = 0;
   };
 
+  // The projections are done (on the emulated GPU) before they are sent.
+  if (hooks != nullptr) hooks->BeforeSend();
   for (size_t i = 0; i < segs.size(); ++i) {
     const size_t n = segs[i].tokens.size();
     FrameHeader header;

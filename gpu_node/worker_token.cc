@@ -1,5 +1,7 @@
 #include "gpu_node/worker_token.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
@@ -47,7 +49,44 @@ void WorkerToken::Acquire(int mb) {
   held_since_ = now;
   if (last_holder_ != -1 && last_holder_ != mb) ++switches_;
   last_holder_ = mb;
+  StartOperation();
 }
+
+void WorkerToken::StartOperation() {
+  op_counted_ = 0;
+  if (!timing_.enabled()) return;
+  op_cost_ = KernelCost();
+  SetKernelMeter(&op_cost_);
+}
+
+void WorkerToken::PaceOperation(int holder, bool end) {
+  if (!timing_.enabled()) return;
+  absl::Time start;
+  bool held;
+  {
+    absl::MutexLock lock(&mu_);
+    held = holder_ == holder;
+    start = held_since_;
+  }
+  if (end) SetKernelMeter(nullptr);
+  if (!held) return;
+  const double modelled =
+      RooflineSeconds(op_cost_, timing_.bandwidth_gbps, timing_.tflops);
+  const absl::Time until = start + absl::Seconds(modelled);
+  const absl::Time before = absl::Now();
+  absl::Time now = before;
+  // The token stays with the holder meanwhile: the emulated GPU is busy.
+  while (now < until) {
+    absl::SleepFor(until - now);
+    now = absl::Now();
+  }
+  absl::MutexLock lock(&mu_);
+  model_wait_ += now - before;
+  model_seconds_ += std::max(0.0, modelled - op_counted_);
+  op_counted_ = std::max(op_counted_, modelled);
+}
+
+void WorkerToken::Pace(int mb) { PaceOperation(mb, /*end=*/false); }
 
 bool WorkerToken::InStepLocked() const {
   if (participants_ == 1) return !finished_[0];
@@ -66,9 +105,11 @@ void WorkerToken::AcquireService() {
   const absl::Time now = absl::Now();
   if (InStepLocked()) stalled_ += now - free_since_;
   held_since_ = now;
+  StartOperation();
 }
 
 void WorkerToken::ReleaseService() {
+  PaceOperation(kService, /*end=*/true);
   absl::MutexLock lock(&mu_);
   if (holder_ != kService) return;
   const absl::Time now = absl::Now();
@@ -88,11 +129,13 @@ void WorkerToken::ReleaseLocked(int mb) {
 }
 
 void WorkerToken::Release(int mb) {
+  PaceOperation(mb, /*end=*/true);
   absl::MutexLock lock(&mu_);
   ReleaseLocked(mb);
 }
 
 void WorkerToken::End(int mb) {
+  PaceOperation(mb, /*end=*/true);
   absl::MutexLock lock(&mu_);
   ReleaseLocked(mb);
   finished_[mb] = true;
@@ -114,6 +157,16 @@ double WorkerToken::stalled_seconds() const {
 uint64_t WorkerToken::switches() const {
   absl::MutexLock lock(&mu_);
   return switches_;
+}
+
+double WorkerToken::model_wait_seconds() const {
+  absl::MutexLock lock(&mu_);
+  return absl::ToDoubleSeconds(model_wait_);
+}
+
+double WorkerToken::model_seconds() const {
+  absl::MutexLock lock(&mu_);
+  return model_seconds_;
 }
 
 }  // namespace karat

@@ -60,12 +60,7 @@ void SerialWorker::Run() {
 
 absl::Duration RooflineTime(const KernelCost& cost, double bandwidth_gbps,
                             double tflops) {
-  double seconds = 0;
-  if (bandwidth_gbps > 0) {
-    seconds = std::max(seconds, cost.bytes / (bandwidth_gbps * 1e9));
-  }
-  if (tflops > 0) seconds = std::max(seconds, cost.flops / (tflops * 1e12));
-  return absl::Seconds(seconds);
+  return absl::Seconds(RooflineSeconds(cost, bandwidth_gbps, tflops));
 }
 
 absl::Duration PacingDelay(const KernelCost& cost, double bandwidth_gbps,

@@ -102,14 +102,19 @@ def karat_names(count):
 def cluster_config(model_dir, ranks=1, karat_nodes=1, devices=2,
                    device_capacity=1 << 30, cores=1, tokens_per_page=64,
                    max_batch=64, max_step_tokens=256, threads=1, mode=None,
-                   scheduling=None, links=None, hbm_bytes=None):
-    """A ClusterConfig dict in the shape of deploy/local.textproto."""
+                   scheduling=None, links=None, hbm_bytes=None,
+                   hbm_bandwidth_gbps=None, tflops=None):
+    """A ClusterConfig dict in the shape of deploy/local.textproto.
+    `hbm_bandwidth_gbps` / `tflops`: the GPU ranks' timing model (off when
+    None or 0)."""
     gpus = []
     for name in gpu_names(ranks):
         gpus.append({"name": name, "listen": "127.0.0.1:0",
                      "max_step_tokens": max_step_tokens,
                      "max_batch": max_batch, "threads": threads,
-                     "hbm_bytes": hbm_bytes})
+                     "hbm_bytes": hbm_bytes,
+                     "hbm_bandwidth_gbps": hbm_bandwidth_gbps or None,
+                     "tflops": tflops or None})
     karats = []
     for name in karat_names(karat_nodes):
         karats.append({"name": name, "listen": "127.0.0.1:0",

@@ -96,6 +96,14 @@ TEST_CASE("config: scale-out settings are checked by field") {
             .find("c: scheduling.queue_timeout_ms") == 0);
   CHECK(Refusal("gpu_nodes { name: \"g1\" hbm_bytes: -1 }") ==
         "c: gpu_nodes[1].hbm_bytes: must be >= 0");
+  CHECK(Refusal("gpu_nodes { name: \"g1\" hbm_bandwidth_gbps: 900 "
+                "tflops: 0.5 }") == "");
+  CHECK(Refusal("gpu_nodes { name: \"g1\" hbm_bandwidth_gbps: -1 }") ==
+        "c: gpu_nodes[1].hbm_bandwidth_gbps: must be >= 0 and finite");
+  CHECK(Refusal("gpu_nodes { name: \"g1\" tflops: inf }") ==
+        "c: gpu_nodes[1].tflops: must be >= 0 and finite");
+  CHECK(Refusal("gpu_nodes { name: \"g1\" tflops: nan }") ==
+        "c: gpu_nodes[1].tflops: must be >= 0 and finite");
   CHECK(Refusal("links { source: \"g0\" destination: \"*\" }\n"
                 "links { source: \"g0\" destination: \"k0\" jitter_us: -2 }") ==
         "c: links[1].jitter_us: must be >= 0");

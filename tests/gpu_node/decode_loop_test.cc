@@ -15,6 +15,8 @@
 
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/kernel_cost.h"
+#include "common/linear.h"
 #include "common/model_config.h"
 #include "common/model_runner.h"
 #include "common/transport.h"
@@ -374,7 +376,10 @@ class TransferStepBackend : public LocalStepBackend {
         : owner_(owner), hooks_(hooks) {}
     absl::Status RunLayer(int layer, const std::vector<Segment>& segs,
                           LayerTraffic* traffic) override {
-      if (hooks_ != nullptr) hooks_->BeforeWait();
+      if (hooks_ != nullptr) {
+        hooks_->BeforeSend();
+        hooks_->BeforeWait();
+      }
       absl::Status s;
       {
         absl::MutexLock lock(&owner_->mu_);
@@ -594,6 +599,118 @@ TEST_CASE("worker token: the expert service takes turns on the worker",
   token.ReleaseService();
   step.join();
   CHECK(began);
+}
+
+TEST_CASE("linear layers charge their cost to the thread's meter",
+          "[gpu_node]") {
+  const int out = 40, in = 70, rows = 3;
+  std::vector<float> w(size_t(out) * in, 0.5f), x(size_t(rows) * in, 1.0f),
+      y(size_t(rows) * out);
+  const LinearWeight lin(w.data(), out, in);
+  CHECK(CurrentKernelMeter() == nullptr);
+  lin.Apply(x.data(), rows, y.data());  // no meter: nothing to count
+  KernelCost cost;
+  SetKernelMeter(&cost);
+  lin.Apply(x.data(), rows, y.data());
+  // Another thread's computation is not this thread's.
+  std::thread([&] { lin.Apply(x.data(), rows, y.data()); }).join();
+  SetKernelMeter(nullptr);
+  lin.Apply(x.data(), rows, y.data());
+  CHECK(cost.flops == 2.0 * rows * out * in);
+  CHECK(cost.bytes == 4.0 * (double(out) * in + double(rows) * (in + out)));
+  CHECK(RooflineSeconds({2e9, 3e12}, 1, 1) == 3.0);
+  CHECK(RooflineSeconds({2e9, 3e12}, 1, 0) == 2.0);
+  CHECK(RooflineSeconds({2e9, 3e12}, 0, 0) == 0.0);
+}
+
+TEST_CASE("worker token: the timing model paces each operation", "[gpu_node]") {
+  // 1 GB/s: 1e7 bytes are 10 ms of the emulated GPU.
+  WorkerToken token(Schedule::kOfms, GpuTiming{1.0, 0});
+  token.BeginStep(1);
+  token.Begin(0);
+  REQUIRE(CurrentKernelMeter() != nullptr);
+  ChargeKernelCost(2e7, 1e9);
+  token.Pace(0);  // before a send: 20 ms since Begin, the token kept
+  CHECK(token.model_seconds() == Approx(0.02));
+  CHECK(token.model_wait_seconds() > 0);
+  CHECK(token.busy_seconds() == 0);  // still held
+  ChargeKernelCost(1e7, 0);
+  token.Release(0);  // the whole operation: 30 ms since Begin
+  CHECK(CurrentKernelMeter() == nullptr);
+  CHECK(token.model_seconds() == Approx(0.03));
+  // Lower bounds only: the worker was busy at least the modelled time.
+  CHECK(token.busy_seconds() >= 0.03 - 1e-6);
+  const double wait = token.model_wait_seconds();
+  CHECK(wait > 0);
+  CHECK(wait <= token.busy_seconds());
+  ChargeKernelCost(1e9, 0);  // not holding: not counted
+  // A new operation starts from zero; one that computed nothing is not
+  // paced.
+  token.Acquire(0);
+  token.End(0);
+  CHECK(token.model_seconds() == Approx(0.03));
+  CHECK(token.model_wait_seconds() == wait);
+  // The expert service's computation is paced the same way.
+  std::thread service([&] {
+    token.AcquireService();
+    ChargeKernelCost(1e7, 0);
+    token.ReleaseService();
+    CHECK(CurrentKernelMeter() == nullptr);
+  });
+  service.join();
+  CHECK(token.model_seconds() == Approx(0.04));
+  CHECK(token.busy_seconds() >= 0.04 - 1e-6);
+  CHECK(token.model_wait_seconds() > wait);
+
+  // Off by default: no meter, no pacing.
+  WorkerToken plain(Schedule::kOfms);
+  plain.BeginStep(1);
+  plain.Begin(0);
+  CHECK(CurrentKernelMeter() == nullptr);
+  plain.End(0);
+  CHECK(plain.model_seconds() == 0);
+  CHECK(plain.model_wait_seconds() == 0);
+}
+
+TEST_CASE("timing model: the tokens are the same, the operations paced",
+          "[gpu_node]") {
+  for (Schedule schedule : {Schedule::kOfms, Schedule::kScms}) {
+    INFO("schedule " << ScheduleName(schedule));
+    TransferStepBackend backend;
+    REQUIRE(backend.init_.ok());
+    DecodeLoopOptions options;
+    options.micro_batches = 2;
+    options.schedule = schedule;
+    options.max_step_tokens = 16;
+    // Slow enough that every operation waits out part of its time.
+    options.timing.bandwidth_gbps = 2;
+    options.timing.tflops = 0.001;
+    DecodeLoop loop(&Runner(), &backend, options);
+    std::vector<std::vector<Token>> expected;
+    std::vector<std::shared_ptr<TurnStream>> streams;
+    for (int i = 0; i < 2; ++i) {
+      const std::vector<int32_t> feed = Prompt(11 + 5 * i, 30 + i);
+      const float temperature = i % 2 ? 0.8f : 0.0f;
+      expected.push_back(HandRun(70 + i, feed, 4, temperature, 5 + i));
+      TurnRequest turn = MakeTurn(70 + i, feed, 4, temperature, 5 + i);
+      turn.micro_batch = i % 2;
+      auto s = loop.Submit(turn);
+      REQUIRE(s.ok());
+      streams.push_back(*s);
+    }
+    loop.Start();
+    for (int i = 0; i < 2; ++i) {
+      absl::Status status;
+      CHECK(Collect(streams[i].get(), &status) == expected[i]);
+      CHECK(status.ok());
+    }
+    const DecodeStats stats = loop.stats();
+    CHECK(stats.two_micro_batch_steps > 0);
+    CHECK(stats.model_seconds > 0);
+    CHECK(stats.model_wait_seconds > 0);
+    CHECK(stats.busy_seconds >= stats.model_seconds - 1e-6);
+    CHECK(stats.busy_seconds >= stats.model_wait_seconds);
+  }
 }
 
 }  // namespace

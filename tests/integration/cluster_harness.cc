@@ -16,6 +16,8 @@
 #include <sstream>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
+
 extern char** environ;
 
 namespace karat::testing {
@@ -101,6 +103,7 @@ void Cluster::StartAll() {
                          !spec.mode.empty() || spec.micro_batches != 0 ||
                          !spec.schedule.empty() || !spec.balance.empty() ||
                          spec.gpu_hbm_bytes != 0 || spec.tbt_slo_ms != 0 ||
+                         spec.gpu_bandwidth_gbps != 0 || spec.gpu_tflops != 0 ||
                          !spec.extra_config.empty();
   std::vector<std::string> coordinator = {
       BinPath("karat-coordinator"),
@@ -173,6 +176,14 @@ void Cluster::StartAll() {
             std::string("--hbm-bytes"), std::to_string(spec.gpu_hbm_bytes)}) {
         argv.push_back(a);
       }
+      if (spec.gpu_bandwidth_gbps != 0) {
+        argv.push_back("--hbm-bandwidth-gbps");
+        argv.push_back(absl::StrCat(spec.gpu_bandwidth_gbps));
+      }
+      if (spec.gpu_tflops != 0) {
+        argv.push_back("--tflops");
+        argv.push_back(absl::StrCat(spec.gpu_tflops));
+      }
     }
     Start(name, argv);
   }
@@ -214,6 +225,9 @@ std::string Cluster::ClusterConfigText() const {
       << "\" listen: \"127.0.0.1:0\" max_step_tokens: " << spec.max_step_tokens
       << " max_batch: 64 threads: 1";
     if (spec.gpu_hbm_bytes != 0) c << " hbm_bytes: " << spec.gpu_hbm_bytes;
+    if (spec.gpu_bandwidth_gbps != 0)
+      c << " hbm_bandwidth_gbps: " << spec.gpu_bandwidth_gbps;
+    if (spec.gpu_tflops != 0) c << " tflops: " << spec.gpu_tflops;
     c << " }\n";
   }
   for (int k = 0; k < spec.karat_nodes; ++k) {

@@ -36,6 +36,9 @@ struct ClusterSpec {
   std::string schedule;   // "ofms" / "scms"
   std::string balance;    // "cmr" / "count"
   int64_t gpu_hbm_bytes = 0;
+  // The GPU ranks' timing model (GpuNodeConfig.hbm_bandwidth_gbps, tflops).
+  double gpu_bandwidth_gbps = 0;
+  double gpu_tflops = 0;
   double tbt_slo_ms = 0;
   // Appended to the cluster config as is (links { ... }, ...).
   std::string extra_config;

@@ -218,6 +218,11 @@ TEST_CASE("gpu_only baseline: attention and KV on the GPU ranks",
   spec.karat_nodes = 0;
   spec.mode = "gpu_only";
   spec.micro_batches = 2;
+  // With the ranks' timing model: their operations (attention on the rank
+  // here, and the dispatches they serve each other) are paced, the tokens
+  // are the reference engine's all the same.
+  spec.gpu_bandwidth_gbps = 2;
+  spec.gpu_tflops = 0.5;
   // The emulated HBM: the larger rank's weights plus 16 MiB of KV.
   auto config = PresetConfig(spec.preset);
   REQUIRE(config.ok());
@@ -227,7 +232,12 @@ TEST_CASE("gpu_only baseline: attention and KV on the GPU ranks",
   const karat::v1::ClusterStatus st = RunAndCheck(spec, 4, 2);
   double kv_capacity = 0;
   for (const char* gpu : {"gpu0", "gpu1"}) {
+    INFO(gpu);
     kv_capacity += std::max(0.0, Stat(st, gpu, "kv_capacity_bytes"));
+    CHECK(Stat(st, gpu, "gpu_model_seconds") > 0);
+    CHECK(Stat(st, gpu, "gpu_model_wait_seconds") > 0);
+    CHECK(Stat(st, gpu, "busy_seconds") >=
+          Stat(st, gpu, "gpu_model_seconds") - 1e-3);
   }
   CHECK(kv_capacity > 0);
 }

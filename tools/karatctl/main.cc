@@ -72,7 +72,8 @@ commands:
       Prints the daemons of a cluster config, one per line (used by
       deploy/karat): "model_dir DIR", "provider P", "gpu NAME FLAGS...",
       "karat NAME FLAGS...". GPU nodes get --rank, --ranks, --mode,
-      --micro-batches, --schedule and --hbm-bytes from the config.
+      --micro-batches, --schedule and --hbm-bytes from the config, and
+      --hbm-bandwidth-gbps / --tflops when set (the rank's timing model).
 
 Without --coordinator or --addr-file the address is read from
 run/coordinator.addr (written by `deploy/karat up`).
@@ -538,6 +539,9 @@ int Plan(const Flags& f) {
     if (g.max_batch() > 0)
       flags += " --max-batch " + std::to_string(g.max_batch());
     if (g.threads() > 0) flags += " --threads " + std::to_string(g.threads());
+    if (g.hbm_bandwidth_gbps() > 0)
+      absl::StrAppend(&flags, " --hbm-bandwidth-gbps ", g.hbm_bandwidth_gbps());
+    if (g.tflops() > 0) absl::StrAppend(&flags, " --tflops ", g.tflops());
     flags += " --listen " +
              (g.listen().empty() ? std::string("127.0.0.1:0") : g.listen());
     std::printf("gpu %s%s\n", g.name().c_str(), flags.c_str());
