@@ -83,6 +83,11 @@ absl::Status ValidateClusterConfig(const cluster::ClusterConfig& config) {
         return Invalid(df + ".capacity_bytes", "must be > 0");
       if (k.devices(d).cores() < 0)
         return Invalid(df + ".cores", "must be >= 0");
+      if (!(k.devices(d).bandwidth_gbps() >= 0) ||
+          std::isinf(k.devices(d).bandwidth_gbps()))
+        return Invalid(df + ".bandwidth_gbps", "must be >= 0 and finite");
+      if (!(k.devices(d).tflops() >= 0) || std::isinf(k.devices(d).tflops()))
+        return Invalid(df + ".tflops", "must be >= 0 and finite");
     }
   }
   for (int i = 0; i < config.links_size(); ++i) {

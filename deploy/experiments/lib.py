@@ -103,9 +103,11 @@ def cluster_config(model_dir, ranks=1, karat_nodes=1, devices=2,
                    device_capacity=1 << 30, cores=1, tokens_per_page=64,
                    max_batch=64, max_step_tokens=256, threads=1, mode=None,
                    scheduling=None, links=None, hbm_bytes=None,
-                   hbm_bandwidth_gbps=None, tflops=None):
+                   hbm_bandwidth_gbps=None, tflops=None,
+                   device_bandwidth_gbps=None, device_tflops=None):
     """A ClusterConfig dict in the shape of deploy/local.textproto.
-    `hbm_bandwidth_gbps` / `tflops`: the GPU ranks' timing model (off when
+    `hbm_bandwidth_gbps` / `tflops`: the GPU ranks' timing model,
+    `device_bandwidth_gbps` / `device_tflops` the KARAT devices' (off when
     None or 0)."""
     gpus = []
     for name in gpu_names(ranks):
@@ -120,7 +122,11 @@ def cluster_config(model_dir, ranks=1, karat_nodes=1, devices=2,
         karats.append({"name": name, "listen": "127.0.0.1:0",
                        "tokens_per_page": tokens_per_page,
                        "devices": [{"capacity_bytes": int(device_capacity),
-                                    "cores": cores}] * devices})
+                                    "cores": cores,
+                                    "bandwidth_gbps":
+                                        device_bandwidth_gbps or None,
+                                    "tflops": device_tflops or None}]
+                       * devices})
     return {
         "model_dir": str(model_dir),
         "provider": "shm",

@@ -104,6 +104,14 @@ TEST_CASE("config: scale-out settings are checked by field") {
         "c: gpu_nodes[1].tflops: must be >= 0 and finite");
   CHECK(Refusal("gpu_nodes { name: \"g1\" tflops: nan }") ==
         "c: gpu_nodes[1].tflops: must be >= 0 and finite");
+  CHECK(Refusal("karat_nodes { name: \"k1\" devices { capacity_bytes: 1 "
+                "bandwidth_gbps: 2 tflops: 0.1 } }") == "");
+  CHECK(Refusal("karat_nodes { name: \"k1\" devices { capacity_bytes: 1 "
+                "bandwidth_gbps: -2 } }") ==
+        "c: karat_nodes[1].devices[0].bandwidth_gbps: must be >= 0 and finite");
+  CHECK(Refusal("karat_nodes { name: \"k1\" devices { capacity_bytes: 1 "
+                "tflops: inf } }") ==
+        "c: karat_nodes[1].devices[0].tflops: must be >= 0 and finite");
   CHECK(Refusal("links { source: \"g0\" destination: \"*\" }\n"
                 "links { source: \"g0\" destination: \"k0\" jitter_us: -2 }") ==
         "c: links[1].jitter_us: must be >= 0");

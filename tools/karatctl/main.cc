@@ -551,11 +551,13 @@ int Plan(const Flags& f) {
     const auto& d0 = k.devices(0);
     for (const auto& d : k.devices()) {
       if (d.capacity_bytes() != d0.capacity_bytes() ||
-          d.cores() != d0.cores()) {
+          d.cores() != d0.cores() ||
+          d.bandwidth_gbps() != d0.bandwidth_gbps() ||
+          d.tflops() != d0.tflops()) {
         std::fprintf(
             stderr,
-            "karatctl: %s: karat_nodes[%d]: karat-node takes one capacity "
-            "and core count for all its devices\n",
+            "karatctl: %s: karat_nodes[%d]: karat-node takes one capacity, "
+            "core count and timing model for all its devices\n",
             f.Str("config").c_str(), i);
         return 2;
       }
@@ -564,6 +566,10 @@ int Plan(const Flags& f) {
                         " --device-capacity " +
                         std::to_string(d0.capacity_bytes());
     if (d0.cores() > 0) flags += " --cores " + std::to_string(d0.cores());
+    if (d0.bandwidth_gbps() > 0)
+      absl::StrAppend(&flags, " --device-bandwidth-gbps ", d0.bandwidth_gbps());
+    if (d0.tflops() > 0)
+      absl::StrAppend(&flags, " --device-tflops ", d0.tflops());
     if (k.tokens_per_page() > 0)
       flags += " --tokens-per-page " + std::to_string(k.tokens_per_page());
     flags += " --listen " +
