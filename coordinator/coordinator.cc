@@ -29,6 +29,7 @@
 #include "coordinator/cluster_config.h"
 #include "coordinator/placement.h"
 #include "coordinator/scheduling.h"
+#include "coordinator/wal.h"
 #include "karat.grpc.pb.h"
 
 namespace karat::coordinator {
@@ -88,6 +89,10 @@ struct Session {
   // Positions where each earlier turn's prefill ended (increasing); sent as
   // RunTurnRequest.prefill_ends when the KV is rebuilt from the token log.
   std::vector<int> prefill_ends;
+  // What the write-ahead log holds of the session: its history's first
+  // `logged_tokens` tokens and `logged_turns`.
+  size_t logged_tokens = 0;
+  int logged_turns = 0;
 };
 
 // A turn admitted to a rank and not finished yet.
@@ -341,6 +346,10 @@ class State {
     }
     return state;
   }
+
+  // The write-ahead log of sessions (null without options.state_dir). Set
+  // before the server starts; thread-safe on its own.
+  std::unique_ptr<SessionLog> wal_;
 
   mutable absl::Mutex mu_;
   std::map<uint32_t, Node> nodes_ ABSL_GUARDED_BY(mu_);
@@ -1181,6 +1190,22 @@ class KaratService final : public v1::Karat::Service {
     session.seed = req->seed();
     s_->session_keys_.insert(session.key);
     FillSession(session, false, resp);
+    if (s_->wal_ != nullptr) {
+      // Under the lock: nothing else knows the session yet, and the log's
+      // order is the table's. The client hears of it once it is on disk.
+      cl::WalRecord record;
+      record.mutable_created()->set_id(session.id);
+      record.mutable_created()->set_key(session.key);
+      record.mutable_created()->set_seed(session.seed);
+      if (absl::Status st = s_->wal_->Append(record); !st.ok()) {
+        s_->session_keys_.erase(session.key);
+        KLOG(Error, kLog) << "session=" << session.id
+                          << " not created: " << st.message();
+        return grpc::Status(
+            grpc::StatusCode::INTERNAL,
+            absl::StrCat("cannot log the session: ", st.message()));
+      }
+    }
     KLOG(Info, kLog) << "session=" << session.id
                      << " created seed=" << session.seed;
     s_->sessions_.emplace(session.id, std::move(session));
@@ -1222,6 +1247,17 @@ class KaratService final : public v1::Karat::Service {
           home_channel = n->second.channel;
           home_name = n->second.name;
           home_role = n->second.role;
+        }
+      }
+      if (s_->wal_ != nullptr) {
+        cl::WalRecord record;
+        record.mutable_closed()->set_id(req->session_id());
+        if (absl::Status st = s_->wal_->Append(record); !st.ok()) {
+          KLOG(Error, kLog) << "session=" << req->session_id()
+                            << " not closed: " << st.message();
+          return grpc::Status(
+              grpc::StatusCode::INTERNAL,
+              absl::StrCat("cannot log the close: ", st.message()));
         }
       }
       s_->session_keys_.erase(key);
@@ -1370,6 +1406,11 @@ class KaratService final : public v1::Karat::Service {
                             absl::Duration grace) const;
 
   absl::Status Validate(const v1::GenerateRequest& req) const;
+  // Appends what the session's history, prefill ends and turn count gained
+  // since its last record to the write-ahead log (nothing without one, or
+  // when nothing changed). Call without the lock, while the session is busy
+  // (so that no close comes in between).
+  absl::Status LogTurn(const std::string& sid);
   // UNAVAILABLE unless a GPU node (and in karat mode a KARAT node) is alive
   // and every routed expert has an alive owner that acknowledged it: with
   // several ranks whose nodes report the expert count, the alive ranks
@@ -1461,6 +1502,44 @@ void KaratService::WaitForCancelledTurn(const std::string& session_id,
     }
     absl::SleepFor(absl::Milliseconds(2));
   }
+}
+
+absl::Status KaratService::LogTurn(const std::string& sid) {
+  if (s_->wal_ == nullptr) return absl::OkStatus();
+  cl::WalRecord record;
+  size_t logged_tokens = 0;
+  int logged_turns = 0;
+  {
+    absl::MutexLock lock(&s_->mu_);
+    auto it = s_->sessions_.find(sid);
+    if (it == s_->sessions_.end()) return absl::OkStatus();
+    Session& session = it->second;
+    if (session.logged_tokens == session.history.size() &&
+        session.logged_turns == session.turns)
+      return absl::OkStatus();
+    logged_tokens = session.logged_tokens;
+    logged_turns = session.logged_turns;
+    cl::WalRecord::TurnLogged* turn = record.mutable_turn();
+    turn->set_id(sid);
+    turn->mutable_tokens()->Assign(
+        session.history.begin() + session.logged_tokens, session.history.end());
+    turn->mutable_prefill_ends()->Assign(session.prefill_ends.begin(),
+                                         session.prefill_ends.end());
+    turn->set_turns(session.turns);
+    session.logged_tokens = session.history.size();
+    session.logged_turns = session.turns;
+  }
+  absl::Status st = s_->wal_->Append(record);
+  if (!st.ok()) {
+    // Not on disk: the session's next record carries these tokens too.
+    absl::MutexLock lock(&s_->mu_);
+    auto it = s_->sessions_.find(sid);
+    if (it != s_->sessions_.end()) {
+      it->second.logged_tokens = logged_tokens;
+      it->second.logged_turns = logged_turns;
+    }
+  }
+  return st;
 }
 
 absl::Status KaratService::Validate(const v1::GenerateRequest& req) const {
@@ -2233,6 +2312,19 @@ grpc::Status KaratService::Generate(
       if (push) service->PostMicroBatchPush(rank);
     }
   } active_guard{this, s_, &turn};
+  // Logs what the session gained however the turn ends (failed, cancelled),
+  // before the client hears of it and before the session is idle again. A
+  // finished turn is logged before its TurnDone instead.
+  struct TurnLogGuard {
+    KaratService* service;
+    std::string sid;
+    bool logged = false;
+    ~TurnLogGuard() {
+      if (logged) return;
+      if (absl::Status st = service->LogTurn(sid); !st.ok())
+        KLOG(Error, kLog) << "session=" << sid << " " << st.message();
+    }
+  } log_guard{this, sid};
 
   cl::RunTurnRequest run;
   run.set_session(turn.key);
@@ -2423,6 +2515,13 @@ grpc::Status KaratService::Generate(
                            ") failed during the turn after ", generated,
                            " tokens: ", gpu_status.error_message(), why));
   }
+  log_guard.logged = true;
+  if (absl::Status st = LogTurn(sid); !st.ok()) {
+    KLOG(Error, kLog) << "session=" << sid << " " << st.message();
+    return grpc::Status(
+        grpc::StatusCode::INTERNAL,
+        absl::StrCat("the turn's tokens could not be logged: ", st.message()));
+  }
   const int64_t total_us = absl::ToInt64Microseconds(s_->Now() - arrived);
   const std::string reason =
       !gpu_status.ok() ? "cancelled" : (eos ? "eos" : "length");
@@ -2460,6 +2559,31 @@ class CoordinatorImpl final : public Coordinator {
   ~CoordinatorImpl() override { Shutdown(absl::Seconds(5)); }
 
   absl::Status Init() {
+    if (!state_.options().state_dir.empty()) {
+      std::vector<LoggedSession> logged;
+      absl::StatusOr<std::unique_ptr<SessionLog>> wal =
+          SessionLog::Open(state_.options().state_dir, &logged);
+      if (!wal.ok()) return wal.status();
+      state_.wal_ = std::move(*wal);
+      absl::MutexLock lock(&state_.mu_);
+      for (LoggedSession& l : logged) {
+        // No home and no KV: the next turn places the session and rebuilds
+        // its KV from the token log by prefill (TryAdmit).
+        Session session;
+        session.id = l.id;
+        session.key = l.key;
+        session.seed = l.seed;
+        session.history = std::move(l.history);
+        session.prefill_ends = std::move(l.prefill_ends);
+        session.turns = l.turns;
+        session.logged_tokens = session.history.size();
+        session.logged_turns = session.turns;
+        state_.session_keys_.insert(session.key);
+        state_.sessions_.emplace(session.id, std::move(session));
+      }
+      KLOG(Info, kLog) << "state dir " << state_.options().state_dir << ": "
+                       << logged.size() << " sessions restored";
+    }
     grpc::EnableDefaultHealthCheckService(true);
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();
     grpc::ServerBuilder builder;

@@ -77,6 +77,16 @@ struct Options {
   StepCostModel step_cost = {2.0, 0.5, 0.0005};
   // The clock (a seam for tests). Defaults to absl::Now.
   std::function<absl::Time()> now;
+  // Directory of the write-ahead log of sessions (coordinator/wal.h,
+  // DESIGN.md §7 "Coordinator restarted"); empty: none, sessions live in
+  // memory only. With one, CreateSession, CloseSession and the end of every
+  // turn (done, failed or cancelled) are on disk before the client hears of
+  // them, and a coordinator started on the same directory serves the same
+  // sessions: their ids, keys, seeds, token logs, turns and prefill ends.
+  // Their KV is not kept: each is placed again at its next turn and its KV
+  // rebuilt from the token log by prefill. Created when missing; one that
+  // cannot be read or written fails Start (FAILED_PRECONDITION).
+  std::string state_dir;
 };
 
 // A running coordinator. Thread-safe. Destroying it shuts it down.

@@ -18,9 +18,16 @@ constexpr char kUsage[] =
     "usage: karat-coordinator [--config FILE] [--model DIR] [--listen "
     "HOST:PORT]\n"
     "                         [--port-file PATH] [--log-level LEVEL]\n"
-    "                         [--max-new-tokens-limit N]\n"
-    "  --model DIR  the model the config is checked against (experts per\n"
-    "               GPU rank, hbm_bytes); default: the config's model_dir\n";
+    "                         [--max-new-tokens-limit N] [--state-dir DIR]\n"
+    "  --model DIR      the model the config is checked against (experts per\n"
+    "                   GPU rank, hbm_bytes); default: the config's model_dir\n"
+    "  --state-dir DIR  keep a write-ahead log of the sessions in DIR\n"
+    "                   (created when missing; default: the config's\n"
+    "                   coordinator.state_dir, else none). A coordinator\n"
+    "                   restarted on the same DIR serves the same sessions\n"
+    "                   with their token logs; their KV is rebuilt at each\n"
+    "                   one's next turn, and a turn running at the restart\n"
+    "                   fails. Without it sessions end with the process.\n";
 
 [[noreturn]] void UsageError(const std::string& message) {
   std::fprintf(stderr, "karat-coordinator: %s\n%s", message.c_str(), kUsage);
@@ -41,7 +48,8 @@ bool WriteFileAtomically(const std::string& path, const std::string& text) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string config_path, model_dir, listen, port_file, log_level = "info";
+  std::string config_path, model_dir, listen, port_file, state_dir,
+      log_level = "info";
   int max_new_tokens_limit = 0;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -66,7 +74,10 @@ int main(int argc, char** argv) {
       listen = next();
     else if (arg == "--port-file")
       port_file = next();
-    else if (arg == "--log-level")
+    else if (arg == "--state-dir") {
+      state_dir = next();
+      if (state_dir.empty()) UsageError("--state-dir needs a directory");
+    } else if (arg == "--log-level")
       log_level = next();
     else if (arg == "--max-new-tokens-limit") {
       std::string v = next();
@@ -101,6 +112,7 @@ int main(int argc, char** argv) {
     if (c.heartbeat_interval_ms() > 0)
       options.heartbeat_interval_ms = c.heartbeat_interval_ms();
     if (c.node_timeout_ms() > 0) options.node_timeout_ms = c.node_timeout_ms();
+    options.state_dir = c.state_dir();
     options.links.assign(config->links().begin(), config->links().end());
     if (config->link_seed() != 0) options.link_seed = config->link_seed();
     if (!config->mode().empty()) options.mode = config->mode();
@@ -129,6 +141,7 @@ int main(int argc, char** argv) {
   if (!listen.empty()) options.listen = listen;
   if (max_new_tokens_limit > 0)
     options.max_new_tokens_limit = max_new_tokens_limit;
+  if (!state_dir.empty()) options.state_dir = state_dir;
 
   // Signals are taken synchronously by this thread; every other thread
   // inherits the blocked mask.

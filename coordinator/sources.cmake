@@ -4,6 +4,7 @@ add_library(karat_coordinator STATIC
   coordinator/coordinator.cc
   coordinator/placement.cc
   coordinator/scheduling.cc
+  coordinator/wal.cc
   # The only compiled parts of common/ the coordinator needs (tokenizer.h and
   # status_macros.h are header-only): logging, and the model config and
   # tensor list for the config checks (RankWeightBytes), and the link rules

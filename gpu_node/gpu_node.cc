@@ -2,6 +2,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -390,6 +391,8 @@ struct GpuNodeDaemon::Impl {
   std::unique_ptr<NodeRegistrar> registrar;
   std::string address;
   bool shut_down = false;
+  // Set by the first successful registration (the registrar's thread).
+  std::atomic<bool> registered_once{false};
 
   // Expert parallelism (ranks > 1).
   std::unique_ptr<ExpertParallel> experts;
@@ -560,6 +563,17 @@ absl::StatusOr<std::unique_ptr<GpuNodeDaemon>> GpuNodeDaemon::Start(
   reg.interval = options.heartbeat_interval;
   reg.log_module = "gpu_node";
   reg.make_request = [impl] {
+    // gpu_only: registering again means the coordinator restarted or
+    // dropped this node; the sessions whose KV is here are no longer counted
+    // by it (DESIGN.md §7: their KV is rebuilt where they are placed next),
+    // so their pages go now, before the registration lets it place new ones.
+    if (impl->local != nullptr && impl->registered_once.load()) {
+      const int freed = impl->local->FreeAll();
+      if (freed > 0)
+        KLOG(Info, "gpu_node")
+            << "registering again: freed the KV of " << freed
+            << " sessions placed by the previous registration";
+    }
     cluster::RegisterNodeRequest r;
     r.set_name(impl->options.name);
     r.set_role("gpu");
@@ -581,6 +595,7 @@ absl::StatusOr<std::unique_ptr<GpuNodeDaemon>> GpuNodeDaemon::Start(
     impl->service->FillDevices(r->mutable_devices());
   };
   reg.on_registered = [impl](uint32_t id) {
+    impl->registered_once = true;
     if (impl->backend) impl->backend->set_node_id(id);
     impl->SetNodeId(id);
     KLOG(Info, "gpu_node") << "ready: " << impl->options.name

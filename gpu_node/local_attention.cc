@@ -51,6 +51,14 @@ void GpuLocalAttention::Free(uint64_t session) {
   reserved_.erase(session);
 }
 
+int GpuLocalAttention::FreeAll() {
+  absl::MutexLock lock(&mu_);
+  const int n = static_cast<int>(reserved_.size());
+  for (const auto& [session, tokens] : reserved_) local_.Drop(session);
+  reserved_.clear();
+  return n;
+}
+
 bool GpuLocalAttention::HasSession(uint64_t session) const {
   absl::MutexLock lock(&mu_);
   return reserved_.contains(session);

@@ -33,6 +33,8 @@ class GpuLocalAttention : public StepBackend {
   // RESOURCE_EXHAUSTED when the HBM left for KV cannot hold them.
   absl::Status Reserve(uint64_t session, int tokens);
   void Free(uint64_t session);
+  // Frees every session; returns how many there were.
+  int FreeAll();
   bool HasSession(uint64_t session) const;
   size_t capacity_bytes() const { return capacity_; }
   // Pages held by the sessions (page-granular, every layer).

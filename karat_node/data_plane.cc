@@ -97,6 +97,19 @@ absl::Status DataPlaneHandler::FreeSession(uint64_t session) {
   return devices_[device]->Free(session);
 }
 
+int DataPlaneHandler::FreeAllSessions() {
+  absl::MutexLock lock(&sessions_mu_);
+  const int n = static_cast<int>(session_device_.size());
+  for (const auto& [session, device] : session_device_) {
+    absl::Status st = devices_[device]->Free(session);
+    if (!st.ok())
+      KLOG(Warning, "karat_node")
+          << "session " << session << ": freeing failed: " << st.message();
+  }
+  session_device_.clear();
+  return n;
+}
+
 std::vector<cluster::DeviceInfo> DataPlaneHandler::Devices() const {
   std::vector<cluster::DeviceInfo> out;
   for (const auto& d : devices_) out.push_back(d->Info());

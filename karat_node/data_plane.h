@@ -80,6 +80,11 @@ class DataPlaneHandler {
   // KaratNode.FreeSession: frees every page of the session. NOT_FOUND when
   // the node does not hold it.
   absl::Status FreeSession(uint64_t session);
+  // Frees every page of every session; returns how many sessions there
+  // were. For a node registering again: the coordinator that placed them is
+  // gone (restarted) or has dropped this node's earlier registration, so no
+  // one will free them (DESIGN.md §7).
+  int FreeAllSessions();
 
   int num_devices() const { return static_cast<int>(devices_.size()); }
   KaratDevice* device(int i) const { return devices_[i].get(); }

@@ -2,6 +2,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
 #include <cctype>
 #include <limits>
 #include <map>
@@ -176,6 +177,8 @@ struct KaratNodeDaemon::Impl {
   std::unique_ptr<NodeRegistrar> registrar;
   std::string address;
   bool shut_down = false;
+  // Set by the first successful registration (the registrar's thread).
+  std::atomic<bool> registered_once{false};
 
   cluster::RegisterNodeRequest MakeRegistration() const {
     cluster::RegisterNodeRequest r;
@@ -261,11 +264,26 @@ absl::StatusOr<std::unique_ptr<KaratNodeDaemon>> KaratNodeDaemon::Start(
   reg.coordinator = options.coordinator;
   reg.interval = options.heartbeat_interval;
   reg.log_module = "karat_node";
-  reg.make_request = [impl] { return impl->MakeRegistration(); };
+  reg.make_request = [impl] {
+    // Registering again: the coordinator restarted, or dropped this node.
+    // Either way no coordinator counts the sessions held here any more and
+    // none will free them (DESIGN.md §7: a session whose home is gone is
+    // placed again and its KV rebuilt), so their pages go now, before the
+    // registration lets the coordinator place new ones.
+    if (impl->registered_once.load()) {
+      const int freed = impl->handler->FreeAllSessions();
+      if (freed > 0)
+        KLOG(Info, "karat_node")
+            << "registering again: freed the KV of " << freed
+            << " sessions placed by the previous registration";
+    }
+    return impl->MakeRegistration();
+  };
   reg.fill_heartbeat = [impl](cluster::HeartbeatRequest* r) {
     impl->FillHeartbeat(r);
   };
   reg.on_registered = [impl](uint32_t id) {
+    impl->registered_once = true;
     impl->handler->set_node_id(id);
     KLOG(Info, "karat_node") << "ready: " << impl->options.name
                              << " node_id=" << id << " grpc=" << impl->address;

@@ -59,6 +59,23 @@ struct Pair {
   Inbox inbox_a, inbox_b;
   std::unique_ptr<Transport> a, b;
   PeerId b_at_a = kUnknownPeer, a_at_b = kUnknownPeer;
+
+  // Both ends live in this process, where the shm provider hands a peer's
+  // own memory region to the other end: once one end has closed, a send to
+  // it from the other (such as an RMA credit, which a progress thread sends
+  // when it goes idle) would touch freed memory. So first neither end may
+  // send to the other any more (FailPeer), then both close. Idempotent.
+  void Stop() {
+    const absl::Status stopping =
+        absl::UnavailableError("the test pair is stopping");
+    if (a != nullptr && b_at_a != kUnknownPeer)
+      (void)a->FailPeer(b_at_a, stopping);
+    if (b != nullptr && a_at_b != kUnknownPeer)
+      (void)b->FailPeer(a_at_b, stopping);
+    if (a != nullptr) a->Shutdown();
+    if (b != nullptr) b->Shutdown();
+  }
+  ~Pair() { Stop(); }
 };
 
 FabricOptions Options(const std::string& provider,
@@ -210,7 +227,7 @@ TEST_CASE("shm: a receive handler may send (echo)", "[fabric]") {
   }
   CHECK(echo_failures == 0);
   // Stop b's progress thread before its handler's captures go away.
-  p->b->Shutdown();
+  p->Stop();
 }
 
 TEST_CASE("shm: oversized messages and bad peers fail cleanly", "[fabric]") {

@@ -7,6 +7,8 @@
 #include <atomic>
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <optional>
@@ -1357,6 +1359,156 @@ TEST_CASE(
         std::vector<int32_t>{3, 8});
   CHECK(runs[2].placement().node_name() == "karat1");
   CHECK(runs[1].prefill_ends_size() == 0);
+}
+
+// A fresh directory under the system temp dir, removed at scope exit.
+class StateDir {
+ public:
+  StateDir() {
+    std::string tmpl =
+        (std::filesystem::temp_directory_path() / "karat_state_XXXXXX")
+            .string();
+    REQUIRE(mkdtemp(tmpl.data()) != nullptr);
+    path = tmpl;
+  }
+  ~StateDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+  std::string path;
+};
+
+std::vector<int32_t> Tokens(const v1::Session& s) {
+  return std::vector<int32_t>(s.tokens().begin(), s.tokens().end());
+}
+
+TEST_CASE("state_dir: a restarted coordinator serves the logged sessions") {
+  StateDir dir;
+  auto configure = [&](Options& o) { o.state_dir = dir.path; };
+  std::string kept, closed, fresh;
+  std::vector<int32_t> history;
+  uint64_t kept_key = 0;
+  auto turn = [](Cluster& c, const std::string& id, std::vector<int32_t> prompt,
+                 int max_new) {
+    v1::GenerateRequest req;
+    req.set_session_id(id);
+    req.mutable_prompt_tokens()->Assign(prompt.begin(), prompt.end());
+    req.set_max_new_tokens(max_new);
+    return c.Generate(req);
+  };
+  {
+    Cluster c(64, configure);
+    c.AddNodes({1000}, {65, 66, 67});
+    kept = c.NewSession(11);
+    closed = c.NewSession(12);
+    fresh = c.NewSession(13);  // never runs a turn
+    REQUIRE(turn(c, kept, {1, 2}, 3).status.ok());
+    REQUIRE(turn(c, kept, {3}, 2).status.ok());
+    REQUIRE(!c.karat->reserves().empty());
+    kept_key = c.karat->reserves()[0].session();
+    auto r = turn(c, closed, {4}, 2);
+    REQUIRE(r.status.ok());
+    v1::CloseSessionRequest close;
+    close.set_session_id(closed);
+    v1::CloseSessionResponse resp;
+    grpc::ClientContext ctx;
+    REQUIRE(c.client->CloseSession(&ctx, close, &resp).ok());
+    history = Tokens(c.Get(kept));
+    // BOS 1 2 | 65 66 67 | 3 | 65 66
+    REQUIRE(history.size() == 9);
+  }
+  Cluster c(64, configure);
+  c.AddNodes({1000}, {70});
+  v1::Session s = c.Get(kept);
+  CHECK(Tokens(s) == history);
+  CHECK(s.turns() == 2);
+  CHECK(s.seed() == 11);
+  CHECK(s.state() == "idle");
+  CHECK(s.home_node().empty());  // no home until the next turn
+  CHECK(c.Get(fresh).num_tokens() == 0);
+  {
+    v1::GetSessionRequest req;
+    req.set_session_id(closed);
+    v1::Session out;
+    grpc::ClientContext ctx;
+    CHECK(c.client->GetSession(&ctx, req, &out).error_code() ==
+          grpc::StatusCode::NOT_FOUND);
+  }
+  CHECK(c.Status().sessions() == 2);
+
+  // The next turn rebuilds the KV from the whole token log, cut at the
+  // earlier turns' prefill ends.
+  auto r = turn(c, kept, {5, 6}, 2);
+  REQUIRE(r.status.ok());
+  auto runs = c.gpu->runs();
+  REQUIRE(runs.size() == 1);
+  CHECK(runs[0].pos_start() == 0);
+  std::vector<int32_t> feed = history;
+  feed.insert(feed.end(), {5, 6});
+  CHECK(std::vector<int32_t>(runs[0].feed_tokens().begin(),
+                             runs[0].feed_tokens().end()) == feed);
+  CHECK(std::vector<int32_t>(runs[0].prefill_ends().begin(),
+                             runs[0].prefill_ends().end()) ==
+        std::vector<int32_t>{3, 7});
+  CHECK(runs[0].seed() == 11);
+  REQUIRE(c.karat->reserves().size() == 1);
+  const uint64_t key = c.karat->reserves()[0].session();
+  CHECK(key == kept_key);  // the session's data-plane key is kept
+  CHECK(runs[0].session() == key);
+  CHECK(c.Get(kept).turns() == 3);
+
+  // New sessions get new ids and keys.
+  const std::string other = c.NewSession(14);
+  CHECK(other != kept);
+  CHECK(other != fresh);
+  REQUIRE(turn(c, other, {7}, 1).status.ok());
+  REQUIRE(c.karat->reserves().size() == 2);
+  CHECK(c.karat->reserves()[1].session() != key);
+
+  // A third start sees the turn run since the second.
+  std::vector<int32_t> now = Tokens(c.Get(kept));
+  REQUIRE(now.size() == 13);
+  c.coordinator->Shutdown(absl::Seconds(1));
+  c.coordinator.reset();
+  Cluster again(64, configure);
+  CHECK(Tokens(again.Get(kept)) == now);
+  CHECK(again.Get(kept).turns() == 3);
+  CHECK(again.Get(other).num_tokens() == 3);
+  CHECK(again.Status().sessions() == 3);
+}
+
+TEST_CASE("state_dir: a turn's tokens are logged when it fails") {
+  StateDir dir;
+  auto configure = [&](Options& o) { o.state_dir = dir.path; };
+  std::string sid;
+  std::vector<int32_t> history;
+  {
+    Cluster c(64, configure);
+    c.AddNodes({1000}, {65, 66, 67});
+    sid = c.NewSession();
+    c.gpu->fail_after = 2;
+    auto r = c.Generate(sid, "ab", 5);
+    CHECK_FALSE(r.status.ok());
+    CHECK(r.tokens.size() == 2);
+    c.WaitIdle(sid);
+    history = Tokens(c.Get(sid));
+    REQUIRE(history.size() == 5);  // BOS a b 65 66
+  }
+  Cluster c(64, configure);
+  CHECK(Tokens(c.Get(sid)) == history);
+  CHECK(c.Get(sid).turns() == 1);
+}
+
+TEST_CASE("state_dir: a state dir that cannot be used fails the start") {
+  StateDir dir;
+  const std::string file = dir.path + "/file";
+  { std::ofstream(file) << "x"; }
+  Options o;
+  o.state_dir = file + "/state";
+  auto c = Coordinator::Start(o);
+  REQUIRE_FALSE(c.ok());
+  CHECK(c.status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(c.status().message().find(file) != std::string::npos);
 }
 
 }  // namespace

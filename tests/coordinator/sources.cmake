@@ -13,3 +13,6 @@ add_unit_test(karatctl_workload_test
 add_unit_test(coordinator_scheduling_test
   SOURCES tests/coordinator/scheduling_test.cc
   LIBS karat_coordinator)
+add_unit_test(coordinator_wal_test
+  SOURCES tests/coordinator/wal_test.cc
+  LIBS karat_coordinator)

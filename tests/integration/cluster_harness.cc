@@ -119,8 +119,16 @@ void Cluster::StartAll() {
     coordinator.push_back("--config");
     coordinator.push_back(config);
   }
+  if (spec.coordinator_state) {
+    coordinator.push_back("--state-dir");
+    coordinator.push_back(dir_ + "/state");
+  }
   pid_t c = Start("coordinator", coordinator);
   coord_addr_ = WaitForPortFile(dir_ + "/coordinator.addr", c);
+  // A restarted coordinator listens where the nodes look for it.
+  for (size_t i = 0; i + 1 < argv_["coordinator"].size(); ++i)
+    if (argv_["coordinator"][i] == "--listen")
+      argv_["coordinator"][i + 1] = coord_addr_;
   for (int k = 0; k < spec.karat_nodes; ++k) {
     const std::string name = "karat" + std::to_string(k);
     Start(name, {BinPath("karat-node"),
@@ -323,6 +331,17 @@ pid_t Cluster::Restart(const std::string& name) {
   }
   const std::vector<std::string> argv = it->second;
   return Start(name, argv);
+}
+
+void Cluster::RestartCoordinator() {
+  Kill("coordinator");
+  const pid_t pid = Restart("coordinator");
+  const std::string addr = WaitForPortFile(dir_ + "/coordinator.addr", pid);
+  REQUIRE(addr == coord_addr_);
+  // Each node learns from a heartbeat that its id is unknown and registers
+  // again.
+  WaitForNodes(spec_.gpu_nodes +
+               (spec_.mode == "gpu_only" ? 0 : spec_.karat_nodes));
 }
 
 std::string Cluster::WaitForPortFile(const std::string& path, pid_t pid) {

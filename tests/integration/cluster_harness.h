@@ -42,6 +42,9 @@ struct ClusterSpec {
   double tbt_slo_ms = 0;
   // Appended to the cluster config as is (links { ... }, ...).
   std::string extra_config;
+  // The coordinator keeps its write-ahead log of sessions in DIR/state
+  // (--state-dir), for RestartCoordinator.
+  bool coordinator_state = false;
 };
 
 class Cluster {
@@ -62,6 +65,10 @@ class Cluster {
   // Starts daemon `name` again with the flags it was first started with
   // (after Kill); returns its pid.
   pid_t Restart(const std::string& name);
+  // SIGKILLs the coordinator (a crash), starts it again with the same flags
+  // on the address it had, and waits until the nodes have registered with
+  // it again. FAILs the current test when it does not come back.
+  void RestartCoordinator();
   std::string ReadLog(const std::string& name) const;
   const std::string& dir() const { return dir_; }
 

@@ -16,6 +16,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "cluster.grpc.pb.h"
+#include "common/model_config.h"
 #include "common/reference_engine.h"
 #include "common/tokenizer.h"
 #include "common/weights.h"
@@ -456,6 +457,106 @@ TEST_CASE("a node that cannot reach the coordinator retries and says so",
   INFO(text);
   CHECK(text.find("retrying") != std::string::npos);
   std::filesystem::remove_all(dir);
+}
+
+// DESIGN.md §7 "Coordinator restarted": the sessions and their token logs
+// come back from the coordinator's write-ahead log; the nodes register
+// again and drop the KV they held; each session's next turn rebuilds its
+// KV from the token log, and the conversation's tokens stay the reference
+// engine's. In karat mode the KV lives on the KARAT node, in gpu_only mode on
+// the GPU rank.
+TEST_CASE("a restarted coordinator: cluster tokens equal the reference engine",
+          "[integration]") {
+  ClusterSpec spec;
+  spec.coordinator_state = true;
+  std::string kv_node = "karat0";
+  SECTION("karat") {}
+  SECTION("gpu_only") {
+    spec.mode = "gpu_only";
+    spec.karat_nodes = 0;
+    auto config = PresetConfig(spec.preset);
+    REQUIRE(config.ok());
+    spec.gpu_hbm_bytes = RankWeightBytes(*config, 0, 1) + (int64_t(16) << 20);
+    kv_node = "gpu0";
+  }
+  Cluster cluster(spec);
+  constexpr int kSessions = 2, kTurns = 3, kMaxNew = 16;
+  auto temperature = [](int s) { return s == 0 ? 0.0f : 0.9f; };
+  auto seed = [](int s) { return uint64_t(700 + s); };
+  std::vector<std::string> ids;
+  std::vector<std::vector<TurnResult>> got(kSessions);
+  std::vector<int64_t> tokens_before(kSessions);
+  {
+    auto stub = cluster.NewStub();
+    for (int s = 0; s < kSessions; ++s) {
+      ids.push_back(CreateSession(stub.get(), seed(s)));
+      got[s].push_back(Generate(stub.get(), ids[s], PromptText(s, 0), kMaxNew,
+                                temperature(s)));
+      INFO(got[s][0].status.error_message());
+      REQUIRE(got[s][0].status.ok());
+    }
+    // A closed session stays closed.
+    const std::string closed = CreateSession(stub.get(), 5);
+    REQUIRE(Generate(stub.get(), closed, "short", 2, 0).status.ok());
+    grpc::ClientContext ctx;
+    karat::v1::CloseSessionRequest req;
+    req.set_session_id(closed);
+    karat::v1::CloseSessionResponse resp;
+    REQUIRE(stub->CloseSession(&ctx, req, &resp).ok());
+    ids.push_back(closed);
+    for (int s = 0; s < kSessions; ++s) {
+      grpc::ClientContext gctx;
+      karat::v1::GetSessionRequest greq;
+      greq.set_session_id(ids[s]);
+      karat::v1::Session sess;
+      REQUIRE(stub->GetSession(&gctx, greq, &sess).ok());
+      tokens_before[s] = sess.num_tokens();
+    }
+  }
+
+  cluster.RestartCoordinator();
+  INFO(cluster.ReadLog("coordinator"));
+  CHECK(cluster.ReadLog(kv_node).find(
+            "registering again: freed the KV of 2 sessions") !=
+        std::string::npos);
+  auto stub = cluster.NewStub();
+  for (int s = 0; s <= kSessions; ++s) {
+    grpc::ClientContext ctx;
+    karat::v1::GetSessionRequest req;
+    req.set_session_id(ids[s]);
+    karat::v1::Session sess;
+    grpc::Status st = stub->GetSession(&ctx, req, &sess);
+    if (s == kSessions) {
+      CHECK(st.error_code() == grpc::StatusCode::NOT_FOUND);
+      continue;
+    }
+    REQUIRE(st.ok());
+    CHECK(sess.num_tokens() == tokens_before[s]);
+    CHECK(sess.turns() == 1);
+    CHECK(sess.seed() == seed(s));
+  }
+  for (int t = 1; t < kTurns; ++t)
+    for (int s = 0; s < kSessions; ++s)
+      got[s].push_back(Generate(stub.get(), ids[s], PromptText(s, t), kMaxNew,
+                                temperature(s)));
+
+  ModelFiles files = LoadOrFail(cluster.model_dir());
+  auto engine = ReferenceEngine::Create(files);
+  REQUIRE(engine.ok());
+  for (int s = 0; s < kSessions; ++s) {
+    ReferenceSession ref;
+    ref.key = uint64_t(s + 1);
+    ref.seed = seed(s);
+    for (int t = 0; t < kTurns; ++t) {
+      INFO("session " << s << " turn " << t);
+      INFO(got[s][t].status.error_message());
+      REQUIRE(got[s][t].status.ok());
+      auto want = (*engine)->RunTurn(&ref, EncodeText(PromptText(s, t)),
+                                     kMaxNew, temperature(s));
+      REQUIRE(want.ok());
+      CHECK(got[s][t].tokens == *want);
+    }
+  }
 }
 
 }  // namespace

@@ -392,6 +392,16 @@ TEST_CASE("Reserve is all or nothing", "[karat_node]") {
   CHECK(handler.Devices()[0].sessions() == 0);
   CHECK(handler.FreeSession(1).code() == absl::StatusCode::kNotFound);
   CHECK(handler.Reserve(1, 0, 16).ok());
+
+  // Registering again frees every session (sessions 1 and 2 here).
+  CHECK(handler.FreeAllSessions() == 2);
+  for (const auto& d : handler.Devices()) {
+    CHECK(d.used_bytes() == 0);
+    CHECK(d.sessions() == 0);
+  }
+  CHECK(handler.FreeSession(2).code() == absl::StatusCode::kNotFound);
+  CHECK(handler.FreeAllSessions() == 0);
+  CHECK(handler.Reserve(2, 0, 16).ok());  // any device again
 }
 
 TEST_CASE("ParseByteSize", "[karat_node]") {

@@ -1,0 +1,93 @@
+// The coordinator's write-ahead log of sessions (DESIGN.md §7 "Coordinator
+// restarted"): the session table and every session's token log, so that a
+// restarted coordinator serves the same sessions. Their KV is not logged: it
+// is rebuilt from the token log by prefill at each session's next turn.
+//
+// File: DIR/sessions.wal, a sequence of records
+//
+//   u32 length (little endian) | u64 FNV-1a of the payload | payload
+//
+// where the payload is a serialized cluster::WalRecord. Appends are
+// fdatasync'ed before Append returns. Open replays the file: a torn tail (a
+// short record, a bad checksum or a payload that does not parse, as a crash
+// in the middle of an append leaves) is cut off with a warning, and the live
+// sessions are written as a fresh file (temp file, fsync, rename), so the
+// log never holds more than the sessions alive at the last start plus what
+// happened since.
+//
+// Usage:
+//   std::vector<LoggedSession> sessions;
+//   ASSIGN_OR_RETURN(auto log, SessionLog::Open(dir, &sessions));
+//   ...
+//   RETURN_IF_ERROR(log->Append(record));
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "cluster.pb.h"
+
+namespace karat::coordinator {
+
+// A session as the log leaves it.
+struct LoggedSession {
+  std::string id;
+  uint64_t key = 0;
+  uint64_t seed = 0;
+  std::vector<int32_t> history;  // BOS, prompts, generated tokens
+  std::vector<int> prefill_ends;
+  int turns = 0;
+};
+
+// What reading a log file found.
+struct WalContents {
+  std::vector<cluster::WalRecord> records;  // the intact ones, in order
+  int64_t valid_bytes = 0;                  // their length in the file
+  int64_t torn_bytes = 0;                   // bytes after them (cut off)
+};
+
+// Reads every intact record of the log file at `path` (a missing file has
+// none). Errors only when the file cannot be read.
+absl::StatusOr<WalContents> ReadWalFile(const std::string& path);
+
+// Applies `records` in order: the sessions alive after them, by id. Records
+// that do not fit (a turn or close of an unknown session, a second create of
+// one id) are skipped with a warning.
+std::vector<LoggedSession> ReplayWal(
+    const std::vector<cluster::WalRecord>& records);
+
+// One record as it is stored (header and payload).
+std::string EncodeWalRecord(const cluster::WalRecord& record);
+
+// Thread-safe.
+class SessionLog {
+ public:
+  // Creates `dir` when missing, replays DIR/sessions.wal into `*sessions`,
+  // cuts a torn tail (warning), compacts the file and opens it for appends.
+  // FAILED_PRECONDITION naming the path when the directory cannot be created
+  // or read, or the file cannot be read or written.
+  static absl::StatusOr<std::unique_ptr<SessionLog>> Open(
+      const std::string& dir, std::vector<LoggedSession>* sessions);
+  ~SessionLog();
+
+  // Appends one record and fdatasyncs it. An error leaves the log unusable
+  // for the record (the caller reports it); later appends are tried again.
+  absl::Status Append(const cluster::WalRecord& record);
+
+  // DIR/sessions.wal.
+  const std::string& path() const { return path_; }
+
+  static constexpr char kFileName[] = "sessions.wal";
+
+ private:
+  SessionLog(std::string path, int fd) : path_(std::move(path)), fd_(fd) {}
+  const std::string path_;
+  absl::Mutex mu_;
+  int fd_ ABSL_GUARDED_BY(mu_) = -1;
+};
+
+}  // namespace karat::coordinator

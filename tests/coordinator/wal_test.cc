@@ -1,0 +1,221 @@
+// The coordinator's write-ahead log file (coordinator/wal.h): round trip,
+// a torn tail cut off, compaction, an unusable state dir.
+#include "coordinator/wal.h"
+
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+namespace karat::coordinator {
+namespace {
+
+namespace cl = ::karat::cluster;
+
+// A fresh directory under the system temp dir, removed at scope exit.
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl =
+        (std::filesystem::temp_directory_path() / "karat_wal_XXXXXX").string();
+    REQUIRE(mkdtemp(tmpl.data()) != nullptr);
+    path_ = tmpl;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::permissions(path_, std::filesystem::perms::owner_all,
+                                 std::filesystem::perm_options::add, ec);
+    std::filesystem::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+  std::string File() const { return path_ + "/" + SessionLog::kFileName; }
+
+ private:
+  std::string path_;
+};
+
+cl::WalRecord Created(const std::string& id, uint64_t key, uint64_t seed) {
+  cl::WalRecord r;
+  r.mutable_created()->set_id(id);
+  r.mutable_created()->set_key(key);
+  r.mutable_created()->set_seed(seed);
+  return r;
+}
+
+cl::WalRecord Turn(const std::string& id, std::vector<int32_t> tokens,
+                   std::vector<int32_t> prefill_ends, int turns) {
+  cl::WalRecord r;
+  r.mutable_turn()->set_id(id);
+  r.mutable_turn()->mutable_tokens()->Assign(tokens.begin(), tokens.end());
+  r.mutable_turn()->mutable_prefill_ends()->Assign(prefill_ends.begin(),
+                                                   prefill_ends.end());
+  r.mutable_turn()->set_turns(turns);
+  return r;
+}
+
+cl::WalRecord Closed(const std::string& id) {
+  cl::WalRecord r;
+  r.mutable_closed()->set_id(id);
+  return r;
+}
+
+int64_t FileSize(const std::string& path) {
+  return static_cast<int64_t>(std::filesystem::file_size(path));
+}
+
+void AppendBytes(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::app);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+// Writes two sessions (one closed later) and three turns through a log.
+void WriteSome(const std::string& dir) {
+  std::vector<LoggedSession> sessions;
+  auto log = SessionLog::Open(dir, &sessions);
+  REQUIRE(log.ok());
+  CHECK(sessions.empty());
+  REQUIRE((*log)->Append(Created("s-a", 11, 1)).ok());
+  REQUIRE((*log)->Append(Created("s-b", 22, 2)).ok());
+  REQUIRE((*log)->Append(Turn("s-a", {256, 1, 2, 9, 9}, {3}, 1)).ok());
+  REQUIRE((*log)->Append(Turn("s-b", {256, 5}, {}, 1)).ok());
+  REQUIRE((*log)->Append(Turn("s-a", {3, 8}, {3, 6}, 2)).ok());
+  REQUIRE((*log)->Append(Closed("s-b")).ok());
+}
+
+TEST_CASE("The session log replays what was appended", "[wal]") {
+  TempDir dir;
+  WriteSome(dir.path());
+  std::vector<LoggedSession> sessions;
+  auto log = SessionLog::Open(dir.path(), &sessions);
+  REQUIRE(log.ok());
+  REQUIRE(sessions.size() == 1);
+  const LoggedSession& a = sessions[0];
+  CHECK(a.id == "s-a");
+  CHECK(a.key == 11);
+  CHECK(a.seed == 1);
+  CHECK(a.history == std::vector<int32_t>{256, 1, 2, 9, 9, 3, 8});
+  CHECK(a.prefill_ends == std::vector<int>{3, 6});
+  CHECK(a.turns == 2);
+
+  // Appends after a replay continue the same file.
+  REQUIRE((*log)->Append(Turn("s-a", {7}, {3, 6, 7}, 3)).ok());
+  REQUIRE((*log)->Append(Created("s-c", 33, 3)).ok());
+  log->reset();
+  REQUIRE(SessionLog::Open(dir.path(), &sessions).ok());
+  REQUIRE(sessions.size() == 2);
+  CHECK(sessions[0].history == std::vector<int32_t>{256, 1, 2, 9, 9, 3, 8, 7});
+  CHECK(sessions[0].turns == 3);
+  CHECK(sessions[1].id == "s-c");
+  CHECK(sessions[1].key == 33);
+  CHECK(sessions[1].history.empty());
+}
+
+TEST_CASE("Opening the session log compacts it to the live sessions", "[wal]") {
+  TempDir dir;
+  WriteSome(dir.path());
+  auto before = ReadWalFile(dir.File());
+  REQUIRE(before.ok());
+  CHECK(before->records.size() == 6);
+  std::vector<LoggedSession> sessions;
+  REQUIRE(SessionLog::Open(dir.path(), &sessions).ok());
+  auto after = ReadWalFile(dir.File());
+  REQUIRE(after.ok());
+  // s-a: one created and one turn record with its whole history; s-b gone.
+  REQUIRE(after->records.size() == 2);
+  CHECK(after->records[0].created().id() == "s-a");
+  CHECK(after->records[1].turn().tokens_size() == 7);
+  CHECK(after->torn_bytes == 0);
+  CHECK(after->valid_bytes < before->valid_bytes);
+  CHECK_FALSE(std::filesystem::exists(dir.File() + ".tmp"));
+  // The compacted file replays to the same sessions.
+  CHECK(ReplayWal(after->records).size() == 1);
+  CHECK(ReplayWal(after->records)[0].history ==
+        ReplayWal(before->records)[0].history);
+}
+
+TEST_CASE("A torn last record of the session log is cut off", "[wal]") {
+  TempDir dir;
+  WriteSome(dir.path());
+  const int64_t whole = FileSize(dir.File());
+  std::string record = EncodeWalRecord(Turn("s-a", {42, 43}, {3, 6, 8}, 3));
+
+  SECTION("short") { AppendBytes(dir.File(), record.substr(0, 15)); }
+  SECTION("short header") { AppendBytes(dir.File(), record.substr(0, 5)); }
+  SECTION("bad checksum") {
+    record[6] ^= 0x5a;
+    AppendBytes(dir.File(), record);
+  }
+  SECTION("bad payload") {
+    record.back() ^= 0x01;
+    AppendBytes(dir.File(), record);
+  }
+  auto torn = ReadWalFile(dir.File());
+  REQUIRE(torn.ok());
+  CHECK(torn->records.size() == 6);
+  CHECK(torn->valid_bytes == whole);
+  CHECK(torn->torn_bytes > 0);
+
+  std::vector<LoggedSession> sessions;
+  auto log = SessionLog::Open(dir.path(), &sessions);
+  REQUIRE(log.ok());
+  REQUIRE(sessions.size() == 1);
+  CHECK(sessions[0].history == std::vector<int32_t>{256, 1, 2, 9, 9, 3, 8});
+  CHECK(sessions[0].turns == 2);
+  // The tail is gone from the file: a record appended now replays.
+  REQUIRE((*log)->Append(Turn("s-a", {42}, {3, 6, 8}, 3)).ok());
+  log->reset();
+  auto clean = ReadWalFile(dir.File());
+  REQUIRE(clean.ok());
+  CHECK(clean->torn_bytes == 0);
+  REQUIRE(SessionLog::Open(dir.path(), &sessions).ok());
+  REQUIRE(sessions.size() == 1);
+  CHECK(sessions[0].history.back() == 42);
+  CHECK(sessions[0].turns == 3);
+}
+
+TEST_CASE("Records that do not fit the session table are skipped", "[wal]") {
+  auto sessions = ReplayWal({Turn("s-x", {1}, {}, 1), Closed("s-y"),
+                             Created("s-a", 1, 2), Created("s-a", 5, 6)});
+  REQUIRE(sessions.size() == 1);
+  CHECK(sessions[0].key == 1);
+}
+
+TEST_CASE("An unusable state dir is a clear error", "[wal]") {
+  TempDir dir;
+  std::vector<LoggedSession> sessions;
+  SECTION("a file in the way") {
+    const std::string file = dir.path() + "/file";
+    AppendBytes(file, "x");
+    auto log = SessionLog::Open(file + "/state", &sessions);
+    REQUIRE_FALSE(log.ok());
+    CHECK(log.status().code() == absl::StatusCode::kFailedPrecondition);
+    CHECK(log.status().message().find(file) != std::string::npos);
+  }
+  SECTION("the log is a directory") {
+    std::filesystem::create_directory(dir.File());
+    auto log = SessionLog::Open(dir.path(), &sessions);
+    REQUIRE_FALSE(log.ok());
+    CHECK(log.status().code() == absl::StatusCode::kFailedPrecondition);
+    CHECK(log.status().message().find(dir.File()) != std::string::npos);
+  }
+  SECTION("not writable") {
+    if (geteuid() == 0) return;  // root writes anywhere
+    REQUIRE(chmod(dir.path().c_str(), 0500) == 0);
+    auto log = SessionLog::Open(dir.path(), &sessions);
+    REQUIRE_FALSE(log.ok());
+    CHECK(log.status().code() == absl::StatusCode::kFailedPrecondition);
+    CHECK(log.status().message().find(dir.path()) != std::string::npos);
+  }
+  SECTION("empty") {
+    CHECK(SessionLog::Open("", &sessions).status().code() ==
+          absl::StatusCode::kInvalidArgument);
+  }
+}
+
+}  // namespace
+}  // namespace karat::coordinator
