@@ -112,10 +112,11 @@ std::vector<LoggedSession> ReplayWal(
         s.id = r.created().id();
         s.key = r.created().key();
         s.seed = r.created().seed();
-        if (!sessions.emplace(s.id, s).second)
+        if (!sessions.emplace(s.id, s).second) {
           KLOG(Warning, kLog) << "session=" << s.id
                               << " created twice in the log; the second "
                                  "record is skipped";
+        }
         break;
       }
       case cluster::WalRecord::kTurn: {
@@ -135,9 +136,10 @@ std::vector<LoggedSession> ReplayWal(
         break;
       }
       case cluster::WalRecord::kClosed:
-        if (sessions.erase(r.closed().id()) == 0)
+        if (sessions.erase(r.closed().id()) == 0) {
           KLOG(Warning, kLog) << "session=" << r.closed().id()
                               << " closed in the log but never created";
+        }
         break;
       case cluster::WalRecord::RECORD_NOT_SET:
         KLOG(Warning, kLog) << "an empty record in the log; skipped";
@@ -165,11 +167,12 @@ absl::StatusOr<std::unique_ptr<SessionLog>> SessionLog::Open(
   const std::string path = (std::filesystem::path(dir) / kFileName).string();
   absl::StatusOr<WalContents> contents = ReadWalFile(path);
   if (!contents.ok()) return contents.status();
-  if (contents->torn_bytes > 0)
+  if (contents->torn_bytes > 0) {
     KLOG(Warning, kLog) << path << ": the last " << contents->torn_bytes
                         << " bytes are not a whole record (an append cut "
                            "short); cut off after "
                         << contents->records.size() << " records";
+  }
   *sessions = ReplayWal(contents->records);
 
   // Compaction: the live sessions as one created and one turn record each.
@@ -207,10 +210,11 @@ absl::StatusOr<std::unique_ptr<SessionLog>> SessionLog::Open(
   }
   fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC);
   if (fd < 0) return Errno("open", path);
-  if (!sessions->empty() || contents->valid_bytes > 0)
+  if (!sessions->empty() || contents->valid_bytes > 0) {
     KLOG(Info, kLog) << path << ": " << contents->records.size()
                      << " records replayed, " << sessions->size()
                      << " sessions alive";
+  }
   return std::unique_ptr<SessionLog>(new SessionLog(path, fd));
 }
 
@@ -226,9 +230,10 @@ absl::Status SessionLog::Append(const cluster::WalRecord& record) {
   if (WriteAll(fd_, bytes) && ::fdatasync(fd_) == 0) return absl::OkStatus();
   absl::Status st = Errno("append to", path_);
   // A partial record would hide every later one from the replay.
-  if (before >= 0 && ::ftruncate(fd_, before) != 0)
+  if (before >= 0 && ::ftruncate(fd_, before) != 0) {
     KLOG(Error, kLog) << path_ << ": cannot cut a failed append: "
                       << std::strerror(errno);
+  }
   return st;
 }
 

@@ -569,10 +569,11 @@ absl::StatusOr<std::unique_ptr<GpuNodeDaemon>> GpuNodeDaemon::Start(
     // so their pages go now, before the registration lets it place new ones.
     if (impl->local != nullptr && impl->registered_once.load()) {
       const int freed = impl->local->FreeAll();
-      if (freed > 0)
+      if (freed > 0) {
         KLOG(Info, "gpu_node")
             << "registering again: freed the KV of " << freed
             << " sessions placed by the previous registration";
+      }
     }
     cluster::RegisterNodeRequest r;
     r.set_name(impl->options.name);

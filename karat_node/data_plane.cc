@@ -102,9 +102,10 @@ int DataPlaneHandler::FreeAllSessions() {
   const int n = static_cast<int>(session_device_.size());
   for (const auto& [session, device] : session_device_) {
     absl::Status st = devices_[device]->Free(session);
-    if (!st.ok())
+    if (!st.ok()) {
       KLOG(Warning, "karat_node")
           << "session " << session << ": freeing failed: " << st.message();
+    }
   }
   session_device_.clear();
   return n;

@@ -272,10 +272,11 @@ absl::StatusOr<std::unique_ptr<KaratNodeDaemon>> KaratNodeDaemon::Start(
     // registration lets the coordinator place new ones.
     if (impl->registered_once.load()) {
       const int freed = impl->handler->FreeAllSessions();
-      if (freed > 0)
+      if (freed > 0) {
         KLOG(Info, "karat_node")
             << "registering again: freed the KV of " << freed
             << " sessions placed by the previous registration";
+      }
     }
     return impl->MakeRegistration();
   };
