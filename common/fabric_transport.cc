@@ -1121,10 +1121,8 @@ absl::Status FabricTransport::SendShared(
 
 absl::Status FabricTransport::SendSharedAsync(
     PeerId peer, std::shared_ptr<const std::string> message, SendDone done) {
-  if (message == nullptr) {
-    return absl::InvalidArgumentError("SendSharedAsync: null message");
-  }
-  if (!done) return absl::InvalidArgumentError("SendSharedAsync: no callback");
+  if (absl::Status args = CheckAsyncArgs(message, done); !args.ok())
+    return args;
   const char* data = message->data();
   const size_t len = message->size();
   // Small messages are copied into the op's buffer before SendMessage()

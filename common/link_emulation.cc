@@ -329,10 +329,8 @@ absl::Status LinkEmulator::SendShared(
 
 absl::Status LinkEmulator::SendSharedAsync(
     PeerId peer, std::shared_ptr<const std::string> message, SendDone done) {
-  if (message == nullptr) {
-    return absl::InvalidArgumentError("SendSharedAsync: null message");
-  }
-  if (!done) return absl::InvalidArgumentError("SendSharedAsync: no callback");
+  if (absl::Status args = CheckAsyncArgs(message, done); !args.ok())
+    return args;
   const char* data = message->data();
   const size_t len = message->size();
   return SendMessage(peer, data, len, std::move(message), &done);

@@ -35,6 +35,15 @@ int NodeFlagParser::PositiveInt(const std::string& flag,
   return v;
 }
 
+double NodeFlagParser::NonNegativeDouble(const std::string& flag,
+                                         const std::string& value) const {
+  double v = 0;
+  if (!absl::SimpleAtod(value, &v) || !(v >= 0) || v > 1e12) {
+    BadFlag(flag, "expected a non-negative number, got '" + value + "'");
+  }
+  return v;
+}
+
 bool NodeFlagParser::ParseCommonFlag(const std::string& flag,
                                      const std::string& value,
                                      const NodeFlags& common) const {

@@ -64,6 +64,9 @@ class NodeFlagParser {
 
   // `value` as an integer > 0, or BadFlag.
   int PositiveInt(const std::string& flag, const std::string& value) const;
+  // `value` as a number in [0, 1e12] (a rate of a timing model), or BadFlag.
+  double NonNegativeDouble(const std::string& flag,
+                           const std::string& value) const;
 
  private:
   // Handles one shared flag; false if `flag` is not one of them.

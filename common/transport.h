@@ -57,6 +57,16 @@ class Transport {
   }
   // The outcome of an asynchronous send (SendSharedAsync()).
   using SendDone = std::function<void(absl::Status)>;
+  // SendSharedAsync()'s argument check: INVALID_ARGUMENT without a message
+  // or a callback.
+  static absl::Status CheckAsyncArgs(
+      const std::shared_ptr<const std::string>& message, const SendDone& done) {
+    if (message == nullptr)
+      return absl::InvalidArgumentError("SendSharedAsync: null message");
+    if (!done)
+      return absl::InvalidArgumentError("SendSharedAsync: no callback");
+    return absl::OkStatus();
+  }
   // Sends `*message` like SendShared(), but returns once the message is
   // handed to the provider (a full transmit queue still blocks, up to the
   // send timeout) instead of waiting for its completion. The outcome goes
@@ -80,11 +90,8 @@ class Transport {
   // calls SendShared(), then `done`.
   virtual absl::Status SendSharedAsync(
       PeerId peer, std::shared_ptr<const std::string> message, SendDone done) {
-    if (message == nullptr) {
-      return absl::InvalidArgumentError("SendSharedAsync: null message");
-    }
-    if (!done)
-      return absl::InvalidArgumentError("SendSharedAsync: no callback");
+    if (absl::Status args = CheckAsyncArgs(message, done); !args.ok())
+      return args;
     absl::Status status = SendShared(peer, std::move(message));
     if (!status.ok()) return status;
     done(absl::OkStatus());

@@ -21,15 +21,6 @@ constexpr char kUsage[] =
     "  [--port-file PATH]\n"
     "  [--log-level debug|info|warning|error]\n";
 
-double NonNegativeDouble(const karat::NodeFlagParser& parser,
-                         const std::string& flag, const std::string& value) {
-  double v = 0;
-  if (!absl::SimpleAtod(value, &v) || !(v >= 0) || v > 1e12) {
-    parser.BadFlag(flag, "expected a non-negative number, got '" + value + "'");
-  }
-  return v;
-}
-
 karat::GpuNodeOptions ParseFlags(int argc, char** argv) {
   const karat::NodeFlagParser parser("karat-gpu-node", kUsage);
   karat::GpuNodeOptions o;
@@ -70,9 +61,9 @@ karat::GpuNodeOptions ParseFlags(int argc, char** argv) {
           }
           o.schedule = value;
         } else if (flag == "--hbm-bandwidth-gbps") {
-          o.hbm_bandwidth_gbps = NonNegativeDouble(parser, flag, value);
+          o.hbm_bandwidth_gbps = parser.NonNegativeDouble(flag, value);
         } else if (flag == "--tflops") {
-          o.tflops = NonNegativeDouble(parser, flag, value);
+          o.tflops = parser.NonNegativeDouble(flag, value);
         } else if (flag == "--attention-timeout-ms") {
           o.attention_timeout =
               absl::Milliseconds(parser.PositiveInt(flag, value));

@@ -17,15 +17,6 @@ constexpr char kUsage[] =
     "  [--spill on|off] (pages spill to other devices when the home is full)\n"
     "  [--send-timeout-ms N] [--log-level debug|info|warning|error]\n";
 
-double NonNegativeDouble(const karat::NodeFlagParser& parser,
-                         const std::string& flag, const std::string& value) {
-  double v = 0;
-  if (!absl::SimpleAtod(value, &v) || !(v >= 0) || v > 1e12) {
-    parser.BadFlag(flag, "expected a non-negative number, got '" + value + "'");
-  }
-  return v;
-}
-
 karat::KaratNodeOptions ParseFlags(int argc, char** argv) {
   const karat::NodeFlagParser parser("karat-node", kUsage);
   karat::KaratNodeOptions o;
@@ -44,9 +35,9 @@ karat::KaratNodeOptions ParseFlags(int argc, char** argv) {
         } else if (flag == "--cores") {
           o.cores = parser.PositiveInt(flag, value);
         } else if (flag == "--device-bandwidth-gbps") {
-          o.device_bandwidth_gbps = NonNegativeDouble(parser, flag, value);
+          o.device_bandwidth_gbps = parser.NonNegativeDouble(flag, value);
         } else if (flag == "--device-tflops") {
-          o.device_tflops = NonNegativeDouble(parser, flag, value);
+          o.device_tflops = parser.NonNegativeDouble(flag, value);
         } else if (flag == "--spill") {
           if (value != "on" && value != "off") {
             parser.BadFlag(flag, "expected on or off, got '" + value + "'");
