@@ -20,6 +20,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/transport.h"
+#include "tests/common/async_outcomes.h"
 
 namespace karat {
 namespace {
@@ -1022,53 +1023,6 @@ TEST_CASE("shm: a held message outlives its transport", "[fabric]") {
 }
 
 // --- Asynchronous sends and failed peers ---
-
-// Counts the outcomes of asynchronous sends, one slot per send.
-class AsyncOutcomes {
- public:
-  // A callback for send `i` (slots grow as needed).
-  Transport::SendDone Callback(size_t i) {
-    {
-      absl::MutexLock lock(&mu_);
-      if (calls_.size() <= i) {
-        calls_.resize(i + 1, 0);
-        statuses_.resize(i + 1);
-      }
-    }
-    return [this, i](absl::Status status) {
-      absl::MutexLock lock(&mu_);
-      ++calls_[i];
-      ++total_;
-      statuses_[i] = std::move(status);
-    };
-  }
-  // Waits (bounded) until `n` callbacks ran in all.
-  bool WaitFor(int n) {
-    absl::MutexLock lock(&mu_);
-    auto enough = [this, n]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return total_ >= n;
-    };
-    return mu_.AwaitWithTimeout(absl::Condition(&enough), kDeliveryBound);
-  }
-  int calls(size_t i) {
-    absl::MutexLock lock(&mu_);
-    return i < calls_.size() ? calls_[i] : 0;
-  }
-  absl::Status status(size_t i) {
-    absl::MutexLock lock(&mu_);
-    return statuses_.at(i);
-  }
-  int total() {
-    absl::MutexLock lock(&mu_);
-    return total_;
-  }
-
- private:
-  absl::Mutex mu_;
-  std::vector<int> calls_ ABSL_GUARDED_BY(mu_);
-  std::vector<absl::Status> statuses_ ABSL_GUARDED_BY(mu_);
-  int total_ ABSL_GUARDED_BY(mu_) = 0;
-};
 
 // Asynchronous sends of every size class (injected, copied, in place, and
 // by RMA where the options allow) interleaved with synchronous ones from

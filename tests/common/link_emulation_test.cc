@@ -13,6 +13,7 @@
 #include "absl/time/time.h"
 #include "common/link_stats.h"
 #include "common/transport.h"
+#include "tests/common/async_outcomes.h"
 
 namespace karat {
 namespace {
@@ -265,51 +266,6 @@ TEST_CASE("shutdown with queued messages does not hang", "[link]") {
   CHECK(p.inbox.Messages().empty());
 }
 
-// Outcomes of asynchronous sends, one slot each.
-class Outcomes {
- public:
-  Transport::SendDone Callback(size_t i) {
-    {
-      absl::MutexLock lock(&mu_);
-      if (calls_.size() <= i) {
-        calls_.resize(i + 1, 0);
-        statuses_.resize(i + 1);
-      }
-    }
-    return [this, i](absl::Status s) {
-      absl::MutexLock lock(&mu_);
-      ++calls_[i];
-      ++total_;
-      statuses_[i] = std::move(s);
-    };
-  }
-  bool WaitFor(int n) {
-    absl::MutexLock lock(&mu_);
-    auto enough = [this, n]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return total_ >= n;
-    };
-    return mu_.AwaitWithTimeout(absl::Condition(&enough), kDeliveryBound);
-  }
-  int calls(size_t i) {
-    absl::MutexLock lock(&mu_);
-    return calls_.at(i);
-  }
-  absl::Status status(size_t i) {
-    absl::MutexLock lock(&mu_);
-    return statuses_.at(i);
-  }
-  int total() {
-    absl::MutexLock lock(&mu_);
-    return total_;
-  }
-
- private:
-  absl::Mutex mu_;
-  std::vector<int> calls_ ABSL_GUARDED_BY(mu_);
-  std::vector<absl::Status> statuses_ ABSL_GUARDED_BY(mu_);
-  int total_ ABSL_GUARDED_BY(mu_) = 0;
-};
-
 TEST_CASE("asynchronous sends pass plain and delayed links, in order",
           "[link]") {
   LinkSettings s;
@@ -319,7 +275,7 @@ TEST_CASE("asynchronous sends pass plain and delayed links, in order",
     INFO("delayed " << delayed);
     Pair p(delayed ? std::vector<LinkRule>{Rule("a", "b", s)}
                    : std::vector<LinkRule>{});
-    Outcomes outcomes;
+    AsyncOutcomes outcomes;
     std::vector<std::string> want;
     size_t async = 0;
     for (int i = 0; i < 20; ++i) {
@@ -357,7 +313,7 @@ TEST_CASE("asynchronous sends report loss as OK and a down link as an error",
   LinkSettings lossy;
   lossy.loss = 1.0;
   Pair p({Rule("a", "b", lossy)});
-  Outcomes outcomes;
+  AsyncOutcomes outcomes;
   REQUIRE(p.a->SendSharedAsync(p.peer, std::make_shared<const std::string>("x"),
                                outcomes.Callback(0))
               .ok());
@@ -376,7 +332,7 @@ TEST_CASE("FailPeer and shutdown end queued asynchronous sends", "[link]") {
   LinkSettings s;
   s.latency_us = 10'000'000;  // nothing leaves within the test
   Pair p({Rule("a", "b", s)});
-  Outcomes outcomes;
+  AsyncOutcomes outcomes;
   for (size_t i = 0; i < 3; ++i) {
     REQUIRE(p.a->SendSharedAsync(p.peer,
                                  std::make_shared<const std::string>("late"),
