@@ -78,6 +78,7 @@ void NodeRegistrar::Impl::Run() {
   absl::Duration interval = options.interval;
   bool registered = false;
   uint32_t id = 0;
+  std::string name;  // as registered
   int failures = 0;
   for (;;) {
     {
@@ -95,6 +96,7 @@ void NodeRegistrar::Impl::Run() {
         failures = 0;
         backoff = options.initial_backoff;
         id = response.node_id();
+        name = request.name();
         if (response.heartbeat_interval_ms() > 0) {
           interval = absl::Milliseconds(response.heartbeat_interval_ms());
         }
@@ -135,6 +137,7 @@ void NodeRegistrar::Impl::Run() {
     cluster::HeartbeatRequest request;
     if (options.fill_heartbeat) options.fill_heartbeat(&request);
     request.set_node_id(id);
+    request.set_name(name);
     cluster::HeartbeatResponse response;
     grpc::Status status = Rpc([&](grpc::ClientContext* ctx) {
       return stub->Heartbeat(ctx, request, &response);

@@ -1119,7 +1119,8 @@ class MembershipService final : public cl::Coordinator::Service {
                          cl::HeartbeatResponse* resp) override {
     absl::MutexLock lock(&s_->mu_);
     auto it = s_->nodes_.find(req->node_id());
-    if (it == s_->nodes_.end()) {
+    if (it == s_->nodes_.end() ||
+        (!req->name().empty() && it->second.name != req->name())) {
       resp->set_known(false);
       return grpc::Status::OK;
     }
@@ -2321,8 +2322,9 @@ grpc::Status KaratService::Generate(
     bool logged = false;
     ~TurnLogGuard() {
       if (logged) return;
-      if (absl::Status st = service->LogTurn(sid); !st.ok())
+      if (absl::Status st = service->LogTurn(sid); !st.ok()) {
         KLOG(Error, kLog) << "session=" << sid << " " << st.message();
+      }
     }
   } log_guard{this, sid};
 

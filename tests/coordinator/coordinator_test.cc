@@ -913,6 +913,28 @@ TEST_CASE("ranks: registration checks, SetPeers push, rank choice") {
   }
 }
 
+TEST_CASE("heartbeat: an id is known only under the name it was given") {
+  // A restarted coordinator hands out ids from 1 again: a node still
+  // holding an id from before must not pass for the node that now has it.
+  Cluster c;
+  FakeKaratNode k({1000});
+  FakeServer ks(&k);
+  const uint32_t id = c.Register("karat0", "karat", ks.address, 1);
+  auto beat = [&](uint32_t node, const std::string& name) {
+    cl::HeartbeatRequest hb;
+    hb.set_node_id(node);
+    hb.set_name(name);
+    cl::HeartbeatResponse hr;
+    grpc::ClientContext ctx;
+    REQUIRE(c.membership->Heartbeat(&ctx, hb, &hr).ok());
+    return hr.known();
+  };
+  CHECK(beat(id, "karat0"));
+  CHECK(beat(id, ""));  // a node that does not send its name
+  CHECK_FALSE(beat(id, "karat1"));
+  CHECK_FALSE(beat(id + 7, "karat0"));
+}
+
 TEST_CASE("ranks: a turn needs every rank until each has registered once") {
   Cluster c;
   c.karat = std::make_unique<FakeKaratNode>(std::vector<int>{1000});
