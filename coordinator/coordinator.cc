@@ -467,6 +467,17 @@ class ControlPusher {
   std::thread thread_;
 };
 
+// Calls fn(item) for every item on a thread of its own and waits for all:
+// RPCs to several nodes, so that one that hangs holds back none of the
+// others.
+template <typename T, typename Fn>
+void ForEachConcurrently(const std::vector<T>& items, Fn fn) {
+  std::vector<std::thread> threads;
+  threads.reserve(items.size());
+  for (const T& item : items) threads.emplace_back(fn, std::cref(item));
+  for (std::thread& thread : threads) thread.join();
+}
+
 std::chrono::system_clock::time_point Deadline(const State* s) {
   return std::chrono::system_clock::now() +
          std::chrono::milliseconds(s->options().node_call_timeout_ms);
@@ -566,9 +577,7 @@ void PushPeers(State* s) {
     }
     s->capacity_epoch_++;
   };
-  std::vector<std::thread> threads;
-  for (const Target& t : targets) threads.emplace_back(push, std::cref(t));
-  for (std::thread& thread : threads) thread.join();
+  ForEachConcurrently(targets, push);
 }
 
 // Reserves KV room for `tokens` positions of session `key` on a home: a
@@ -637,9 +646,7 @@ void PushKaratNodeLost(State* s, const std::string& name,
                           << name << " is lost: " << st.error_message();
     }
   };
-  std::vector<std::thread> threads;
-  for (const Target& t : targets) threads.emplace_back(push, std::cref(t));
-  for (std::thread& thread : threads) thread.join();
+  ForEachConcurrently(targets, push);
 }
 
 // Takes every registered KARAT node that is no longer alive for lost, once:
@@ -1670,22 +1677,17 @@ void KaratService::ProbeNodes() {
   }
   // In parallel: each probe may wait out its deadline.
   std::vector<grpc::Status> status(targets.size());
-  std::vector<std::thread> threads;
-  for (size_t i = 0; i < targets.size(); ++i) {
-    threads.emplace_back([&, i] {
-      grpc::ClientContext ctx;
-      ctx.set_deadline(std::chrono::system_clock::now() +
-                       std::chrono::seconds(2));
-      cl::StatsRequest req;
-      cl::StatsResponse resp;
-      status[i] = targets[i].role == NodeRole::kGpu
-                      ? cl::GpuNode::NewStub(targets[i].channel)
-                            ->GetStats(&ctx, req, &resp)
-                      : cl::KaratNode::NewStub(targets[i].channel)
-                            ->GetStats(&ctx, req, &resp);
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  ForEachConcurrently(targets, [&](const Target& t) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::seconds(2));
+    cl::StatsRequest req;
+    cl::StatsResponse resp;
+    status[&t - targets.data()] =
+        t.role == NodeRole::kGpu
+            ? cl::GpuNode::NewStub(t.channel)->GetStats(&ctx, req, &resp)
+            : cl::KaratNode::NewStub(t.channel)->GetStats(&ctx, req, &resp);
+  });
   bool gpu_lost = false;
   absl::MutexLock lock(&s_->mu_);
   for (size_t i = 0; i < targets.size(); ++i) {
