@@ -119,6 +119,14 @@ struct RemoteAttentionBackend::Impl {
   bool aborted ABSL_GUARDED_BY(mu) = false;
   absl::flat_hash_set<uint64_t> hello_waiting ABSL_GUARDED_BY(mu);
   absl::flat_hash_set<uint64_t> hello_acked ABSL_GUARDED_BY(mu);
+  // Ends an awaited output with `status` and fails its micro-batch's wait.
+  void FailSlotLocked(Slot* slot, absl::Status status)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    slot->done = true;
+    slot->status = std::move(status);
+    --outstanding[slot->mb];
+    failed[slot->mb] = true;
+  }
   // Frames sent whose outcome the transport has not reported yet.
   int sends_in_flight ABSL_GUARDED_BY(mu) = 0;
 };
@@ -225,12 +233,8 @@ absl::Status RemoteAttentionBackend::Impl::Send(
         if (status.ok()) return;
         auto it = pending.find(key);
         if (it == pending.end() || it->second.done) return;  // answered
-        Slot& slot = it->second;
-        slot.done = true;
-        slot.status =
-            absl::UnavailableError(absl::StrCat(prefix, status.message()));
-        --outstanding[slot.mb];
-        failed[slot.mb] = true;
+        FailSlotLocked(&it->second, absl::UnavailableError(absl::StrCat(
+                                        prefix, status.message())));
       });
   if (!s.ok()) {
     absl::MutexLock lock(&mu);
@@ -363,11 +367,9 @@ int RemoteAttentionBackend::FailNode(const std::string& fabric_address,
     absl::MutexLock lock(&impl_->mu);
     for (auto& [key, slot] : impl_->pending) {
       if (slot.done || slot.address != fabric_address) continue;
-      slot.done = true;
-      --impl_->outstanding[slot.mb];
-      slot.status = absl::UnavailableError(
-          absl::StrCat("KARAT node ", slot.node, " is lost: ", reason));
-      impl_->failed[slot.mb] = true;
+      impl_->FailSlotLocked(
+          &slot, absl::UnavailableError(absl::StrCat("KARAT node ", slot.node,
+                                                     " is lost: ", reason)));
       ++failed;
     }
   }
