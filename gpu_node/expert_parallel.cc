@@ -77,6 +77,13 @@ struct ExpertParallel::Impl {
     size_t expected_floats = 0;
     bool done = false;
     absl::Status status;
+    // Ends it with `error` before its combine arrived and fails its call.
+    void Fail(absl::Status error) {
+      done = true;
+      status = std::move(error);
+      --call->outstanding;
+      call->failed = true;
+    }
   };
 
   // A dispatch from another rank for the service thread: parsed, or the
@@ -289,12 +296,8 @@ absl::Status ExpertParallel::Impl::SendDispatch(
         send_errors.fetch_add(1);
         auto it = pending.find(id);
         if (it == pending.end() || it->second.done) return;  // answered
-        Pending& p = it->second;
-        p.done = true;
-        p.status = absl::UnavailableError(
-            absl::StrCat(failure_prefix, status.message()));
-        --p.call->outstanding;
-        p.call->failed = true;
+        it->second.Fail(absl::UnavailableError(
+            absl::StrCat(failure_prefix, status.message())));
       });
   if (!s.ok()) {
     absl::MutexLock lock(&mu);
@@ -977,13 +980,10 @@ absl::Status ExpertParallel::SetPeers(
       if (p.done) continue;
       const Impl::Peer& now = table[size_t(p.rank)];
       if (now.known && now.node_id == p.node_id) continue;
-      p.done = true;
-      p.status = absl::UnavailableError(absl::StrCat(
+      p.Fail(absl::UnavailableError(absl::StrCat(
           "GPU rank ", p.rank, " (", p.peer_name, ") left the rank table ",
           now.known ? "(it rejoined as another node)" : "(it was lost)",
-          " while layer ", p.layer, " waited for its MoeCombine"));
-      --p.call->outstanding;
-      p.call->failed = true;
+          " while layer ", p.layer, " waited for its MoeCombine")));
     }
     m.peers = std::move(table);
     m.rank_of_node = std::move(by_node);
