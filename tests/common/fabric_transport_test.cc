@@ -209,24 +209,35 @@ TEST_CASE("shm: concurrent senders keep their own order", "[fabric]") {
 TEST_CASE("shm: a receive handler may send (echo)", "[fabric]") {
   auto p = OpenPair(Options("shm"));
   REQUIRE(p != nullptr);
-  std::atomic<int> echo_failures{0};
+  absl::Mutex echo_mu;
+  std::vector<std::string> echo_errors;  // guarded by echo_mu
   // b echoes from its progress thread.
   p->b->SetReceiveHandler([&](std::string_view m) {
     const std::string reply = absl::StrCat("echo:", std::string(m));
-    if (!p->b->Send(p->a_at_b, reply.data(), reply.size()).ok())
-      ++echo_failures;
+    const absl::Status s = p->b->Send(p->a_at_b, reply.data(), reply.size());
+    if (!s.ok()) {
+      absl::MutexLock lock(&echo_mu);
+      echo_errors.push_back(s.ToString());
+    }
   });
   constexpr int kMessages = 200;
   for (int i = 0; i < kMessages; ++i) {
     const std::string m = absl::StrCat(i, std::string(i * 1000, 'e'));
-    REQUIRE(p->a->Send(p->b_at_a, m.data(), m.size()).ok());
+    const absl::Status s = p->a->Send(p->b_at_a, m.data(), m.size());
+    INFO("message " << i << ": " << s.ToString());
+    REQUIRE(s.ok());
   }
-  REQUIRE(p->inbox_a.WaitFor(kMessages));
+  const bool arrived = p->inbox_a.WaitFor(kMessages);
+  {
+    absl::MutexLock lock(&echo_mu);
+    for (const std::string& e : echo_errors) UNSCOPED_INFO("echo: " << e);
+    CHECK(echo_errors.empty());
+  }
+  REQUIRE(arrived);
   const auto got = p->inbox_a.Take();
   for (int i = 0; i < kMessages; ++i) {
     REQUIRE(got[i] == absl::StrCat("echo:", i, std::string(i * 1000, 'e')));
   }
-  CHECK(echo_failures == 0);
   // Stop b's progress thread before its handler's captures go away.
   p->Stop();
 }
