@@ -736,6 +736,59 @@ def parser(description, name):
     return p
 
 
+def add_timing_model_args(p, gpu_bandwidth_gbps=0.0,
+                           device_bandwidth_gbps=0.0):
+    """The timing models' flags, shared by every script: the GPU ranks'
+    (GpuNodeConfig.hbm_bandwidth_gbps / tflops) and the KARAT devices'
+    (DeviceConfig.bandwidth_gbps / tflops). 0 leaves a term out; both terms
+    0 turns a model off (the processes then run at this box's speed)."""
+    def default(v):
+        return f"default {v:g}" + (": off" if not v else "")
+    p.add_argument("--gpu-bandwidth-gbps", type=float,
+                   default=gpu_bandwidth_gbps,
+                   help="GPU ranks' timing model: HBM GB/s "
+                   f"({default(gpu_bandwidth_gbps)})")
+    p.add_argument("--gpu-tflops", type=float, default=0.0,
+                   help="GPU ranks' timing model: TFLOP/s (default 0: off)")
+    p.add_argument("--device-bandwidth-gbps", type=float,
+                   default=device_bandwidth_gbps,
+                   help="KARAT devices' timing model: GB/s per device "
+                   f"({default(device_bandwidth_gbps)})")
+    p.add_argument("--device-tflops", type=float, default=0.0,
+                   help="KARAT devices' timing model: TFLOP/s per device "
+                   "(default 0: off)")
+
+
+def timing_model(p, args):
+    """The timing-model flags as cluster_config() keyword arguments; a
+    negative or non-finite rate is a usage error."""
+    values = {"hbm_bandwidth_gbps": ("--gpu-bandwidth-gbps",
+                                     args.gpu_bandwidth_gbps),
+              "tflops": ("--gpu-tflops", args.gpu_tflops),
+              "device_bandwidth_gbps": ("--device-bandwidth-gbps",
+                                        args.device_bandwidth_gbps),
+              "device_tflops": ("--device-tflops", args.device_tflops)}
+    for flag, value in values.values():
+        if not (value >= 0 and math.isfinite(value)):
+            p.error(f"{flag} must be >= 0 and finite, got {value}")
+    return {key: value for key, (_, value) in values.items()}
+
+
+def timing_model_text(model):
+    """One sentence for a results.md header: the timing models in use."""
+    parts = []
+    if model["hbm_bandwidth_gbps"] or model["tflops"]:
+        parts.append(f"GPU ranks {model['hbm_bandwidth_gbps']:g} GB/s, "
+                     f"{model['tflops']:g} TFLOP/s")
+    if model["device_bandwidth_gbps"] or model["device_tflops"]:
+        parts.append(f"KARAT devices {model['device_bandwidth_gbps']:g} GB/s,"
+                     f" {model['device_tflops']:g} TFLOP/s each")
+    if not parts:
+        return "No timing models: the daemons compute at this box's speed. "
+    return ("Timing models: " + "; ".join(parts)
+            + " (0: that term off). ")
+
+
 def workload(args, quick, full):
     """Bench sizes: the command line wins over the defaults of the mode."""
     d = quick if args.quick else full
