@@ -5,6 +5,7 @@
 #include <fstream>
 #include <set>
 #include <sstream>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/link_rules.h"
@@ -119,6 +120,19 @@ absl::Status ValidateClusterConfig(const cluster::ClusterConfig& config) {
     return Invalid("scheduling.tbt_slo_ms", "must be >= 0 and finite");
   if (sc.queue_timeout_ms() < 0)
     return Invalid("scheduling.queue_timeout_ms", "must be >= 0");
+  for (const auto& [field, value] :
+       {std::pair<const char*, double>{"fixed_ms", sc.step_cost().fixed_ms()},
+        {"per_request_ms", sc.step_cost().per_request_ms()},
+        {"per_context_token_ms", sc.step_cost().per_context_token_ms()}}) {
+    if (!(value >= 0) || std::isinf(value))
+      return Invalid(absl::StrCat("scheduling.step_cost.", field),
+                     "must be >= 0 and finite");
+  }
+  if (!sc.step_cost_mode().empty() && sc.step_cost_mode() != "learned" &&
+      sc.step_cost_mode() != "fixed")
+    return Invalid("scheduling.step_cost_mode",
+                   absl::StrCat("must be \"learned\" or \"fixed\", got \"",
+                                sc.step_cost_mode(), "\""));
   for (int i = 0; i < config.gpu_nodes_size(); ++i) {
     const auto& g = config.gpu_nodes(i);
     std::string f = absl::StrCat("gpu_nodes[", i, "].hbm_bytes");

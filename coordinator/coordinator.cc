@@ -113,6 +113,8 @@ struct Rank {
   MicroBatchPlan plan;
   double imbalance_sum = 0;
   int64_t imbalance_samples = 0;
+  // The rank's decode steps as measured here (created with the first).
+  std::optional<StepCostEstimator> step_cost;
 };
 
 // A fixed-bucket histogram of milliseconds (Prometheus-style cumulative
@@ -201,6 +203,39 @@ class State {
     return nullptr;
   }
 
+  // The step-time model's prior: ClusterConfig.scheduling.step_cost when
+  // set, else Options::step_cost.
+  StepCostModel StepCostPrior() const {
+    const cluster::StepCost& c = options_.scheduling.step_cost();
+    if (c.fixed_ms() == 0 && c.per_request_ms() == 0 &&
+        c.per_context_token_ms() == 0)
+      return options_.step_cost;
+    return StepCostModel{c.fixed_ms(), c.per_request_ms(),
+                         c.per_context_token_ms()};
+  }
+  bool StepCostLearned() const {
+    return options_.scheduling.step_cost_mode() != "fixed";
+  }
+  // The model behind rank `rank`'s TBT cap: its measured steps' fit, or the
+  // prior ("fixed", or no step measured yet).
+  StepCostModel StepCostLocked(int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto r = ranks_.find(rank);
+    if (!StepCostLearned() || r == ranks_.end() || !r->second.step_cost)
+      return StepCostPrior();
+    return r->second.step_cost->Model();
+  }
+  // A token of one of `rank`'s turns came with the step that produced it
+  // (RunTurnEvent.step_*): each of the step's requests reports it, so each
+  // report weighs 1 / requests.
+  void AddStepLocked(Rank& rank, const cl::RunTurnEvent& ev)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!StepCostLearned() || ev.step_us() <= 0 || ev.step_requests() < 1)
+      return;
+    if (!rank.step_cost) rank.step_cost.emplace(StepCostPrior());
+    rank.step_cost->Add(ev.step_requests(), ev.step_context_tokens(),
+                        ev.step_us() / 1000.0, 1.0 / ev.step_requests());
+  }
+
   // Most requests `rank` may run at once: min(max_batch, TBT cap), where the
   // TBT cap models a batch whose mean context includes `extra_context` (the
   // turn being admitted). Never below 1: a lone request always runs.
@@ -222,7 +257,7 @@ class State {
         }
       }
       absl::StatusOr<int> slo_cap =
-          MaxBatchForSlo(slo, options_.step_cost, sum / n);
+          MaxBatchForSlo(slo, StepCostLocked(rank), sum / n);
       if (slo_cap.ok()) {
         cap = std::min(cap, *slo_cap);
       } else {
@@ -1379,6 +1414,13 @@ class KaratService final : public v1::Karat::Service {
           rank && rank->imbalance_samples > 0
               ? rank->imbalance_sum / rank->imbalance_samples
               : 0.0;
+      // The model behind the rank's TBT cap, and the steps it learned from.
+      const StepCostModel cost = s_->StepCostLocked(r);
+      m[p + "step_cost_fixed_ms"] = cost.fixed_ms;
+      m[p + "step_cost_per_request_ms"] = cost.per_request_ms;
+      m[p + "step_cost_per_context_token_ms"] = cost.per_context_token_ms;
+      m[p + "step_cost_samples"] =
+          rank && rank->step_cost ? double(rank->step_cost->samples()) : 0.0;
     }
   }
 
@@ -2428,6 +2470,7 @@ grpc::Status KaratService::Generate(
           if (t != r->second.running.end())
             t->second.context_tokens =
                 static_cast<int64_t>(session.history.size());
+          s_->AddStepLocked(r->second, ev);
         }
       }
       if (generated == 1) ttft_us = latency;
@@ -2674,6 +2717,20 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(
       std::isinf(options.scheduling.tbt_slo_ms()))
     return absl::InvalidArgumentError(
         "scheduling.tbt_slo_ms must be >= 0 and finite");
+  const cluster::StepCost& cost = options.scheduling.step_cost();
+  for (const double v :
+       {cost.fixed_ms(), cost.per_request_ms(), cost.per_context_token_ms(),
+        options.step_cost.fixed_ms, options.step_cost.per_request_ms,
+        options.step_cost.per_context_token_ms}) {
+    if (!(v >= 0) || std::isinf(v))
+      return absl::InvalidArgumentError(
+          "scheduling.step_cost: every cost must be >= 0 and finite");
+  }
+  const std::string& cost_mode = options.scheduling.step_cost_mode();
+  if (!cost_mode.empty() && cost_mode != "learned" && cost_mode != "fixed")
+    return absl::InvalidArgumentError(absl::StrCat(
+        "scheduling.step_cost_mode must be \"learned\" or \"fixed\", got \"",
+        cost_mode, "\""));
   auto impl = std::make_unique<CoordinatorImpl>(options);
   absl::Status st = impl->Init();
   if (!st.ok()) return st;

@@ -73,7 +73,10 @@ struct Options {
   // no limit beyond the TBT cap.
   std::vector<int> max_batch_by_rank;
   // Step-time model behind the TBT cap (MaxBatchForSlo with tbt_slo_ms and
-  // the mean context of the rank's batch).
+  // the mean context of the rank's batch): the prior when
+  // scheduling.step_cost is unset. With scheduling.step_cost_mode "learned"
+  // (the default) each rank's model is then fitted to its measured decode
+  // steps (StepCostEstimator).
   StepCostModel step_cost = {2.0, 0.5, 0.0005};
   // The clock (a seam for tests). Defaults to absl::Now.
   std::function<absl::Time()> now;

@@ -227,4 +227,115 @@ absl::StatusOr<int> MaxBatchForSlo(double tbt_slo_ms,
   return batch;
 }
 
+StepCostEstimator::StepCostEstimator(const StepCostModel& prior)
+    : StepCostEstimator(prior, Options()) {}
+
+StepCostEstimator::StepCostEstimator(const StepCostModel& prior,
+                                     const Options& options)
+    : prior_(prior), options_(options), fit_(prior) {}
+
+bool StepCostEstimator::Add(int batch, int64_t context_tokens, double step_ms,
+                            double weight) {
+  if (batch < 1 || context_tokens < 0 || !std::isfinite(step_ms) ||
+      step_ms < 0 || !(weight > 0 && weight <= 1)) {
+    return false;
+  }
+  const double x[3] = {1.0, static_cast<double>(batch),
+                       static_cast<double>(context_tokens)};
+  const double f =
+      weight == 1 ? options_.forget : std::pow(options_.forget, weight);
+  for (int i = 0; i < 3; ++i) {
+    for (int j = 0; j < 3; ++j) {
+      xx_[i][j] = f * xx_[i][j] + weight * x[i] * x[j];
+    }
+    xy_[i] = f * xy_[i] + weight * x[i] * step_ms;
+  }
+  weight_ = f * weight_ + weight;
+  ++samples_;
+  if (samples_ >= options_.min_samples) fit_ = Solve();
+  return true;
+}
+
+StepCostModel StepCostEstimator::Model() const {
+  return samples_ >= options_.min_samples ? fit_ : prior_;
+}
+
+StepCostModel StepCostEstimator::Solve() const {
+  const double theta0[3] = {prior_.fixed_ms, prior_.per_request_ms,
+                            prior_.per_context_token_ms};
+  // Ridge towards the prior, prior_weight samples' worth, each parameter at
+  // the scale of its feature's spread over the samples (the variance of the
+  // batch, of the context; a feature never seen non-zero keeps its prior
+  // exactly). Where the samples cannot tell two parameters apart (the batch
+  // never changed) the floor of kFloor · mean square decides: the fixed
+  // cost, whose pull is weakest, takes most of the difference. That errs
+  // towards admitting more, which then shows in the steps, rather than
+  // towards a cap that keeps the batch where nothing new can be learned.
+  constexpr double kInterceptPull = 0.01, kFloor = 0.05;
+  double lambda[3];
+  lambda[0] = options_.prior_weight * kInterceptPull;
+  for (int j = 1; j < 3; ++j) {
+    const double mean = weight_ > 0 ? xx_[0][j] / weight_ : 0;
+    const double mean_square = weight_ > 0 ? xx_[j][j] / weight_ : 0;
+    lambda[j] = mean_square > 0
+                    ? options_.prior_weight *
+                          (std::max(mean_square - mean * mean, 0.0) +
+                           kFloor * mean_square)
+                    : options_.prior_weight;
+  }
+  // Least squares with the parameters in `zero` held at 0; a parameter that
+  // comes out negative joins them and the rest is solved again.
+  bool zero[3] = {false, false, false};
+  double theta[3] = {0, 0, 0};
+  for (int round = 0; round < 3; ++round) {
+    int idx[3], n = 0;
+    for (int j = 0; j < 3; ++j) {
+      if (!zero[j]) idx[n++] = j;
+    }
+    double a[3][4] = {};
+    for (int r = 0; r < n; ++r) {
+      for (int c = 0; c < n; ++c) a[r][c] = xx_[idx[r]][idx[c]];
+      a[r][r] += lambda[idx[r]];
+      a[r][n] = xy_[idx[r]] + lambda[idx[r]] * theta0[idx[r]];
+    }
+    // Gaussian elimination with partial pivoting; the ridge keeps the
+    // system positive definite.
+    for (int c = 0; c < n; ++c) {
+      int pivot = c;
+      for (int r = c + 1; r < n; ++r) {
+        if (std::abs(a[r][c]) > std::abs(a[pivot][c])) pivot = r;
+      }
+      for (int k = 0; k <= n; ++k) std::swap(a[c][k], a[pivot][k]);
+      if (a[c][c] == 0) return prior_;
+      for (int r = c + 1; r < n; ++r) {
+        const double m = a[r][c] / a[c][c];
+        for (int k = c; k <= n; ++k) a[r][k] -= m * a[c][k];
+      }
+    }
+    double sol[3] = {0, 0, 0};
+    for (int r = n - 1; r >= 0; --r) {
+      double v = a[r][n];
+      for (int k = r + 1; k < n; ++k) v -= a[r][k] * sol[k];
+      sol[r] = v / a[r][r];
+    }
+    for (int j = 0; j < 3; ++j) theta[j] = 0;
+    bool negative = false;
+    for (int r = 0; r < n; ++r) {
+      theta[idx[r]] = sol[r];
+      if (!(sol[r] >= 0)) {
+        zero[idx[r]] = true;
+        negative = true;
+      }
+    }
+    if (!negative) break;
+    if (round == 2) {
+      for (double& t : theta) t = std::max(t, 0.0);
+    }
+  }
+  for (const double t : theta) {
+    if (!std::isfinite(t)) return prior_;
+  }
+  return StepCostModel{theta[0], theta[1], theta[2]};
+}
+
 }  // namespace karat::coordinator

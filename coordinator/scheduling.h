@@ -131,9 +131,10 @@ absl::StatusOr<MicroBatchImbalance> Imbalance(
 // Admission (DESIGN.md §4 "Admission")
 // ---------------------------------------------------------------------------
 
-// Decode step time of one rank as a linear model fitted offline:
+// Decode step time of one rank as a linear model:
 //   step_ms = fixed_ms + per_request_ms · batch + per_context_token_ms · Σctx
-// All parameters must be finite and >= 0.
+// All parameters must be finite and >= 0. A prior from the configuration,
+// refined from the rank's measured steps by StepCostEstimator.
 struct StepCostModel {
   double fixed_ms = 0;
   double per_request_ms = 0;
@@ -152,5 +153,52 @@ inline constexpr int kUnboundedBatch = std::numeric_limits<int>::max();
 absl::StatusOr<int> MaxBatchForSlo(double tbt_slo_ms,
                                    const StepCostModel& model,
                                    int64_t mean_context_tokens);
+
+// Fits a rank's StepCostModel to its measured decode steps, so that the TBT
+// cap follows the hardware the rank runs on instead of assumed figures.
+// Each sample is one step: `batch` requests holding `context_tokens` in all
+// took `step_ms`. The fit is least squares over the samples, older ones
+// weighed down by `forget` per sample (the model follows a rank whose speed
+// changes), pulled towards the prior with the weight of `prior_weight`
+// samples (per parameter, at the spread of its feature; what the samples
+// cannot tell apart, e.g. the fixed and per-request costs while the batch
+// never changes, goes mostly to the fixed cost), and with every parameter
+// kept >= 0. Until `min_samples` samples arrived, Model() is the prior. Not
+// thread-safe.
+class StepCostEstimator {
+ public:
+  struct Options {
+    double forget = 0.995;     // per sample; in (0, 1]
+    double prior_weight = 1;   // samples' worth; > 0
+    int64_t min_samples = 16;  // >= 0
+  };
+  // `prior` must be valid (finite, >= 0); `options` in range.
+  explicit StepCostEstimator(const StepCostModel& prior);
+  StepCostEstimator(const StepCostModel& prior, const Options& options);
+
+  // Ignores a sample with batch < 1, a negative context, a negative or
+  // non-finite time or a weight outside (0, 1] (returns false). A sample of
+  // weight w counts as w samples (in the fit and in the forgetting): a step
+  // that B requests each report comes in as B samples of weight 1 / B.
+  bool Add(int batch, int64_t context_tokens, double step_ms,
+           double weight = 1.0);
+  // The current fit (the prior before min_samples samples).
+  StepCostModel Model() const;
+  // Samples added (whatever their weight).
+  int64_t samples() const { return samples_; }
+  const StepCostModel& prior() const { return prior_; }
+
+ private:
+  StepCostModel prior_;
+  Options options_;
+  int64_t samples_ = 0;
+  // Weighted sums over the samples of x·xᵀ, x·y and x_j² with
+  // x = (1, batch, context_tokens), y = step_ms.
+  double xx_[3][3] = {};
+  double xy_[3] = {};
+  double weight_ = 0;  // Σ weights (the weight of feature 0's x_0² sums)
+  StepCostModel fit_;  // cached result of the last Add
+  StepCostModel Solve() const;
+};
 
 }  // namespace karat::coordinator

@@ -7,6 +7,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/log.h"
 
 namespace karat {
@@ -361,6 +363,7 @@ void DecodeLoop::Run() {
 }
 
 void DecodeLoop::RunStep(std::vector<std::shared_ptr<Request>>* active) {
+  const absl::Time step_start = absl::Now();
   // Token budget: decode tokens first (they bound the time between tokens),
   // then prefill chunks with what is left.
   int budget = std::max(1, options_.max_step_tokens);
@@ -477,6 +480,11 @@ void DecodeLoop::RunStep(std::vector<std::shared_ptr<Request>>* active) {
   };
   std::vector<Outcome> outcomes;
   uint64_t prefilled = 0, decoded = 0, generated = 0, step_tokens = 0;
+  // The step as every event reports it (RunTurnEvent.step_*), the context
+  // counted before this step's tokens.
+  const int64_t step_us = absl::ToInt64Microseconds(absl::Now() - step_start);
+  int64_t step_context = 0;
+  for (const auto& r : *active) step_context += r->next_pos;
   if (logits.ok()) {
     const int eos = runner_->config().eos_token_id;
     for (size_t k = 0; k < segs.size(); ++k) {
@@ -502,6 +510,9 @@ void DecodeLoop::RunStep(std::vector<std::shared_ptr<Request>>* active) {
       o.event.set_position(r->next_pos);
       o.event.set_kv_len(r->next_pos);
       o.event.set_last(last);
+      o.event.set_step_us(std::max<int64_t>(step_us, 1));
+      o.event.set_step_requests(static_cast<int32_t>(active->size()));
+      o.event.set_step_context_tokens(step_context);
       outcomes.push_back(std::move(o));
       if (!last) {
         r->state = RequestState::kDecode;

@@ -94,6 +94,16 @@ TEST_CASE("config: scale-out settings are checked by field") {
             .find("c: scheduling.tbt_slo_ms") == 0);
   CHECK(Refusal("scheduling { queue_timeout_ms: -1 }")
             .find("c: scheduling.queue_timeout_ms") == 0);
+  CHECK(Refusal("scheduling { step_cost { fixed_ms: 3 per_request_ms: 1 } "
+                "step_cost_mode: \"fixed\" }") == "");
+  CHECK(Refusal("scheduling { step_cost { per_request_ms: -1 } }") ==
+        "c: scheduling.step_cost.per_request_ms: must be >= 0 and finite");
+  CHECK(Refusal("scheduling { step_cost { per_context_token_ms: inf } }") ==
+        "c: scheduling.step_cost.per_context_token_ms: must be >= 0 and "
+        "finite");
+  CHECK(Refusal("scheduling { step_cost_mode: \"guess\" }") ==
+        "c: scheduling.step_cost_mode: must be \"learned\" or \"fixed\", "
+        "got \"guess\"");
   CHECK(Refusal("gpu_nodes { name: \"g1\" hbm_bytes: -1 }") ==
         "c: gpu_nodes[1].hbm_bytes: must be >= 0");
   CHECK(Refusal("gpu_nodes { name: \"g1\" hbm_bandwidth_gbps: 900 "

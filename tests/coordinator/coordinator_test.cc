@@ -96,6 +96,11 @@ class FakeGpuNode final : public cl::GpuNode::Service {
         return grpc::Status(grpc::StatusCode::UNAVAILABLE, "fake GPU lost");
       }
       cl::RunTurnEvent ev;
+      if (step_us > 0) {
+        ev.set_step_us(step_us);
+        ev.set_step_requests(1);
+        ev.set_step_context_tokens(pos + i);
+      }
       ev.set_token_id(tokens_[i % tokens_.size()]);
       ev.set_position(pos + i);
       ev.set_kv_len(static_cast<int32_t>(pos + i));
@@ -184,6 +189,9 @@ class FakeGpuNode final : public cl::GpuNode::Service {
   // turn) runs just before the failure.
   std::atomic<bool> fail_once{false};
   std::function<void()> on_fail;
+  // When > 0, every token reports a step of this many microseconds with one
+  // request (RunTurnEvent.step_*).
+  std::atomic<int64_t> step_us{0};
   // A held turn ends normally once this is set.
   std::atomic<bool> release{false};
   std::atomic<int> fail_after{-1};
@@ -789,6 +797,7 @@ TEST_CASE("admission: the TBT target caps a rank's batch") {
     o.scheduling.set_tbt_slo_ms(10);
     // 4 ms fixed + 4 ms per request: one request fits 10 ms, two do not.
     o.step_cost = {4.0, 4.0, 0.0};
+    o.scheduling.set_step_cost_mode("fixed");
   });
   c.AddNodes({1000}, {'A'});
   c.gpu->hold_after = 1;
@@ -804,6 +813,52 @@ TEST_CASE("admission: the TBT target caps a rank's batch") {
   CHECK(ra.status.ok());
   CHECK(rb.status.ok());
   CHECK(rb.queued == std::vector<int>{0});
+}
+
+TEST_CASE("admission: the TBT cap follows the rank's measured steps") {
+  // The prior (2 ms + 0.5 ms per request + 0.0005 ms per token) would admit
+  // about 98 requests within 100 ms. The rank's steps measure 120 ms at a
+  // batch of one: learned, even one request misses the target, so a second
+  // waits while one runs (a lone request always runs); "fixed" keeps the
+  // prior and admits both.
+  for (const std::string mode : {"learned", "fixed"}) {
+    INFO("step_cost_mode " << mode);
+    Cluster c(64, [&](Options& o) {
+      o.scheduling.set_tbt_slo_ms(100);
+      o.scheduling.set_step_cost_mode(mode);
+    });
+    c.AddNodes({1000}, {'A'});
+    c.gpu->step_us = 120000;
+    std::string a = c.NewSession(), b = c.NewSession();
+    REQUIRE(c.Generate(a, "hi", 20).status.ok());
+    const auto stats = c.Status().stats();
+    if (mode == "learned") {
+      CHECK(stats.at("rank.0.step_cost_samples") == 20);
+      CHECK(stats.at("rank.0.step_cost_fixed_ms") +
+                stats.at("rank.0.step_cost_per_request_ms") >
+            100);
+    } else {
+      CHECK(stats.at("rank.0.step_cost_samples") == 0);
+      CHECK(stats.at("rank.0.step_cost_fixed_ms") == 2.0);
+    }
+    c.gpu->hold_after = 1;
+    Cluster::Result ra, rb;
+    std::thread ta([&] { ra = c.Generate(a, "hi", 3); });
+    c.WaitStat("rank.0.active_requests", 1);
+    std::thread tb([&] { rb = c.Generate(b, "yo", 2); });
+    if (mode == "learned") {
+      c.WaitStat("queue_length", 1);
+    } else {
+      c.WaitStat("rank.0.active_requests", 2);
+    }
+    c.gpu->release = true;
+    ta.join();
+    tb.join();
+    CHECK(ra.status.ok());
+    CHECK(rb.status.ok());
+    CHECK(rb.queued ==
+          (mode == "learned" ? std::vector<int>{0} : std::vector<int>{}));
+  }
 }
 
 TEST_CASE("ranks: registration checks, SetPeers push, rank choice") {

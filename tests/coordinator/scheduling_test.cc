@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <catch2/catch.hpp>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <random>
 #include <vector>
@@ -351,6 +353,106 @@ TEST_CASE("max batch for a TBT target") {
         absl::StatusCode::kInvalidArgument);
   CHECK(MaxBatchForSlo(10, m, -1).status().code() ==
         absl::StatusCode::kInvalidArgument);
+}
+
+// The estimator's fit, checked against the parameters it was fed.
+void CheckModel(const StepCostModel& got, const StepCostModel& want,
+                double tolerance) {
+  INFO("fixed " << got.fixed_ms << " per request " << got.per_request_ms
+                << " per token " << got.per_context_token_ms);
+  CHECK(std::abs(got.fixed_ms - want.fixed_ms) <= tolerance);
+  CHECK(std::abs(got.per_request_ms - want.per_request_ms) <= tolerance);
+  CHECK(std::abs(got.per_context_token_ms - want.per_context_token_ms) <=
+        tolerance * 1e-3);
+}
+
+double StepMs(const StepCostModel& m, int batch, int64_t context) {
+  return m.fixed_ms + m.per_request_ms * batch +
+         m.per_context_token_ms * double(context);
+}
+
+TEST_CASE("step cost: the prior until enough steps, then the measured fit") {
+  const StepCostModel prior{2.0, 0.5, 0.0005};
+  const StepCostModel truth{30.0, 12.0, 0.002};
+  StepCostEstimator e(prior);
+  CheckModel(e.Model(), prior, 1e-12);
+  // Batches 1..6 with varied contexts, noiseless.
+  std::mt19937_64 rng(7);
+  int n = 0;
+  for (; n < 15; ++n) {
+    const int b = 1 + int(rng() % 6);
+    const int64_t ctx = b * int64_t(100 + rng() % 4000);
+    REQUIRE(e.Add(b, ctx, StepMs(truth, b, ctx)));
+    CheckModel(e.Model(), prior, 1e-12);  // fewer than min_samples
+  }
+  for (; n < 400; ++n) {
+    const int b = 1 + int(rng() % 6);
+    const int64_t ctx = b * int64_t(100 + rng() % 4000);
+    REQUIRE(e.Add(b, ctx, StepMs(truth, b, ctx)));
+  }
+  CHECK(e.samples() == 400);
+  // The prior's pull (1 sample's worth against ~200 effective) is small.
+  CheckModel(e.Model(), truth, 0.5);
+  // The cap follows: with the prior a 100 ms target admits (100 - 2) /
+  // (0.5 + 0.5) = 98 requests of 1000 tokens; measured, (100 - 30) /
+  // (12 + 2) = 5.
+  CHECK(*MaxBatchForSlo(100, prior, 1000) == 98);
+  CHECK(*MaxBatchForSlo(100, e.Model(), 1000) == 5);
+}
+
+TEST_CASE("step cost: what the steps cannot tell apart stays near the prior") {
+  const StepCostModel prior{2.0, 0.5, 0.0};
+  StepCostEstimator e(prior);
+  // Always one request and no context: only fixed + per_request = 20.5 is
+  // measured. Most of the excess goes to the fixed cost (a larger batch is
+  // not assumed slower than measured), neither goes negative, and the
+  // per-token cost, never exercised, keeps its prior.
+  for (int i = 0; i < 200; ++i) REQUIRE(e.Add(1, 0, 20.5));
+  const StepCostModel m = e.Model();
+  CHECK(std::abs(m.fixed_ms + m.per_request_ms - 20.5) < 0.2);
+  CHECK(m.fixed_ms > 15.0);
+  CHECK(m.per_request_ms >= prior.per_request_ms);
+  CHECK(m.per_request_ms < 4.0);
+  CHECK(m.per_context_token_ms == 0.0);
+}
+
+TEST_CASE("step cost: parameters stay >= 0 and recent steps weigh most") {
+  StepCostEstimator e(StepCostModel{2.0, 0.5, 0.0005});
+  // Steps that get faster with the batch would fit a negative per-request
+  // cost: it is held at 0 and the rest fitted.
+  for (int i = 0; i < 100; ++i) {
+    const int b = 1 + i % 8;
+    REQUIRE(e.Add(b, 0, 50.0 - 4.0 * b));
+  }
+  StepCostModel m = e.Model();
+  CHECK(m.per_request_ms == 0.0);
+  CHECK(m.fixed_ms >= 0.0);
+  CHECK(m.per_context_token_ms >= 0.0);
+  CHECK(*MaxBatchForSlo(100, m, 0) == kUnboundedBatch);
+  // The rank slows down: after a few forgetting windows the fit follows.
+  const StepCostModel slow{10.0, 20.0, 0.0};
+  for (int i = 0; i < 3000; ++i) {
+    const int b = 1 + i % 8;
+    REQUIRE(e.Add(b, 0, StepMs(slow, b, 0)));
+  }
+  m = e.Model();
+  CHECK(std::abs(m.fixed_ms - slow.fixed_ms) < 1.0);  // the prior's pull
+  CHECK(std::abs(m.per_request_ms - slow.per_request_ms) < 0.5);
+}
+
+TEST_CASE("step cost: bad samples are ignored") {
+  StepCostEstimator e(StepCostModel{2.0, 0.5, 0.0005}, {0.99, 1, 0});
+  CHECK_FALSE(e.Add(0, 10, 5.0));
+  CHECK_FALSE(e.Add(1, -1, 5.0));
+  CHECK_FALSE(e.Add(1, 10, -5.0));
+  CHECK_FALSE(e.Add(1, 10, std::nan("")));
+  CHECK_FALSE(e.Add(1, 10, std::numeric_limits<double>::infinity()));
+  CHECK(e.samples() == 0);
+  // min_samples 0: the first good sample already moves the fit.
+  CHECK(e.Add(2, 100, 40.0));
+  const StepCostModel m = e.Model();
+  CHECK(StepMs(m, 2, 100) > StepMs(StepCostModel{2.0, 0.5, 0.0005}, 2, 100));
+  CHECK(std::isfinite(m.fixed_ms));
 }
 
 }  // namespace

@@ -129,6 +129,13 @@ std::vector<Token> Collect(TurnStream* stream, absl::Status* status) {
       case TurnStream::Next::kEvent:
         out.push_back({e.token_id(), e.position()});
         CHECK(e.kv_len() == e.position());
+        // The step that produced it: timed, with this request among its
+        // requests; alone, its context before the step is the step's.
+        CHECK(e.step_us() > 0);
+        CHECK(e.step_requests() >= 1);
+        CHECK(e.step_context_tokens() >= 0);
+        if (e.step_requests() == 1)
+          CHECK(e.step_context_tokens() < e.position());
         break;
       case TurnStream::Next::kTimeout:
         break;
