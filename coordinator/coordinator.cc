@@ -226,10 +226,13 @@ class State {
   }
   // A token of one of `rank`'s turns came with the step that produced it
   // (RunTurnEvent.step_*): each of the step's requests reports it, so each
-  // report weighs 1 / requests.
+  // report weighs 1 / requests. Only decode steps teach the model (the cap
+  // is about the time between tokens); a step that also fed a prompt chunk
+  // costs what the chunk costs, which the batch does not predict.
   void AddStepLocked(Rank& rank, const cl::RunTurnEvent& ev)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (!StepCostLearned() || ev.step_us() <= 0 || ev.step_requests() < 1)
+    if (!StepCostLearned() || ev.step_us() <= 0 || ev.step_requests() < 1 ||
+        ev.step_prefill_tokens() != 0)
       return;
     if (!rank.step_cost) rank.step_cost.emplace(StepCostPrior());
     rank.step_cost->Add(ev.step_requests(), ev.step_context_tokens(),

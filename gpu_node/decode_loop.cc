@@ -485,6 +485,12 @@ void DecodeLoop::RunStep(std::vector<std::shared_ptr<Request>>* active) {
   const int64_t step_us = absl::ToInt64Microseconds(absl::Now() - step_start);
   int64_t step_context = 0;
   for (const auto& r : *active) step_context += r->next_pos;
+  int32_t step_prefill = 0;
+  for (size_t k = 0; k < segs.size(); ++k) {
+    if ((*active)[owner[k]]->state == RequestState::kPrefill) {
+      step_prefill += static_cast<int32_t>(segs[k].tokens.size());
+    }
+  }
   if (logits.ok()) {
     const int eos = runner_->config().eos_token_id;
     for (size_t k = 0; k < segs.size(); ++k) {
@@ -513,6 +519,7 @@ void DecodeLoop::RunStep(std::vector<std::shared_ptr<Request>>* active) {
       o.event.set_step_us(std::max<int64_t>(step_us, 1));
       o.event.set_step_requests(static_cast<int32_t>(active->size()));
       o.event.set_step_context_tokens(step_context);
+      o.event.set_step_prefill_tokens(step_prefill);
       outcomes.push_back(std::move(o));
       if (!last) {
         r->state = RequestState::kDecode;

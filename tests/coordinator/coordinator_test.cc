@@ -100,6 +100,8 @@ class FakeGpuNode final : public cl::GpuNode::Service {
         ev.set_step_us(step_us);
         ev.set_step_requests(1);
         ev.set_step_context_tokens(pos + i);
+        // The first token ends the prefill: its step fed the prompt.
+        if (i == 0) ev.set_step_prefill_tokens(req->feed_tokens_size());
       }
       ev.set_token_id(tokens_[i % tokens_.size()]);
       ev.set_position(pos + i);
@@ -190,7 +192,7 @@ class FakeGpuNode final : public cl::GpuNode::Service {
   std::atomic<bool> fail_once{false};
   std::function<void()> on_fail;
   // When > 0, every token reports a step of this many microseconds with one
-  // request (RunTurnEvent.step_*).
+  // request (RunTurnEvent.step_*), the first one's step with the prompt fed.
   std::atomic<int64_t> step_us{0};
   // A held turn ends normally once this is set.
   std::atomic<bool> release{false};
@@ -833,7 +835,8 @@ TEST_CASE("admission: the TBT cap follows the rank's measured steps") {
     REQUIRE(c.Generate(a, "hi", 20).status.ok());
     const auto stats = c.Status().stats();
     if (mode == "learned") {
-      CHECK(stats.at("rank.0.step_cost_samples") == 20);
+      // 19 decode steps: the prefill's step does not count.
+      CHECK(stats.at("rank.0.step_cost_samples") == 19);
       CHECK(stats.at("rank.0.step_cost_fixed_ms") +
                 stats.at("rank.0.step_cost_per_request_ms") >
             100);

@@ -134,6 +134,7 @@ std::vector<Token> Collect(TurnStream* stream, absl::Status* status) {
         CHECK(e.step_us() > 0);
         CHECK(e.step_requests() >= 1);
         CHECK(e.step_context_tokens() >= 0);
+        CHECK(e.step_prefill_tokens() >= 0);
         if (e.step_requests() == 1)
           CHECK(e.step_context_tokens() < e.position());
         break;
