@@ -260,12 +260,19 @@ void PrintScheduling(const v1::ClusterStatus& st) {
   for (int r = 0;; ++r) {
     const std::string p = absl::StrCat("rank.", r, ".");
     if (!m.contains(p + "active_requests")) break;
+    const double steps = get(p + "step_cost_samples");
+    const std::string source =
+        steps > 0 ? absl::StrFormat("learned from %.0f steps", steps)
+                  : std::string("prior");
     std::printf(
         "rank %d: %.0f running (micro-batches %.0f / %.0f), token "
-        "imbalance %.3f\n",
+        "imbalance %.3f; step time %.2f ms + %.3f ms per request + %.5f ms "
+        "per context token (%s)\n",
         r, get(p + "active_requests"), get(p + "micro_batch_0_requests"),
         get(p + "micro_batch_1_requests"),
-        get(p + "microbatch_token_imbalance_mean"));
+        get(p + "microbatch_token_imbalance_mean"),
+        get(p + "step_cost_fixed_ms"), get(p + "step_cost_per_request_ms"),
+        get(p + "step_cost_per_context_token_ms"), source.c_str());
   }
   for (const auto& n : st.nodes()) {
     std::vector<std::string> parts;
