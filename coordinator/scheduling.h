@@ -186,7 +186,6 @@ class StepCostEstimator {
   StepCostModel Model() const;
   // Samples added (whatever their weight).
   int64_t samples() const { return samples_; }
-  const StepCostModel& prior() const { return prior_; }
 
  private:
   StepCostModel prior_;
