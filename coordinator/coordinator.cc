@@ -1424,6 +1424,11 @@ class KaratService final : public v1::Karat::Service {
       m[p + "step_cost_per_context_token_ms"] = cost.per_context_token_ms;
       m[p + "step_cost_samples"] =
           rank && rank->step_cost ? double(rank->step_cost->samples()) : 0.0;
+      m[p + "step_cost_learned"] = s_->StepCostLearned() && rank &&
+                                           rank->step_cost &&
+                                           rank->step_cost->learned()
+                                       ? 1.0
+                                       : 0.0;
     }
   }
 

@@ -252,12 +252,12 @@ bool StepCostEstimator::Add(int batch, int64_t context_tokens, double step_ms,
   }
   weight_ = f * weight_ + weight;
   ++samples_;
-  if (samples_ >= options_.min_samples) fit_ = Solve();
+  if (learned()) fit_ = Solve();
   return true;
 }
 
 StepCostModel StepCostEstimator::Model() const {
-  return samples_ >= options_.min_samples ? fit_ : prior_;
+  return learned() ? fit_ : prior_;
 }
 
 StepCostModel StepCostEstimator::Solve() const {

@@ -186,6 +186,8 @@ class StepCostEstimator {
   StepCostModel Model() const;
   // Samples added (whatever their weight).
   int64_t samples() const { return samples_; }
+  // Whether Model() is the fit (min_samples reached) rather than the prior.
+  bool learned() const { return samples_ >= options_.min_samples; }
 
  private:
   StepCostModel prior_;

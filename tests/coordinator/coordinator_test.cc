@@ -837,11 +837,13 @@ TEST_CASE("admission: the TBT cap follows the rank's measured steps") {
     if (mode == "learned") {
       // 19 decode steps: the prefill's step does not count.
       CHECK(stats.at("rank.0.step_cost_samples") == 19);
+      CHECK(stats.at("rank.0.step_cost_learned") == 1);
       CHECK(stats.at("rank.0.step_cost_fixed_ms") +
                 stats.at("rank.0.step_cost_per_request_ms") >
             100);
     } else {
       CHECK(stats.at("rank.0.step_cost_samples") == 0);
+      CHECK(stats.at("rank.0.step_cost_learned") == 0);
       CHECK(stats.at("rank.0.step_cost_fixed_ms") == 2.0);
     }
     c.gpu->hold_after = 1;

@@ -384,6 +384,7 @@ TEST_CASE("step cost: the prior until enough steps, then the measured fit") {
     const int64_t ctx = b * int64_t(100 + rng() % 4000);
     REQUIRE(e.Add(b, ctx, StepMs(truth, b, ctx)));
     CheckModel(e.Model(), prior, 1e-12);  // fewer than min_samples
+    CHECK_FALSE(e.learned());
   }
   for (; n < 400; ++n) {
     const int b = 1 + int(rng() % 6);
@@ -391,6 +392,7 @@ TEST_CASE("step cost: the prior until enough steps, then the measured fit") {
     REQUIRE(e.Add(b, ctx, StepMs(truth, b, ctx)));
   }
   CHECK(e.samples() == 400);
+  CHECK(e.learned());
   // The prior's pull (1 sample's worth against ~200 effective) is small.
   CheckModel(e.Model(), truth, 0.5);
   // The cap follows: with the prior a 100 ms target admits (100 - 2) /

@@ -262,8 +262,9 @@ void PrintScheduling(const v1::ClusterStatus& st) {
     if (!m.contains(p + "active_requests")) break;
     const double steps = get(p + "step_cost_samples");
     const std::string source =
-        steps > 0 ? absl::StrFormat("learned from %.0f steps", steps)
-                  : std::string("prior");
+        get(p + "step_cost_learned") > 0
+            ? absl::StrFormat("learned from %.0f steps", steps)
+            : absl::StrFormat("the prior; %.0f steps measured", steps);
     std::printf(
         "rank %d: %.0f running (micro-batches %.0f / %.0f), token "
         "imbalance %.3f; step time %.2f ms + %.3f ms per request + %.5f ms "
