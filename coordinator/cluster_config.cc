@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/link_rules.h"
+#include "common/status_macros.h"
 #include "common/weights.h"
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
@@ -41,6 +42,40 @@ absl::Status Invalid(const std::string& field, const std::string& problem) {
 }
 
 }  // namespace
+
+absl::Status ValidateSchedulingConfig(const cluster::SchedulingConfig& sc) {
+  if (sc.micro_batches() < 0 || sc.micro_batches() > 2)
+    return Invalid(
+        "scheduling.micro_batches",
+        absl::StrCat("must be 1 or 2 (0: 2), got ", sc.micro_batches()));
+  if (!sc.schedule().empty() && sc.schedule() != "ofms" &&
+      sc.schedule() != "scms")
+    return Invalid("scheduling.schedule",
+                   absl::StrCat("must be \"ofms\" or \"scms\", got \"",
+                                sc.schedule(), "\""));
+  if (!sc.balance().empty() && sc.balance() != "cmr" && sc.balance() != "count")
+    return Invalid("scheduling.balance",
+                   absl::StrCat("must be \"cmr\" or \"count\", got \"",
+                                sc.balance(), "\""));
+  if (!(sc.tbt_slo_ms() >= 0) || std::isinf(sc.tbt_slo_ms()))
+    return Invalid("scheduling.tbt_slo_ms", "must be >= 0 and finite");
+  if (sc.queue_timeout_ms() < 0)
+    return Invalid("scheduling.queue_timeout_ms", "must be >= 0");
+  for (const auto& [field, value] :
+       {std::pair<const char*, double>{"fixed_ms", sc.step_cost().fixed_ms()},
+        {"per_request_ms", sc.step_cost().per_request_ms()},
+        {"per_context_token_ms", sc.step_cost().per_context_token_ms()}}) {
+    if (!(value >= 0) || std::isinf(value))
+      return Invalid(absl::StrCat("scheduling.step_cost.", field),
+                     "must be >= 0 and finite");
+  }
+  if (!sc.step_cost_mode().empty() && sc.step_cost_mode() != "learned" &&
+      sc.step_cost_mode() != "fixed")
+    return Invalid("scheduling.step_cost_mode",
+                   absl::StrCat("must be \"learned\" or \"fixed\", got \"",
+                                sc.step_cost_mode(), "\""));
+  return absl::OkStatus();
+}
 
 absl::Status ValidateClusterConfig(const cluster::ClusterConfig& config) {
   const auto& c = config.coordinator();
@@ -102,37 +137,7 @@ absl::Status ValidateClusterConfig(const cluster::ClusterConfig& config) {
         "mode",
         absl::StrCat("must be \"karat\" or \"gpu_only\", got \"", mode, "\""));
   const bool gpu_only = mode == "gpu_only";
-  const auto& sc = config.scheduling();
-  if (sc.micro_batches() < 0 || sc.micro_batches() > 2)
-    return Invalid(
-        "scheduling.micro_batches",
-        absl::StrCat("must be 1 or 2 (0: 2), got ", sc.micro_batches()));
-  if (!sc.schedule().empty() && sc.schedule() != "ofms" &&
-      sc.schedule() != "scms")
-    return Invalid("scheduling.schedule",
-                   absl::StrCat("must be \"ofms\" or \"scms\", got \"",
-                                sc.schedule(), "\""));
-  if (!sc.balance().empty() && sc.balance() != "cmr" && sc.balance() != "count")
-    return Invalid("scheduling.balance",
-                   absl::StrCat("must be \"cmr\" or \"count\", got \"",
-                                sc.balance(), "\""));
-  if (!(sc.tbt_slo_ms() >= 0) || std::isinf(sc.tbt_slo_ms()))
-    return Invalid("scheduling.tbt_slo_ms", "must be >= 0 and finite");
-  if (sc.queue_timeout_ms() < 0)
-    return Invalid("scheduling.queue_timeout_ms", "must be >= 0");
-  for (const auto& [field, value] :
-       {std::pair<const char*, double>{"fixed_ms", sc.step_cost().fixed_ms()},
-        {"per_request_ms", sc.step_cost().per_request_ms()},
-        {"per_context_token_ms", sc.step_cost().per_context_token_ms()}}) {
-    if (!(value >= 0) || std::isinf(value))
-      return Invalid(absl::StrCat("scheduling.step_cost.", field),
-                     "must be >= 0 and finite");
-  }
-  if (!sc.step_cost_mode().empty() && sc.step_cost_mode() != "learned" &&
-      sc.step_cost_mode() != "fixed")
-    return Invalid("scheduling.step_cost_mode",
-                   absl::StrCat("must be \"learned\" or \"fixed\", got \"",
-                                sc.step_cost_mode(), "\""));
+  RETURN_IF_ERROR(ValidateSchedulingConfig(config.scheduling()));
   for (int i = 0; i < config.gpu_nodes_size(); ++i) {
     const auto& g = config.gpu_nodes(i);
     std::string f = absl::StrCat("gpu_nodes[", i, "].hbm_bytes");

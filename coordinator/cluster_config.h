@@ -31,6 +31,14 @@ absl::StatusOr<cluster::ClusterConfig> LoadClusterConfig(
 // ("karat_nodes[0].devices[1].capacity_bytes: must be > 0").
 absl::Status ValidateClusterConfig(const cluster::ClusterConfig& config);
 
+// The checks of `scheduling` alone (part of ValidateClusterConfig; also what
+// Coordinator::Start checks of its Options): `micro_batches` outside
+// {0, 1, 2}, an unknown `schedule`, `balance` or `step_cost_mode`, a
+// negative or non-finite `tbt_slo_ms` or `step_cost` cost, a negative
+// `queue_timeout_ms`. INVALID_ARGUMENT naming the field
+// ("scheduling.micro_batches: must be 1 or 2 (0: 2), got 3").
+absl::Status ValidateSchedulingConfig(const cluster::SchedulingConfig& sc);
+
 // The checks that need the model (`model`, usually read from
 // model_dir/config.json): the routed experts must divide evenly among the
 // GPU ranks ("gpu_nodes: 16 routed experts cannot be split evenly among 3

@@ -25,6 +25,7 @@
 #include "common/link_rules.h"
 #include "common/log.h"
 #include "common/process_fault.h"
+#include "common/status_macros.h"
 #include "common/tokenizer.h"
 #include "coordinator/cluster_config.h"
 #include "coordinator/placement.h"
@@ -1424,11 +1425,9 @@ class KaratService final : public v1::Karat::Service {
       m[p + "step_cost_per_context_token_ms"] = cost.per_context_token_ms;
       m[p + "step_cost_samples"] =
           rank && rank->step_cost ? double(rank->step_cost->samples()) : 0.0;
-      m[p + "step_cost_learned"] = s_->StepCostLearned() && rank &&
-                                           rank->step_cost &&
-                                           rank->step_cost->learned()
-                                       ? 1.0
-                                       : 0.0;
+      // An estimator exists only in "learned" mode (AddStepLocked).
+      m[p + "step_cost_learned"] =
+          rank && rank->step_cost && rank->step_cost->learned() ? 1.0 : 0.0;
     }
   }
 
@@ -2712,33 +2711,14 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(
   if (options.mode != "karat" && options.mode != "gpu_only")
     return absl::InvalidArgumentError(absl::StrCat(
         "mode must be \"karat\" or \"gpu_only\", got \"", options.mode, "\""));
-  if (options.scheduling.micro_batches() < 0 ||
-      options.scheduling.micro_batches() > 2)
-    return absl::InvalidArgumentError(
-        "scheduling.micro_batches must be 0, 1 or 2");
-  const std::string& balance = options.scheduling.balance();
-  if (!balance.empty() && balance != "cmr" && balance != "count")
-    return absl::InvalidArgumentError(
-        absl::StrCat("scheduling.balance must be \"cmr\" or \"count\", got \"",
-                     balance, "\""));
-  if (!(options.scheduling.tbt_slo_ms() >= 0) ||
-      std::isinf(options.scheduling.tbt_slo_ms()))
-    return absl::InvalidArgumentError(
-        "scheduling.tbt_slo_ms must be >= 0 and finite");
-  const cluster::StepCost& cost = options.scheduling.step_cost();
+  RETURN_IF_ERROR(ValidateSchedulingConfig(options.scheduling));
   for (const double v :
-       {cost.fixed_ms(), cost.per_request_ms(), cost.per_context_token_ms(),
-        options.step_cost.fixed_ms, options.step_cost.per_request_ms,
+       {options.step_cost.fixed_ms, options.step_cost.per_request_ms,
         options.step_cost.per_context_token_ms}) {
     if (!(v >= 0) || std::isinf(v))
       return absl::InvalidArgumentError(
-          "scheduling.step_cost: every cost must be >= 0 and finite");
+          "step_cost: every cost must be >= 0 and finite");
   }
-  const std::string& cost_mode = options.scheduling.step_cost_mode();
-  if (!cost_mode.empty() && cost_mode != "learned" && cost_mode != "fixed")
-    return absl::InvalidArgumentError(absl::StrCat(
-        "scheduling.step_cost_mode must be \"learned\" or \"fixed\", got \"",
-        cost_mode, "\""));
   auto impl = std::make_unique<CoordinatorImpl>(options);
   absl::Status st = impl->Init();
   if (!st.ok()) return st;

@@ -66,8 +66,10 @@ struct Options {
   // the session sticks to that rank and KARAT nodes are not needed.
   std::string mode = "karat";
   // ClusterConfig.scheduling: micro_batches (0: 2), balance ("cmr" or
-  // "count"; "" is cmr), tbt_slo_ms (0: no cap) and queue_timeout_ms
-  // (0: 60000). `schedule` is the GPU nodes' business.
+  // "count"; "" is cmr), tbt_slo_ms (0: no cap), queue_timeout_ms
+  // (0: 60000) and the step-time model (step_cost, step_cost_mode). Start
+  // checks it with ValidateSchedulingConfig. `schedule` is the GPU nodes'
+  // business.
   cluster::SchedulingConfig scheduling;
   // GpuNodeConfig.max_batch by rank (index = rank); a missing entry or 0:
   // no limit beyond the TBT cap.
