@@ -1,19 +1,18 @@
 // End to end through the real daemons: every streamed token equals the
 // single-process reference engine on the same conversation (DESIGN.md §6),
 // and bad input gets a clear answer without losing the session.
-#include <catch2/catch.hpp>
-
+#include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <catch2/catch.hpp>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <thread>
-
-#include <grpcpp/grpcpp.h>
 
 #include "cluster.grpc.pb.h"
 #include "common/model_config.h"
@@ -85,6 +84,34 @@ ModelFiles LoadOrFail(const std::string& dir) {
   return std::move(*files);
 }
 
+// Session s's turns in `got` (prompts PromptText(s, t), its seed and
+// temperature, up to `max_new` tokens each, session key s + 1) equal the
+// reference engine's.
+void CheckAgainstReference(const Cluster& cluster,
+                           const std::vector<std::vector<TurnResult>>& got,
+                           int turns, int max_new,
+                           const std::function<uint64_t(int)>& seed,
+                           const std::function<float(int)>& temperature) {
+  ModelFiles files = LoadOrFail(cluster.model_dir());
+  auto engine = ReferenceEngine::Create(files);
+  REQUIRE(engine.ok());
+  for (int s = 0; s < int(got.size()); ++s) {
+    REQUIRE(int(got[s].size()) == turns);
+    ReferenceSession ref;
+    ref.key = uint64_t(s + 1);
+    ref.seed = seed(s);
+    for (int t = 0; t < turns; ++t) {
+      INFO("session " << s << " turn " << t);
+      INFO(got[s][t].status.error_message());
+      REQUIRE(got[s][t].status.ok());
+      auto want = (*engine)->RunTurn(&ref, EncodeText(PromptText(s, t)),
+                                     max_new, temperature(s));
+      REQUIRE(want.ok());
+      CHECK(got[s][t].tokens == *want);
+    }
+  }
+}
+
 TEST_CASE("cluster tokens equal the reference engine, greedy and sampled",
           "[integration]") {
   ClusterSpec spec;
@@ -112,24 +139,7 @@ TEST_CASE("cluster tokens equal the reference engine, greedy and sampled",
   }
   for (auto& th : threads) th.join();
 
-  ModelFiles files = LoadOrFail(cluster.model_dir());
-  auto engine = ReferenceEngine::Create(files);
-  REQUIRE(engine.ok());
-  for (int s = 0; s < kSessions; ++s) {
-    REQUIRE(got[s].size() == kTurns);
-    ReferenceSession ref;
-    ref.key = uint64_t(s + 1);
-    ref.seed = seed(s);
-    for (int t = 0; t < kTurns; ++t) {
-      INFO("session " << s << " turn " << t);
-      INFO(got[s][t].status.error_message());
-      REQUIRE(got[s][t].status.ok());
-      auto want = (*engine)->RunTurn(&ref, EncodeText(PromptText(s, t)),
-                                     kMaxNew, temperature(s));
-      REQUIRE(want.ok());
-      CHECK(got[s][t].tokens == *want);
-    }
-  }
+  CheckAgainstReference(cluster, got, kTurns, kMaxNew, seed, temperature);
 
   // Idle daemons: no busy polling. Not a speed figure: a spinning thread
   // would use a whole core (100%); idle means a few percent at most.
@@ -180,8 +190,8 @@ TEST_CASE("every attention form: cluster tokens equal the reference engine",
         karat::v1::Session sess;
         if (!stub->CreateSession(&ctx, req, &sess).ok()) return;
         for (int t = 0; t < kTurns; ++t) {
-          got[s].push_back(Generate(stub.get(), sess.session_id(),
-                                    prompt(s, t), kMaxNew, temperature(s)));
+          got[s].push_back(Generate(stub.get(), sess.session_id(), prompt(s, t),
+                                    kMaxNew, temperature(s)));
         }
       });
     }
@@ -375,9 +385,9 @@ TEST_CASE("malformed model files and configs are refused with the field",
                      &out) == 0);
   // Truncated safetensors.
   std::filesystem::resize_file(dir + "/m/model.safetensors", 1000);
-  int rc = RunCommand({BinPath("karat-reference"), "--model", dir + "/m",
-                       "--prompt", "x"},
-                      &out);
+  int rc = RunCommand(
+      {BinPath("karat-reference"), "--model", dir + "/m", "--prompt", "x"},
+      &out);
   CHECK(rc != 0);
   CHECK(out.find("model.safetensors") != std::string::npos);
   rc = RunCommand({BinPath("karat-gpu-node"), "--model", dir + "/m",
@@ -402,19 +412,19 @@ TEST_CASE("malformed model files and configs are refused with the field",
     std::ofstream cout(dir + "/m2/config.json");
     cout << cfg;
   }
-  rc = RunCommand({BinPath("karat-reference"), "--model", dir + "/m2",
-                   "--prompt", "x"},
-                  &out);
+  rc = RunCommand(
+      {BinPath("karat-reference"), "--model", dir + "/m2", "--prompt", "x"},
+      &out);
   CHECK(rc != 0);
   CHECK(out.find("model.safetensors") != std::string::npos);
   // A malformed cluster config.
   {
     std::ofstream bad(dir + "/bad.textproto");
-    bad << "model_dir: \"x\"\ngpu_nodes { name: \"g\" max_step_tokens: \"many\" }\n";
+    bad << "model_dir: \"x\"\ngpu_nodes { name: \"g\" max_step_tokens: "
+           "\"many\" }\n";
   }
-  rc = RunCommand({BinPath("karat-coordinator"), "--config",
-                   dir + "/bad.textproto"},
-                  &out);
+  rc = RunCommand(
+      {BinPath("karat-coordinator"), "--config", dir + "/bad.textproto"}, &out);
   CHECK(rc != 0);
   CHECK(out.find("bad.textproto") != std::string::npos);
   std::filesystem::remove_all(dir);
@@ -431,10 +441,9 @@ TEST_CASE("a node that cannot reach the coordinator retries and says so",
                      &out) == 0);
   // Port 9 (discard) on loopback: nothing listens there.
   const std::string log = dir + "/node.log";
-  const std::string cmd = BinPath("karat-node") +
-                          " --coordinator 127.0.0.1:9 --model " + dir +
-                          "/m --devices 1 --device-capacity 16M > " + log +
-                          " 2>&1 & echo $!";
+  const std::string cmd =
+      BinPath("karat-node") + " --coordinator 127.0.0.1:9 --model " + dir +
+      "/m --devices 1 --device-capacity 16M > " + log + " 2>&1 & echo $!";
   FILE* p = popen(cmd.c_str(), "r");
   REQUIRE(p != nullptr);
   int pid = 0;
@@ -540,23 +549,7 @@ TEST_CASE("a restarted coordinator: cluster tokens equal the reference engine",
       got[s].push_back(Generate(stub.get(), ids[s], PromptText(s, t), kMaxNew,
                                 temperature(s)));
 
-  ModelFiles files = LoadOrFail(cluster.model_dir());
-  auto engine = ReferenceEngine::Create(files);
-  REQUIRE(engine.ok());
-  for (int s = 0; s < kSessions; ++s) {
-    ReferenceSession ref;
-    ref.key = uint64_t(s + 1);
-    ref.seed = seed(s);
-    for (int t = 0; t < kTurns; ++t) {
-      INFO("session " << s << " turn " << t);
-      INFO(got[s][t].status.error_message());
-      REQUIRE(got[s][t].status.ok());
-      auto want = (*engine)->RunTurn(&ref, EncodeText(PromptText(s, t)),
-                                     kMaxNew, temperature(s));
-      REQUIRE(want.ok());
-      CHECK(got[s][t].tokens == *want);
-    }
-  }
+  CheckAgainstReference(cluster, got, kTurns, kMaxNew, seed, temperature);
 }
 
 }  // namespace
