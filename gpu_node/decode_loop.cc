@@ -392,6 +392,7 @@ void DecodeLoop::RunStep(std::vector<std::shared_ptr<Request>>* active) {
 
   std::vector<Segment> segs;
   std::vector<size_t> owner;
+  int32_t step_prefill = 0;  // prompt tokens this step feeds
   for (size_t i = 0; i < active->size(); ++i) {
     if (chunk[i] == 0) continue;
     Request& r = *(*active)[i];
@@ -401,6 +402,7 @@ void DecodeLoop::RunStep(std::vector<std::shared_ptr<Request>>* active) {
     if (r.state == RequestState::kPrefill) {
       seg.tokens.assign(r.turn.feed_tokens.begin() + r.fed,
                         r.turn.feed_tokens.begin() + r.fed + chunk[i]);
+      step_prefill += chunk[i];
       const size_t end = r.fed + chunk[i];
       seg.ends_prefill =
           (end == r.turn.feed_tokens.size() && r.turn.feed_ends_prefill) ||
@@ -485,12 +487,6 @@ void DecodeLoop::RunStep(std::vector<std::shared_ptr<Request>>* active) {
   const int64_t step_us = absl::ToInt64Microseconds(absl::Now() - step_start);
   int64_t step_context = 0;
   for (const auto& r : *active) step_context += r->next_pos;
-  int32_t step_prefill = 0;
-  for (size_t k = 0; k < segs.size(); ++k) {
-    if ((*active)[owner[k]]->state == RequestState::kPrefill) {
-      step_prefill += static_cast<int32_t>(segs[k].tokens.size());
-    }
-  }
   if (logits.ok()) {
     const int eos = runner_->config().eos_token_id;
     for (size_t k = 0; k < segs.size(); ++k) {
