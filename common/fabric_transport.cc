@@ -552,6 +552,19 @@ class FabricTransport final : public Transport {
   // A Send() on the progress thread: waits for its completion by reading the
   // CQ itself, since nobody else will.
   void AwaitSendOnProgressThread(SendOp* op, size_t len, absl::Time deadline);
+  uint64_t SendsCompleted() {
+    absl::MutexLock lock(&send_mu_);
+    return sends_completed_;
+  }
+  // After a post found the transmit queue full and nothing was left to
+  // reap: waits until a transmit completion is reaped after `seen` (the
+  // count read before reaping) or `backoff` passes, and returns the next
+  // backoff (reset when a completion came, doubled up to kMaxPollBackoff
+  // when not). A sender thread wakes as soon as the progress thread frees
+  // a slot, rather than sleeping out a backoff that has grown past the
+  // time a transfer takes; the progress thread itself just sleeps, as
+  // nothing else reaps for it.
+  absl::Duration WaitForTransmitSlot(uint64_t seen, absl::Duration backoff);
   void HandleError();
   // The provider is done with `op` (its completion, or an error).
   void CompleteSend(SendOp* op, absl::Status status);
@@ -678,6 +691,9 @@ class FabricTransport final : public Transport {
 
   absl::Mutex send_mu_;
   absl::flat_hash_set<SendOp*> in_flight_ ABSL_GUARDED_BY(send_mu_);
+  // Transmit completions reaped so far: a post that found the transmit
+  // queue full waits for this to move (WaitForTransmitSlot).
+  uint64_t sends_completed_ ABSL_GUARDED_BY(send_mu_) = 0;
   std::vector<std::unique_ptr<SendOp>> free_ops_ ABSL_GUARDED_BY(send_mu_);
   // Callbacks of asynchronous sends whose outcome is decided, to call with
   // no lock held; ready_count_ is its size, readable without the lock.
@@ -1329,6 +1345,7 @@ absl::Status FabricTransport::InjectSend(PeerId peer, fid_ep* send_ep,
     }
     if (absl::Status failed = PeerFailure(peer); !failed.ok()) return failed;
     // The transmit queue is full: reap completions to free it.
+    const uint64_t seen = SendsCompleted();
     if (DrainCompletions(/*try_only=*/!OnProgressThread()) > 0) {
       backoff = kMinPollBackoff;
       continue;
@@ -1340,8 +1357,7 @@ absl::Status FabricTransport::InjectSend(PeerId peer, fid_ep* send_ep,
                        "': transmit queue stayed full for ",
                        options_.send_timeout_ms, " ms"));
     }
-    absl::SleepFor(backoff);
-    backoff = std::min(backoff * 2, kMaxPollBackoff);
+    backoff = WaitForTransmitSlot(seen, backoff);
   }
   // Manual-progress providers may still have to move the bytes: make sure
   // the progress thread polls.
@@ -1449,6 +1465,7 @@ absl::Status FabricTransport::SendImpl(PeerId peer, const char* data,
       break;
     }
     // The transmit queue is full: reap completions to free it.
+    const uint64_t seen = SendsCompleted();
     if (DrainCompletions(/*try_only=*/!OnProgressThread()) > 0) {
       backoff = kMinPollBackoff;
       continue;
@@ -1461,8 +1478,7 @@ absl::Status FabricTransport::SendImpl(PeerId peer, const char* data,
                        options_.send_timeout_ms, " ms"));
       break;
     }
-    absl::SleepFor(backoff);
-    backoff = std::min(backoff * 2, kMaxPollBackoff);
+    backoff = WaitForTransmitSlot(seen, backoff);
   }
   if (closed) {
     post_status = absl::UnavailableError(absl::StrCat(
@@ -1623,6 +1639,22 @@ void FabricTransport::AwaitSendOnProgressThread(SendOp* op, size_t len,
       backoff = std::min(backoff * 2, kMaxPollBackoff);
     }
   }
+}
+
+absl::Duration FabricTransport::WaitForTransmitSlot(uint64_t seen,
+                                                    absl::Duration backoff) {
+  const absl::Duration next = std::min(backoff * 2, kMaxPollBackoff);
+  if (OnProgressThread()) {
+    absl::SleepFor(backoff);
+    return next;
+  }
+  absl::MutexLock lock(&send_mu_);
+  auto freed = [this, seen]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(send_mu_) {
+    return sends_completed_ != seen;
+  };
+  return send_mu_.AwaitWithTimeout(absl::Condition(&freed), backoff)
+             ? kMinPollBackoff
+             : next;
 }
 
 void FabricTransport::SetPeerReceiveHandler(PeerReceiveHandler handler) {
@@ -2245,6 +2277,7 @@ void FabricTransport::HandleError() {
 
 void FabricTransport::CompleteSend(SendOp* op, absl::Status status) {
   absl::MutexLock lock(&send_mu_);
+  ++sends_completed_;
   op->completed = true;
   if (!op->done) {
     FinishOp(op, std::move(status));
