@@ -629,14 +629,19 @@ TEST_CASE(
 TEST_CASE("top-k: sampled threshold path equals brute force", "[attention]") {
   std::mt19937 rng(5);
   std::uniform_real_distribution<float> d(-1, 1);
-  for (const int n : {5000, 20000, 131072}) {
-    for (const int k : {1, 100, 2048}) {
-      for (const bool ties : {false, true}) {
+  // From 512 scores on, with k <= n / 4 (the sample size depends on both).
+  for (const int n : {512, 1000, 2048, 4095, 5000, 20000, 131072}) {
+    for (const int k : {1, 100, 128, 2048}) {
+      for (const int pattern : {0, 1, 2}) {
         std::vector<float> s(n);
         for (auto& v : s) v = d(rng);
-        // With ties: few distinct values, so the cut falls inside a tie.
-        if (ties) {
+        // 1: few distinct values, so the cut falls inside a tie.
+        if (pattern == 1) {
           for (auto& v : s) v = std::round(v * 8.0f) / 8.0f;
+        }
+        // 2: rising, so the best are all at the end of the range.
+        if (pattern == 2) {
+          for (int i = 0; i < n; ++i) s[i] = float(i) / float(n);
         }
         std::vector<int32_t> top;
         SelectTopK(s.data(), n, k, &top);
