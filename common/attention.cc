@@ -1297,22 +1297,28 @@ void IndexerScore(const LayerView& view, int n, const uint8_t* q_codes,
 namespace {
 
 // Positions s in [0, n) with scores[s] >= t, in increasing order, into
-// out[0 ..) (room for n + 16); returns their count.
-int CompressAtLeast(const float* scores, int n, float t, int32_t* out) {
+// out[0 ..) and their scores into out_scores[0 ..) (room for n + 16 each);
+// returns their count.
+int CompressAtLeast(const float* scores, int n, float t, int32_t* out,
+                    float* out_scores) {
   const __m512 vt = _mm512_set1_ps(t);
   __m512i idx =
       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i step = _mm512_set1_epi32(16);
   int s = 0, count = 0;
   for (; s + 16 <= n; s += 16) {
-    const __mmask16 m =
-        _mm512_cmp_ps_mask(_mm512_loadu_ps(scores + s), vt, _CMP_GE_OQ);
+    const __m512 x = _mm512_loadu_ps(scores + s);
+    const __mmask16 m = _mm512_cmp_ps_mask(x, vt, _CMP_GE_OQ);
     _mm512_mask_compressstoreu_epi32(out + count, m, idx);
+    _mm512_mask_compressstoreu_ps(out_scores + count, m, x);
     count += __builtin_popcount(m);
     idx = _mm512_add_epi32(idx, step);
   }
   for (; s < n; ++s) {
-    if (scores[s] >= t) out[count++] = s;
+    if (scores[s] >= t) {
+      out_scores[count] = scores[s];
+      out[count++] = s;
+    }
   }
   return count;
 }
@@ -1385,8 +1391,8 @@ int TopKSampleRank(int n, int k, int m) {
 }
 
 // The sample size (a power of 2, 64-4096) that minimises the expected
-// work: m for the sample's nth_element, plus about n x rank / m for the
-// exact cut among the candidates. With k = 2048 of 128K that is 2048;
+// work: m for the sample's cut (KthHighest), plus about n x rank / m for
+// the exact cut among the candidates (the same per score). With k = 2048 of 128K that is 2048;
 // with dsa-tiny's k = 128 of 2K scores, 128 (the cut then takes ~430
 // candidates, not all 2K).
 int TopKSampleSize(int n, int k) {
@@ -1402,6 +1408,104 @@ int TopKSampleSize(int n, int k) {
     }
   }
   return best;
+}
+
+// Whether any of x[0, n) is NaN.
+bool AnyNan(const float* x, int n) {
+  __mmask16 nan = 0;
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  }
+  if (i < n) {
+    const __mmask16 m = __mmask16((1u << (n - i)) - 1);
+    const __m512 v = _mm512_maskz_loadu_ps(m, x + i);
+    nan |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
+  }
+  return nan != 0;
+}
+
+// A key whose unsigned order is the scores' order (-0.0 as +0.0): the
+// sign bit flipped for positive values, every bit for negative ones.
+inline __m512i OrderKey16(__m512 x) {
+  const __m512i b = _mm512_castps_si512(_mm512_add_ps(x, _mm512_setzero_ps()));
+  const __m512i neg = _mm512_srai_epi32(b, 31);
+  return _mm512_xor_si512(
+      b, _mm512_or_si512(neg, _mm512_set1_epi32(int(0x80000000u))));
+}
+
+// The k-th highest of vals[0, n) (0 < k <= n, no NaN; vals has room for
+// 16 more), exactly: the largest key K with at least k keys >= K, built
+// bit by bit from the top, each bit one counting pass. Branch-free, where
+// nth_element on scores in no particular order mispredicts about every
+// other comparison.
+float KthHighest(const float* vals, int n, int k) {
+  const int nv = (n + 15) / 16;
+  // The pad lanes hold the lowest key, which counts only for K = 0.
+  thread_local AlignedVector<uint32_t> keys;
+  keys.resize(size_t(nv) * 16);
+  for (int i = 0; i < nv; ++i) {
+    const int left = n - 16 * i;
+    const __mmask16 m =
+        left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    _mm512_store_si512(
+        keys.data() + 16 * i,
+        _mm512_maskz_mov_epi32(
+            m, OrderKey16(_mm512_maskz_loadu_ps(m, vals + 16 * i))));
+  }
+  uint32_t key = 0;
+  for (int bit = 31; bit >= 0; --bit) {
+    const uint32_t want = key | (1u << bit);
+    const __m512i w = _mm512_set1_epi32(int(want));
+    int count = 0;
+    for (int i = 0; i < nv; ++i) {
+      count += __builtin_popcount(
+          _mm512_cmpge_epu32_mask(_mm512_load_si512(keys.data() + 16 * i), w));
+    }
+    if (count >= k) key = want;
+  }
+  // Back from the key to the value.
+  const uint32_t bits = (key & 0x80000000u) ? key ^ 0x80000000u : ~key;
+  float v;
+  std::memcpy(&v, &bits, 4);
+  return v;
+}
+
+// Writes the positions cand[i] whose vals[i] > v and, of those equal to v,
+// the lowest ones, k in all at most, in candidate order; returns how many
+// (k when v is the k-th highest of vals). vals has room for 16 more.
+int CutAt(const float* vals, const int32_t* cand, int n, int k, float v,
+          int32_t* out) {
+  const __m512 vv = _mm512_set1_ps(v);
+  int above = 0;
+  for (int i = 0; i < n; i += 16) {
+    const int left = n - i;
+    const __mmask16 m =
+        left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    above += __builtin_popcount(
+        _mm512_mask_cmp_ps_mask(m, _mm512_loadu_ps(vals + i), vv, _CMP_GT_OQ));
+  }
+  int ties = std::max(0, k - above);
+  int count = 0;
+  for (int i = 0; i < n; i += 16) {
+    const int left = n - i;
+    const __mmask16 m =
+        left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    const __m512 x = _mm512_loadu_ps(vals + i);
+    __mmask16 take = _mm512_mask_cmp_ps_mask(m, x, vv, _CMP_GT_OQ);
+    __mmask16 eq = _mm512_mask_cmp_ps_mask(m, x, vv, _CMP_EQ_OQ);
+    while (eq != 0 && ties > 0) {
+      take |= eq & (-eq);  // the lowest remaining tie
+      eq &= eq - 1;
+      --ties;
+    }
+    if (count + __builtin_popcount(take) > k) break;  // not the k-th: stop
+    _mm512_mask_compressstoreu_epi32(out + count, take,
+                                     _mm512_maskz_loadu_epi32(m, cand + i));
+    count += __builtin_popcount(take);
+  }
+  return count;
 }
 
 }  // namespace
@@ -1425,42 +1529,47 @@ void SelectTopK(const float* scores, int n, int k, std::vector<int32_t>* out) {
   // pass; when fewer do, every position. The threshold only sets how much
   // work the exact cut below does, never its result.
   thread_local std::vector<int32_t> cand_buf;
-  thread_local std::vector<float> vals;
+  thread_local std::vector<float> vals;  // the candidates' scores
   if (cand_buf.size() < size_t(n) + 16) cand_buf.resize(size_t(n) + 16);
+  if (vals.size() < size_t(n) + 16) vals.resize(size_t(n) + 16);
   int32_t* cand = cand_buf.data();
   int nc = 0;
   if (n >= kMinSampledTopK && int64_t(k) * 4 <= n) {
     const int m = TopKSampleSize(n, k);
-    vals.resize(m);
-    for (int i = 0; i < m; ++i) vals[i] = scores[int64_t(i) * n / m];
+    const int shift = __builtin_ctz(unsigned(m));  // m is a power of 2
+    for (int i = 0; i < m; ++i) vals[i] = scores[(int64_t(i) * n) >> shift];
     const int rank = TopKSampleRank(n, k, m);
-    if (rank < m) {
-      std::nth_element(vals.begin(), vals.begin() + rank, vals.begin() + m,
-                       std::greater<float>());
-      const float t = vals[rank];
-      if (t == t) nc = CompressAtLeast(scores, n, t, cand);  // t not NaN
+    if (rank < m && !AnyNan(vals.data(), m)) {
+      const float t = KthHighest(vals.data(), m, rank + 1);
+      // Every candidate is >= t, so none is NaN.
+      nc = CompressAtLeast(scores, n, t, cand, vals.data());
     }
   }
+  bool nan = false;
   if (nc < k) {
     nc = n;
     std::iota(cand, cand + n, 0);
+    std::memcpy(vals.data(), scores, size_t(n) * sizeof(float));
+    nan = AnyNan(scores, n);
   }
   // The exact cut: v = the k-th highest candidate score; take every
   // candidate above v and, of those equal to v (-0.0 == +0.0), the lowest
   // positions, in position order.
-  vals.resize(nc);
-  for (int i = 0; i < nc; ++i) vals[i] = scores[cand[i]];
-  std::nth_element(vals.begin(), vals.begin() + (k - 1), vals.end(),
-                   std::greater<float>());
-  const float v = vals[k - 1];
-  int above = 0;
-  for (int i = 0; i < nc; ++i) above += scores[cand[i]] > v;
-  int ties = k - above;
-  out->reserve(k);
-  for (int i = 0; i < nc; ++i) {
-    const float x = scores[cand[i]];
-    if (x > v || (x == v && ties-- > 0)) out->push_back(cand[i]);
+  float v;
+  if (!nan) {
+    v = KthHighest(vals.data(), nc, k);
+  } else {
+    // NaN scores (from NaN codes) have no place in the order: nth_element
+    // cuts them as it always has.
+    thread_local std::vector<float> sorted;
+    sorted.assign(vals.begin(), vals.begin() + nc);
+    std::nth_element(sorted.begin(), sorted.begin() + (k - 1), sorted.end(),
+                     std::greater<float>());
+    v = sorted[k - 1];
   }
+  out->resize(size_t(k));
+  const int got = CutAt(vals.data(), cand, nc, k, v, out->data());
+  out->resize(size_t(got));
 }
 
 // --- Gather + Attend (absorbed MLA, §III-D) ----------------------------------

@@ -626,22 +626,38 @@ TEST_CASE(
   }
 }
 
-TEST_CASE("top-k: sampled threshold path equals brute force", "[attention]") {
+TEST_CASE("top-k: sampled threshold and exact cut equal brute force",
+          "[attention]") {
   std::mt19937 rng(5);
   std::uniform_real_distribution<float> d(-1, 1);
-  // From 512 scores on, with k <= n / 4 (the sample size depends on both).
-  for (const int n : {512, 1000, 2048, 4095, 5000, 20000, 131072}) {
-    for (const int k : {1, 100, 128, 2048}) {
-      for (const int pattern : {0, 1, 2}) {
+  // k > 64 takes the exact cut (a bitwise search for the k-th score) over
+  // every position or, from 512 scores on with k <= n / 4, over those at or
+  // above a sampled threshold (the sample size depends on n and k).
+  for (const int n : {100, 300, 512, 1000, 2048, 4095, 5000, 20000, 131072}) {
+    for (const int k : {1, 65, 100, 128, 2048}) {
+      for (int pattern = 0; pattern < 6; ++pattern) {
         std::vector<float> s(n);
         for (auto& v : s) v = d(rng);
-        // 1: few distinct values, so the cut falls inside a tie.
-        if (pattern == 1) {
-          for (auto& v : s) v = std::round(v * 8.0f) / 8.0f;
-        }
-        // 2: rising, so the best are all at the end of the range.
-        if (pattern == 2) {
-          for (int i = 0; i < n; ++i) s[i] = float(i) / float(n);
+        switch (pattern) {
+          case 1:  // few distinct values, so the cut falls inside a tie
+            for (auto& v : s) v = std::round(v * 8.0f) / 8.0f;
+            break;
+          case 2:  // rising: the best are all at the end of the range
+            for (int i = 0; i < n; ++i) s[i] = float(i) / float(n);
+            break;
+          case 3:  // signed zeros, equal to each other, and a few above
+            for (int i = 0; i < n; ++i) {
+              s[i] = i % 7 == 0 ? float(i) : (i % 2 == 0 ? -0.0f : 0.0f);
+            }
+            break;
+          case 4:  // infinities of both signs among the scores
+            for (int i = 0; i < n; i += 5) s[i] = i % 2 ? INFINITY : -INFINITY;
+            break;
+          case 5:  // every score negative
+            for (auto& v : s) v = -1.0f - std::abs(v);
+            break;
+          default:
+            break;
         }
         std::vector<int32_t> top;
         SelectTopK(s.data(), n, k, &top);
@@ -651,7 +667,31 @@ TEST_CASE("top-k: sampled threshold path equals brute force", "[attention]") {
                          [&](int a, int b) { return s[a] > s[b]; });
         idx.resize(std::min(k, n));
         std::sort(idx.begin(), idx.end());
+        INFO("n " << n << ", k " << k << ", pattern " << pattern);
         CHECK(top == idx);
+      }
+    }
+  }
+}
+
+TEST_CASE("top-k: NaN scores neither crash nor overflow the result",
+          "[attention]") {
+  // NaN scores (from NaN codes) have no place in the order; the result is
+  // still at most k distinct positions in increasing order.
+  std::mt19937 rng(9);
+  std::uniform_real_distribution<float> d(-1, 1);
+  for (const int n : {100, 2048, 20000}) {
+    for (const int k : {1, 65, 128}) {
+      std::vector<float> s(n);
+      for (auto& v : s) v = d(rng);
+      for (int i = 3; i < n; i += 97) s[i] = NAN;
+      std::vector<int32_t> top;
+      SelectTopK(s.data(), n, k, &top);
+      CHECK(top.size() <= size_t(k));
+      for (size_t j = 0; j < top.size(); ++j) {
+        CHECK(top[j] >= 0);
+        CHECK(top[j] < n);
+        if (j > 0) CHECK(top[j - 1] < top[j]);
       }
     }
   }
