@@ -1392,9 +1392,9 @@ int TopKSampleRank(int n, int k, int m) {
 
 // The sample size (a power of 2, 64-4096) that minimises the expected
 // work: m for the sample's cut (KthHighest), plus about n x rank / m for
-// the exact cut among the candidates (the same per score). With k = 2048 of 128K that is 2048;
-// with dsa-tiny's k = 128 of 2K scores, 128 (the cut then takes ~430
-// candidates, not all 2K).
+// the exact cut among the candidates (the same per score). With k = 2048
+// of 128K that is 2048; with dsa-tiny's k = 128 of 2K scores, 128 (the
+// cut then takes ~430 candidates, not all 2K).
 int TopKSampleSize(int n, int k) {
   int best = 64;
   double best_cost = 1e300;
@@ -1435,11 +1435,10 @@ inline __m512i OrderKey16(__m512 x) {
       b, _mm512_or_si512(neg, _mm512_set1_epi32(int(0x80000000u))));
 }
 
-// The k-th highest of vals[0, n) (0 < k <= n, no NaN; vals has room for
-// 16 more), exactly: the largest key K with at least k keys >= K, built
-// bit by bit from the top, each bit one counting pass. Branch-free, where
-// nth_element on scores in no particular order mispredicts about every
-// other comparison.
+// The k-th highest of vals[0, n) (0 < k <= n, no NaN), exactly: the
+// largest key K with at least k keys >= K, built bit by bit from the top,
+// each bit one counting pass. Branch-free, where nth_element on scores in
+// no particular order mispredicts about every other comparison.
 float KthHighest(const float* vals, int n, int k) {
   const int nv = (n + 15) / 16;
   // The pad lanes hold the lowest key, which counts only for K = 0.
