@@ -20,7 +20,8 @@ uint8_t FloatToFp8E4M3(float x);
 float Fp8E4M3ToFloat(uint8_t code);
 
 // Quantises `n` values to fp8 codes with one scale:
-// scale = max(amax, 1e-4) / 448; codes[i] = FloatToFp8E4M3(x[i] / scale).
+// scale = max(amax, 1e-4) / 448 (amax: the largest |x[i]| that is not NaN);
+// codes[i] = FloatToFp8E4M3(x[i] / scale).
 // Returns the scale. Decoding is `Fp8E4M3ToFloat(code) * scale`.
 float QuantizeFp8(const float* x, size_t n, uint8_t* codes);
 

@@ -222,5 +222,57 @@ TEST_CASE("QuantizeFp8 scales by amax / 448", "[numeric]") {
   for (uint8_t c : zc) CHECK(c == 0);
 }
 
+TEST_CASE("QuantizeFp8 equals the scalar code of x / scale, every case",
+          "[numeric]") {
+  // QuantizeFp8 may compute 16 lanes at a time; it must give exactly the
+  // scale of the largest non-NaN |x| and FloatToFp8E4M3(x / scale) for
+  // each element:
+  // normal and subnormal codes, ties, saturation, NaN and infinities, and
+  // every length up to a few vectors (tails).
+  uint32_t seed = 12345;
+  auto next = [&seed]() {
+    seed = seed * 1664525u + 1013904223u;
+    return seed;
+  };
+  for (int trial = 0; trial < 400; ++trial) {
+    const size_t n = 1 + trial % 70;
+    std::vector<float> x(n);
+    for (auto& v : x) {
+      const uint32_t r = next();
+      switch (r % 8) {
+        case 0:  // any bit pattern: NaN, infinity, subnormal included
+          v = FromBits(next());
+          break;
+        case 7:  // NaN of either kind (signalling ones too) and sign
+          v = FromBits(0x7F800001u | (next() & 0x807FFFFFu));
+          break;
+        case 1:  // a tiny value: a subnormal code after scaling
+          v = float(int(next() % 2001) - 1000) * 1e-7f;
+          break;
+        case 2:  // an exact code value times a power of 2: ties nearby
+          v = Fp8E4M3ToFloat(uint8_t(next() % 256)) * 0.5f;
+          break;
+        default:
+          v = (float(next() % 20001) - 10000.0f) / 1000.0f;
+      }
+    }
+    if (trial % 5 == 0) x[next() % n] = std::numeric_limits<float>::infinity();
+    float amax = 0.0f;  // NaN never counts
+    for (float v : x) {
+      if (!std::isnan(v)) amax = std::max(amax, std::fabs(v));
+    }
+    const float want_scale = std::fmax(amax, 1e-4f) / 448.0f;
+    std::vector<uint8_t> codes(n + 1, 0xAA);
+    const float scale = QuantizeFp8(x.data(), n, codes.data());
+    INFO("trial " << trial << ", n " << n);
+    CHECK(Bits(scale) == Bits(want_scale));
+    for (size_t i = 0; i < n; ++i) {
+      INFO("x " << x[i] << " (bits " << Bits(x[i]) << ")");
+      CHECK(codes[i] == FloatToFp8E4M3(x[i] / want_scale));
+    }
+    CHECK(codes[n] == 0xAA);  // nothing written past the end
+  }
+}
+
 }  // namespace
 }  // namespace karat
