@@ -127,9 +127,9 @@ __m128i FloatToFp8E4M3x16(__m512 x) {
                                        _mm512_set1_epi32(127 - 7));
   const __m512i mant =
       _mm512_and_si512(_mm512_srli_epi32(rounded, 20), _mm512_set1_epi32(7));
-  // exp > 15, or exp == 15 with mantissa > 6 (beyond 448): saturate.
-  const __m512i em =
-      _mm512_or_si512(_mm512_slli_epi32(exp, 3), mant);  // > 0x7E: saturate
+  // exp > 15, or exp == 15 with mantissa > 6 (beyond 448): saturate, that
+  // is exp << 3 | mant > 0x7E.
+  const __m512i em = _mm512_or_si512(_mm512_slli_epi32(exp, 3), mant);
   const __mmask16 sat = _mm512_cmpgt_epi32_mask(em, _mm512_set1_epi32(0x7E));
   __m512i code = _mm512_mask_mov_epi32(em, sat, _mm512_set1_epi32(0x7E));
   code = _mm512_mask_mov_epi32(code, sub, m);
