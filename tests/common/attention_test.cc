@@ -278,6 +278,20 @@ TEST_CASE("top-k: ties go to the lower position, -0.0 == +0.0", "[attention]") {
   CHECK(top.size() == 8);
 }
 
+// The positions of the min(k, n) highest scores by brute force (ties to
+// the lower position, -0.0 == +0.0), in increasing order: what SelectTopK
+// must return.
+std::vector<int32_t> BruteTopK(const std::vector<float>& s, int k) {
+  const int n = int(s.size());
+  std::vector<int32_t> idx(n);
+  for (int i = 0; i < n; ++i) idx[i] = i;
+  std::stable_sort(idx.begin(), idx.end(),
+                   [&](int a, int b) { return s[a] > s[b]; });
+  idx.resize(std::min(k, n));
+  std::sort(idx.begin(), idx.end());
+  return idx;
+}
+
 TEST_CASE("top-k equals brute force on tie-free random data", "[attention]") {
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> d(-1, 1);
@@ -287,13 +301,7 @@ TEST_CASE("top-k equals brute force on tie-free random data", "[attention]") {
     for (auto& v : s) v = d(rng);
     std::vector<int32_t> top;
     SelectTopK(s.data(), n, k, &top);
-    std::vector<int32_t> idx(n);
-    for (int i = 0; i < n; ++i) idx[i] = i;
-    std::sort(idx.begin(), idx.end(),
-              [&](int a, int b) { return s[a] > s[b]; });
-    idx.resize(std::min(k, n));
-    std::sort(idx.begin(), idx.end());
-    CHECK(top == idx);
+    CHECK(top == BruteTopK(s, k));
   }
 }
 
@@ -661,14 +669,8 @@ TEST_CASE("top-k: sampled threshold and exact cut equal brute force",
         }
         std::vector<int32_t> top;
         SelectTopK(s.data(), n, k, &top);
-        std::vector<int32_t> idx(n);
-        for (int i = 0; i < n; ++i) idx[i] = i;
-        std::stable_sort(idx.begin(), idx.end(),
-                         [&](int a, int b) { return s[a] > s[b]; });
-        idx.resize(std::min(k, n));
-        std::sort(idx.begin(), idx.end());
         INFO("n " << n << ", k " << k << ", pattern " << pattern);
-        CHECK(top == idx);
+        CHECK(top == BruteTopK(s, k));
       }
     }
   }
@@ -726,13 +728,7 @@ TEST_CASE("top-k: small-k heap path equals brute force", "[attention]") {
         }
         std::vector<int32_t> top;
         SelectTopK(s.data(), n, k, &top);
-        std::vector<int32_t> idx(n);
-        for (int i = 0; i < n; ++i) idx[i] = i;
-        std::stable_sort(idx.begin(), idx.end(),
-                         [&](int a, int b) { return s[a] > s[b]; });
-        idx.resize(std::min(k, n));
-        std::sort(idx.begin(), idx.end());
-        CHECK(top == idx);
+        CHECK(top == BruteTopK(s, k));
       }
     }
   }
