@@ -943,18 +943,34 @@ class AdminService final : public cl::Admin::Service {
         return l.source() == link.source() &&
                l.destination() == link.destination();
       });
+      std::vector<cl::LinkConfig> next = links;
+      auto at = next.begin() + (it - links.begin());
       if (req->remove()) {
         if (it == links.end()) {
           return grpc::Status(grpc::StatusCode::NOT_FOUND,
                               absl::StrCat("no link rule ", link.source(),
                                            " -> ", link.destination()));
         }
-        links.erase(it);
+        next.erase(at);
       } else if (it != links.end()) {
-        *it = link;
+        *at = link;
       } else {
-        links.push_back(link);
+        next.push_back(link);
       }
+      if (s_->wal_ != nullptr) {
+        // On disk before it is in force, so that a restarted coordinator
+        // keeps what its clients were told.
+        cl::WalRecord record;
+        auto* rules = record.mutable_links();  // set even when none are left
+        for (const auto& l : next) *rules->add_links() = l;
+        if (absl::Status st = s_->wal_->Append(record); !st.ok()) {
+          KLOG(Error, kLog) << "link rule not set: " << st.message();
+          return grpc::Status(
+              grpc::StatusCode::INTERNAL,
+              absl::StrCat("cannot log the link rules: ", st.message()));
+        }
+      }
+      links = std::move(next);
       push = LinkPushLocked(s_, &targets);
       for (const auto& l : links) *resp->add_links() = l;
     }
@@ -2615,11 +2631,21 @@ class CoordinatorImpl final : public Coordinator {
   absl::Status Init() {
     if (!state_.options().state_dir.empty()) {
       std::vector<LoggedSession> logged;
+      std::optional<std::vector<cl::LinkConfig>> links;
       absl::StatusOr<std::unique_ptr<SessionLog>> wal =
-          SessionLog::Open(state_.options().state_dir, &logged);
+          SessionLog::Open(state_.options().state_dir, &logged, &links);
       if (!wal.ok()) return wal.status();
       state_.wal_ = std::move(*wal);
       absl::MutexLock lock(&state_.mu_);
+      if (links.has_value()) {
+        // Set through the admin API before the restart: they replace the
+        // config's, as they did then.
+        KLOG(Info, kLog) << "state dir " << state_.options().state_dir << ": "
+                         << links->size()
+                         << " link rules restored (they replace the config's "
+                         << state_.links_.size() << ")";
+        state_.links_ = std::move(*links);
+      }
       for (LoggedSession& l : logged) {
         // No home and no KV: the next turn places the session and rebuilds
         // its KV from the token log by prefill (TryAdmit).

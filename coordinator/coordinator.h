@@ -87,7 +87,9 @@ struct Options {
   // memory only. With one, CreateSession, CloseSession and the end of every
   // turn (done, failed or cancelled) are on disk before the client hears of
   // them, and a coordinator started on the same directory serves the same
-  // sessions: their ids, keys, seeds, token logs, turns and prefill ends.
+  // sessions: their ids, keys, seeds, token logs, turns and prefill ends,
+  // with the link rules as last set through Admin.SetLink (they replace
+  // `links`).
   // Their KV is not kept: each is placed again at its next turn and its KV
   // rebuilt from the token log by prefill. Created when missing; one that
   // cannot be read or written fails Start (FAILED_PRECONDITION).

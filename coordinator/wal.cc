@@ -141,6 +141,8 @@ std::vector<LoggedSession> ReplayWal(
                               << " closed in the log but never created";
         }
         break;
+      case cluster::WalRecord::kLinks:  // ReplayWalLinks
+        break;
       case cluster::WalRecord::RECORD_NOT_SET:
         KLOG(Warning, kLog) << "an empty record in the log; skipped";
         break;
@@ -152,8 +154,19 @@ std::vector<LoggedSession> ReplayWal(
   return out;
 }
 
+std::optional<std::vector<cluster::LinkConfig>> ReplayWalLinks(
+    const std::vector<cluster::WalRecord>& records) {
+  std::optional<std::vector<cluster::LinkConfig>> links;
+  for (const cluster::WalRecord& r : records) {
+    if (r.record_case() != cluster::WalRecord::kLinks) continue;
+    links.emplace(r.links().links().begin(), r.links().links().end());
+  }
+  return links;
+}
+
 absl::StatusOr<std::unique_ptr<SessionLog>> SessionLog::Open(
-    const std::string& dir, std::vector<LoggedSession>* sessions) {
+    const std::string& dir, std::vector<LoggedSession>* sessions,
+    std::optional<std::vector<cluster::LinkConfig>>* links) {
   if (dir.empty())
     return absl::InvalidArgumentError("coordinator state: empty state dir");
   std::error_code ec;
@@ -174,9 +187,19 @@ absl::StatusOr<std::unique_ptr<SessionLog>> SessionLog::Open(
                         << contents->records.size() << " records";
   }
   *sessions = ReplayWal(contents->records);
+  const std::optional<std::vector<cluster::LinkConfig>> logged_links =
+      ReplayWalLinks(contents->records);
+  if (links != nullptr) *links = logged_links;
 
-  // Compaction: the live sessions as one created and one turn record each.
+  // Compaction: the last link rules, then the live sessions as one created
+  // and one turn record each.
   std::string snapshot;
+  if (logged_links.has_value()) {
+    cluster::WalRecord rules;
+    auto* list = rules.mutable_links();  // set even when it is empty
+    for (const cluster::LinkConfig& l : *logged_links) *list->add_links() = l;
+    snapshot += EncodeWalRecord(rules);
+  }
   for (const LoggedSession& s : *sessions) {
     cluster::WalRecord created;
     created.mutable_created()->set_id(s.id);

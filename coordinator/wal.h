@@ -1,7 +1,8 @@
 // The coordinator's write-ahead log of sessions (DESIGN.md §7 "Coordinator
 // restarted"): the session table and every session's token log, so that a
-// restarted coordinator serves the same sessions. Their KV is not logged: it
-// is rebuilt from the token log by prefill at each session's next turn.
+// restarted coordinator serves the same sessions, and the link rules set at
+// run time (Admin.SetLink), so that they stay in force. Their KV is not logged:
+// it is rebuilt from the token log by prefill at each session's next turn.
 //
 // File: DIR/sessions.wal, a sequence of records
 //
@@ -24,6 +25,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -60,18 +62,24 @@ absl::StatusOr<WalContents> ReadWalFile(const std::string& path);
 std::vector<LoggedSession> ReplayWal(
     const std::vector<cluster::WalRecord>& records);
 
+// The link rules of the last LinkRules record of `records`, if any.
+std::optional<std::vector<cluster::LinkConfig>> ReplayWalLinks(
+    const std::vector<cluster::WalRecord>& records);
+
 // One record as it is stored (header and payload).
 std::string EncodeWalRecord(const cluster::WalRecord& record);
 
 // Thread-safe.
 class SessionLog {
  public:
-  // Creates `dir` when missing, replays DIR/sessions.wal into `*sessions`,
+  // Creates `dir` when missing, replays DIR/sessions.wal into `*sessions`
+  // (and, when `links` is given, the last logged link rules into it),
   // cuts a torn tail (warning), compacts the file and opens it for appends.
   // FAILED_PRECONDITION naming the path when the directory cannot be created
   // or read, or the file cannot be read or written.
   static absl::StatusOr<std::unique_ptr<SessionLog>> Open(
-      const std::string& dir, std::vector<LoggedSession>* sessions);
+      const std::string& dir, std::vector<LoggedSession>* sessions,
+      std::optional<std::vector<cluster::LinkConfig>>* links = nullptr);
   ~SessionLog();
 
   // Appends one record and fdatasyncs it. An error leaves the log unusable

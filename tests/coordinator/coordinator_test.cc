@@ -1559,6 +1559,76 @@ TEST_CASE("state_dir: a restarted coordinator serves the logged sessions") {
   CHECK(again.Status().sessions() == 3);
 }
 
+TEST_CASE("state_dir: link rules set at run time survive a restart") {
+  StateDir dir;
+  auto configure = [&](Options& o) {
+    o.state_dir = dir.path;
+    cl::LinkConfig every;  // the config's rule
+    every.set_source("*");
+    every.set_destination("*");
+    every.set_latency_us(5);
+    o.links = {every};
+  };
+  auto set_link = [](Cluster& c, const std::string& source,
+                     const std::string& destination, int64_t latency_us,
+                     bool remove) {
+    auto admin = cl::Admin::NewStub(grpc::CreateChannel(
+        c.coordinator->address(), grpc::InsecureChannelCredentials()));
+    cl::SetLinkRequest req;
+    req.mutable_link()->set_source(source);
+    req.mutable_link()->set_destination(destination);
+    req.mutable_link()->set_latency_us(latency_us);
+    req.set_remove(remove);
+    cl::SetLinkResponse resp;
+    grpc::ClientContext ctx;
+    return admin->SetLink(&ctx, req, &resp);
+  };
+  auto links = [](Cluster& c) {
+    auto admin = cl::Admin::NewStub(grpc::CreateChannel(
+        c.coordinator->address(), grpc::InsecureChannelCredentials()));
+    cl::GetLinksRequest req;
+    cl::GetLinksResponse resp;
+    grpc::ClientContext ctx;
+    REQUIRE(admin->GetLinks(&ctx, req, &resp).ok());
+    std::vector<std::string> out;
+    for (const auto& l : resp.links()) {
+      out.push_back(l.source() + ">" + l.destination() + ":" +
+                    std::to_string(l.latency_us()));
+    }
+    return out;
+  };
+  {
+    // Nothing set at run time yet: the config's rules.
+    Cluster c(64, configure);
+    CHECK(links(c) == std::vector<std::string>{"*>*:5"});
+  }
+  {
+    Cluster c(64, configure);
+    CHECK(links(c) == std::vector<std::string>{"*>*:5"});
+    REQUIRE(set_link(c, "gpu0", "karat0", 300, false).ok());
+    REQUIRE(set_link(c, "gpu0", "karat0", 400, false).ok());  // replaced
+    REQUIRE(set_link(c, "karat0", "gpu0", 100, false).ok());
+    REQUIRE(set_link(c, "*", "*", 0, true).ok());  // the config's, removed
+    CHECK(set_link(c, "*", "*", 0, true).error_code() ==
+          grpc::StatusCode::NOT_FOUND);
+  }
+  const std::vector<std::string> want = {"gpu0>karat0:400", "karat0>gpu0:100"};
+  {
+    Cluster c(64, configure);
+    CHECK(links(c) == want);
+  }
+  // And again, after the log was compacted at the last start.
+  Cluster c(64, configure);
+  CHECK(links(c) == want);
+  // Every rule removed is a state too: none, not the config's.
+  REQUIRE(set_link(c, "gpu0", "karat0", 0, true).ok());
+  REQUIRE(set_link(c, "karat0", "gpu0", 0, true).ok());
+  c.coordinator->Shutdown(absl::Seconds(1));
+  c.coordinator.reset();
+  Cluster again(64, configure);
+  CHECK(links(again).empty());
+}
+
 TEST_CASE("state_dir: a turn's tokens are logged when it fails") {
   StateDir dir;
   auto configure = [&](Options& o) { o.state_dir = dir.path; };

@@ -9,6 +9,7 @@
 #include <catch2/catch.hpp>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -183,6 +184,59 @@ TEST_CASE("Records that do not fit the session table are skipped", "[wal]") {
                              Created("s-a", 1, 2), Created("s-a", 5, 6)});
   REQUIRE(sessions.size() == 1);
   CHECK(sessions[0].key == 1);
+}
+
+cl::WalRecord Links(std::vector<std::pair<std::string, int64_t>> rules) {
+  cl::WalRecord r;
+  auto* links = r.mutable_links();  // set even when empty
+  for (const auto& [source, latency] : rules) {
+    cl::LinkConfig* l = links->add_links();
+    l->set_source(source);
+    l->set_destination("*");
+    l->set_latency_us(latency);
+  }
+  return r;
+}
+
+TEST_CASE("The last logged link rules are replayed and kept by compaction",
+          "[wal]") {
+  TempDir dir;
+  std::vector<LoggedSession> sessions;
+  std::optional<std::vector<cl::LinkConfig>> links;
+  {
+    auto log = SessionLog::Open(dir.path(), &sessions, &links);
+    REQUIRE(log.ok());
+    CHECK_FALSE(links.has_value());  // none logged: the config's apply
+    REQUIRE((*log)->Append(Links({{"gpu0", 100}})).ok());
+    REQUIRE((*log)->Append(Created("s-a", 11, 1)).ok());
+    REQUIRE((*log)->Append(Links({{"gpu0", 200}, {"karat0", 50}})).ok());
+  }
+  for (int start = 0; start < 2; ++start) {  // the second after compaction
+    auto log = SessionLog::Open(dir.path(), &sessions, &links);
+    REQUIRE(log.ok());
+    REQUIRE(links.has_value());
+    REQUIRE(links->size() == 2);
+    CHECK((*links)[0].source() == "gpu0");
+    CHECK((*links)[0].latency_us() == 200);
+    CHECK((*links)[1].source() == "karat0");
+    REQUIRE(sessions.size() == 1);  // sessions are replayed as before
+    CHECK(sessions[0].id == "s-a");
+  }
+  auto file = ReadWalFile(dir.File());
+  REQUIRE(file.ok());
+  CHECK(file->records.size() == 2);  // the last rules and s-a
+  // Every rule removed is logged as an empty list, not as none.
+  {
+    auto log = SessionLog::Open(dir.path(), &sessions, &links);
+    REQUIRE(log.ok());
+    REQUIRE((*log)->Append(Links({})).ok());
+  }
+  for (int start = 0; start < 2; ++start) {  // the second after compaction
+    REQUIRE(SessionLog::Open(dir.path(), &sessions, &links).ok());
+    REQUIRE(links.has_value());
+    CHECK(links->empty());
+  }
+  CHECK(ReplayWal({Links({{"x", 1}})}).empty());  // not a session record
 }
 
 TEST_CASE("An unusable state dir is a clear error", "[wal]") {
