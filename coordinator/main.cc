@@ -27,7 +27,9 @@ constexpr char kUsage[] =
     "                   restarted on the same DIR serves the same sessions\n"
     "                   with their token logs; their KV is rebuilt at each\n"
     "                   one's next turn, and a turn running at the restart\n"
-    "                   fails. Without it sessions end with the process.\n";
+    "                   fails. Link rules set through the admin API are\n"
+    "                   logged too and replace the config's at the next\n"
+    "                   start. Without it sessions end with the process.\n";
 
 [[noreturn]] void UsageError(const std::string& message) {
   std::fprintf(stderr, "karat-coordinator: %s\n%s", message.c_str(), kUsage);
