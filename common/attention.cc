@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/numeric.h"
+#include "common/simd_reduce.h"
 #include "common/status_macros.h"
 
 // GCC 12 reports its own AVX-512 intrinsic headers (_mm512_undefined_*)
@@ -1419,7 +1420,7 @@ bool AnyNan(const float* x, int n) {
     nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   }
   if (i < n) {
-    const __mmask16 m = __mmask16((1u << (n - i)) - 1);
+    const __mmask16 m = FirstLanes16(n - i);
     const __m512 v = _mm512_maskz_loadu_ps(m, x + i);
     nan |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
   }
@@ -1445,9 +1446,7 @@ float KthHighest(const float* vals, int n, int k) {
   thread_local AlignedVector<uint32_t> keys;
   keys.resize(size_t(nv) * 16);
   for (int i = 0; i < nv; ++i) {
-    const int left = n - 16 * i;
-    const __mmask16 m =
-        left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    const __mmask16 m = FirstLanes16(n - 16 * i);
     _mm512_store_si512(
         keys.data() + 16 * i,
         _mm512_maskz_mov_epi32(
@@ -1479,18 +1478,14 @@ int CutAt(const float* vals, const int32_t* cand, int n, int k, float v,
   const __m512 vv = _mm512_set1_ps(v);
   int above = 0;
   for (int i = 0; i < n; i += 16) {
-    const int left = n - i;
-    const __mmask16 m =
-        left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    const __mmask16 m = FirstLanes16(n - i);
     above += __builtin_popcount(
         _mm512_mask_cmp_ps_mask(m, _mm512_loadu_ps(vals + i), vv, _CMP_GT_OQ));
   }
   int ties = std::max(0, k - above);
   int count = 0;
   for (int i = 0; i < n; i += 16) {
-    const int left = n - i;
-    const __mmask16 m =
-        left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    const __mmask16 m = FirstLanes16(n - i);
     const __m512 x = _mm512_loadu_ps(vals + i);
     __mmask16 take = _mm512_mask_cmp_ps_mask(m, x, vv, _CMP_GT_OQ);
     __mmask16 eq = _mm512_mask_cmp_ps_mask(m, x, vv, _CMP_EQ_OQ);

@@ -5,6 +5,8 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+
+#include "common/simd_reduce.h"
 // GCC 12 reports its own AVX-512 intrinsic headers (_mm512_undefined_*)
 // as (maybe-)uninitialized.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -148,8 +150,7 @@ float QuantizeFp8(const float* x, size_t n, uint8_t* codes) {
   __m512 vmax = _mm512_setzero_ps();
   size_t i = 0;
   for (; i < n; i += 16) {
-    const __mmask16 m =
-        n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    const __mmask16 m = FirstLanes16(int64_t(n - i));
     const __m512 a = _mm512_abs_ps(_mm512_maskz_loadu_ps(m, x + i));
     const __mmask16 num = _mm512_mask_cmp_ps_mask(m, a, a, _CMP_ORD_Q);
     vmax = _mm512_mask_max_ps(vmax, num, vmax, a);
@@ -158,8 +159,7 @@ float QuantizeFp8(const float* x, size_t n, uint8_t* codes) {
   const float scale = std::fmax(amax, 1e-4f) / 448.0f;
   const __m512 vs = _mm512_set1_ps(scale);
   for (i = 0; i < n; i += 16) {
-    const __mmask16 m =
-        n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    const __mmask16 m = FirstLanes16(int64_t(n - i));
     const __m128i c =
         FloatToFp8E4M3x16(_mm512_div_ps(_mm512_maskz_loadu_ps(m, x + i), vs));
     _mm_mask_storeu_epi8(codes + i, m, c);

@@ -1,6 +1,7 @@
 // AVX-512 reductions shared by the sparse-attention kernels (lane sums, a
-// running top-k). Each is a fixed sequence of operations, so a kernel that
-// uses it stays a pure function of its inputs (DESIGN.md §6).
+// running top-k) and the lane mask of a vector loop's tail. Each is a fixed
+// sequence of operations, so a kernel that uses it stays a pure function of its
+// inputs (DESIGN.md §6).
 #pragma once
 
 #include <immintrin.h>
@@ -37,6 +38,11 @@ inline __m512 ReduceAdd16(const __m512* v) {
 
 // The slot of ReduceAdd16's input whose sum lands in lane L.
 constexpr int ReduceSlot(int L) { return 4 * (L % 4) + L / 4; }
+
+// Lanes 0 .. min(n, 16) - 1 (n >= 0): the elements left of a 16-wide loop.
+inline __mmask16 FirstLanes16(int64_t n) {
+  return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+}
 
 // SelectTopK (attention.h) for small k (0 < k <= 64, k < n), run while
 // the scores are produced in position order, so that they need not be

@@ -938,22 +938,21 @@ class AdminService final : public cl::Admin::Service {
     cl::SetLinksRequest push;
     {
       absl::MutexLock lock(&s_->mu_);
-      auto& links = s_->links_;
-      auto it = std::find_if(links.begin(), links.end(), [&](const auto& l) {
+      // The table after the change; in force once it is logged.
+      std::vector<cl::LinkConfig> next = s_->links_;
+      auto it = std::find_if(next.begin(), next.end(), [&](const auto& l) {
         return l.source() == link.source() &&
                l.destination() == link.destination();
       });
-      std::vector<cl::LinkConfig> next = links;
-      auto at = next.begin() + (it - links.begin());
       if (req->remove()) {
-        if (it == links.end()) {
+        if (it == next.end()) {
           return grpc::Status(grpc::StatusCode::NOT_FOUND,
                               absl::StrCat("no link rule ", link.source(),
                                            " -> ", link.destination()));
         }
-        next.erase(at);
-      } else if (it != links.end()) {
-        *at = link;
+        next.erase(it);
+      } else if (it != next.end()) {
+        *it = link;
       } else {
         next.push_back(link);
       }
@@ -970,9 +969,9 @@ class AdminService final : public cl::Admin::Service {
               absl::StrCat("cannot log the link rules: ", st.message()));
         }
       }
-      links = std::move(next);
+      s_->links_ = std::move(next);
       push = LinkPushLocked(s_, &targets);
-      for (const auto& l : links) *resp->add_links() = l;
+      for (const auto& l : s_->links_) *resp->add_links() = l;
     }
     KLOG(Info, kLog) << (req->remove() ? "link rule removed: "
                                        : "link rule set: ")
