@@ -17,6 +17,9 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "common/reference_engine.h"
+#include "common/tokenizer.h"
+#include "common/weights.h"
 
 extern char** environ;
 
@@ -392,6 +395,95 @@ std::unique_ptr<karat::v1::Karat::Stub> Cluster::NewStub() const {
 
 std::string Cluster::ReadLog(const std::string& name) const {
   return ReadFile(dir_ + "/" + name + ".log");
+}
+
+// --- Client side ------------------------------------------------------------
+
+Turn Generate(karat::v1::Karat::Stub* stub, const std::string& session,
+              const std::string& prompt, int max_new_tokens, float temperature,
+              int cancel_after) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::minutes(3));
+  karat::v1::GenerateRequest req;
+  req.set_session_id(session);
+  req.set_prompt(prompt);
+  req.set_max_new_tokens(max_new_tokens);
+  req.set_temperature(temperature);
+  auto reader = stub->Generate(&ctx, req);
+  Turn r;
+  karat::v1::GenerateResponse ev;
+  while (reader->Read(&ev)) {
+    if (ev.has_token()) {
+      r.tokens.push_back(ev.token().token_id());
+      if (int(r.tokens.size()) == cancel_after) ctx.TryCancel();
+    }
+    if (ev.has_queued()) ++r.queued_updates;
+    if (ev.has_done()) r.finish_reason = ev.done().finish_reason();
+  }
+  r.status = reader->Finish();
+  return r;
+}
+
+std::string NewSession(karat::v1::Karat::Stub* stub, uint64_t seed) {
+  grpc::ClientContext ctx;
+  karat::v1::CreateSessionRequest req;
+  req.set_seed(seed);
+  karat::v1::Session sess;
+  const grpc::Status st = stub->CreateSession(&ctx, req, &sess);
+  INFO(st.error_message());
+  REQUIRE(st.ok());
+  return sess.session_id();
+}
+
+std::vector<std::vector<Turn>> RunConversations(const Cluster& cluster,
+                                                int sessions, int turns,
+                                                const Conversations& conv) {
+  std::vector<std::vector<Turn>> got(sessions);
+  std::vector<std::thread> threads;
+  for (int s = 0; s < sessions; ++s) {
+    threads.emplace_back([&, s] {
+      // Not NewSession: Catch2's assertions belong to the test's thread.
+      auto stub = cluster.NewStub();
+      grpc::ClientContext ctx;
+      karat::v1::CreateSessionRequest req;
+      req.set_seed(conv.seed(s));
+      karat::v1::Session sess;
+      if (!stub->CreateSession(&ctx, req, &sess).ok()) return;
+      for (int t = 0; t < turns; ++t) {
+        got[s].push_back(Generate(stub.get(), sess.session_id(),
+                                  conv.prompt(s, t), conv.max_new(t),
+                                  conv.temperature(s)));
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  return got;
+}
+
+void CheckAgainstReference(const std::string& model_dir,
+                           const std::vector<std::vector<Turn>>& got,
+                           const Conversations& conv, int turns) {
+  auto files = LoadModel(model_dir);
+  INFO(files.status().ToString());
+  REQUIRE(files.ok());
+  auto engine = ReferenceEngine::Create(*files);
+  REQUIRE(engine.ok());
+  for (int s = 0; s < int(got.size()); ++s) {
+    INFO("session " << s);
+    if (turns >= 0) REQUIRE(int(got[s].size()) == turns);
+    ReferenceSession ref;
+    ref.key = uint64_t(s + 1);
+    ref.seed = conv.seed(s);
+    for (int t = 0; t < int(got[s].size()); ++t) {
+      INFO("turn " << t);
+      INFO(got[s][t].status.error_message());
+      REQUIRE(got[s][t].status.ok());
+      auto want = (*engine)->RunTurn(&ref, EncodeText(conv.prompt(s, t)),
+                                     conv.max_new(t), conv.temperature(s));
+      REQUIRE(want.ok());
+      CHECK(got[s][t].tokens == *want);
+    }
+  }
 }
 
 }  // namespace karat::testing

@@ -7,6 +7,7 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -86,6 +87,44 @@ class Cluster {
   std::map<std::string, pid_t> pids_;
   std::map<std::string, std::vector<std::string>> argv_;
 };
+
+// --- Client side: conversations through the coordinator's API ---------------
+
+// One Generate call as the client saw it.
+struct Turn {
+  grpc::Status status;
+  std::vector<int32_t> tokens;
+  std::string finish_reason;  // of the done event, if one came
+  int queued_updates = 0;     // queued events before the first token
+};
+
+// Streams one turn (a 3-minute deadline); with cancel_after >= 0 the call
+// is cancelled once that many tokens have arrived.
+Turn Generate(karat::v1::Karat::Stub* stub, const std::string& session,
+              const std::string& prompt, int max_new_tokens, float temperature,
+              int cancel_after = -1);
+// A new session with `seed`; FAILs the current test when it is refused.
+std::string NewSession(karat::v1::Karat::Stub* stub, uint64_t seed);
+
+// How a test's conversations go: turn t of session s sends prompt(s, t)
+// for max_new(t) tokens at temperature(s); session s has seed(s).
+struct Conversations {
+  std::function<std::string(int, int)> prompt;
+  std::function<int(int)> max_new;
+  std::function<uint64_t(int)> seed;
+  std::function<float(int)> temperature;
+};
+// Runs `sessions` concurrent sessions of `turns` turns each, one client
+// thread per session; a session that cannot be created has no turns.
+std::vector<std::vector<Turn>> RunConversations(const Cluster& cluster,
+                                                int sessions, int turns,
+                                                const Conversations& conv);
+// Checks every turn of got[s] (session s: data-plane key s + 1) against the
+// reference engine on the model in `model_dir`; with turns >= 0 each
+// session must also have exactly that many.
+void CheckAgainstReference(const std::string& model_dir,
+                           const std::vector<std::vector<Turn>>& got,
+                           const Conversations& conv, int turns = -1);
 
 // Runs `argv` to completion; returns its exit status and combined output.
 int RunCommand(const std::vector<std::string>& argv, std::string* output);

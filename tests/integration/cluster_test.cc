@@ -28,46 +28,6 @@ namespace {
 using karat::v1::GenerateRequest;
 using karat::v1::GenerateResponse;
 
-struct TurnResult {
-  grpc::Status status;
-  std::vector<int32_t> tokens;
-  std::string finish_reason;
-};
-
-std::string CreateSession(karat::v1::Karat::Stub* stub, uint64_t seed) {
-  grpc::ClientContext ctx;
-  karat::v1::CreateSessionRequest req;
-  req.set_seed(seed);
-  karat::v1::Session s;
-  grpc::Status st = stub->CreateSession(&ctx, req, &s);
-  REQUIRE(st.ok());
-  return s.session_id();
-}
-
-TurnResult Generate(karat::v1::Karat::Stub* stub, const std::string& session,
-                    const std::string& prompt, int max_new_tokens,
-                    float temperature, int cancel_after = -1) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::minutes(3));
-  GenerateRequest req;
-  req.set_session_id(session);
-  req.set_prompt(prompt);
-  req.set_max_new_tokens(max_new_tokens);
-  req.set_temperature(temperature);
-  auto reader = stub->Generate(&ctx, req);
-  TurnResult r;
-  GenerateResponse ev;
-  while (reader->Read(&ev)) {
-    if (ev.has_token()) {
-      r.tokens.push_back(ev.token().token_id());
-      if (int(r.tokens.size()) == cancel_after) ctx.TryCancel();
-    }
-    if (ev.has_done()) r.finish_reason = ev.done().finish_reason();
-  }
-  r.status = reader->Finish();
-  return r;
-}
-
 std::string PromptText(int session, int turn) {
   std::string s = "session " + std::to_string(session) + " turn " +
                   std::to_string(turn) + ": ";
@@ -84,32 +44,12 @@ ModelFiles LoadOrFail(const std::string& dir) {
   return std::move(*files);
 }
 
-// Session s's turns in `got` (prompts PromptText(s, t), its seed and
-// temperature, up to `max_new` tokens each, session key s + 1) equal the
-// reference engine's.
-void CheckAgainstReference(const Cluster& cluster,
-                           const std::vector<std::vector<TurnResult>>& got,
-                           int turns, int max_new,
-                           const std::function<uint64_t(int)>& seed,
-                           const std::function<float(int)>& temperature) {
-  ModelFiles files = LoadOrFail(cluster.model_dir());
-  auto engine = ReferenceEngine::Create(files);
-  REQUIRE(engine.ok());
-  for (int s = 0; s < int(got.size()); ++s) {
-    REQUIRE(int(got[s].size()) == turns);
-    ReferenceSession ref;
-    ref.key = uint64_t(s + 1);
-    ref.seed = seed(s);
-    for (int t = 0; t < turns; ++t) {
-      INFO("session " << s << " turn " << t);
-      INFO(got[s][t].status.error_message());
-      REQUIRE(got[s][t].status.ok());
-      auto want = (*engine)->RunTurn(&ref, EncodeText(PromptText(s, t)),
-                                     max_new, temperature(s));
-      REQUIRE(want.ok());
-      CHECK(got[s][t].tokens == *want);
-    }
-  }
+// The conversations of the tests below: PromptText(s, t), max_new tokens a
+// turn, seed(s) and temperature(s) as given.
+Conversations TextConversations(int max_new,
+                                const std::function<uint64_t(int)>& seed,
+                                const std::function<float(int)>& temperature) {
+  return {PromptText, [max_new](int) { return max_new; }, seed, temperature};
 }
 
 TEST_CASE("cluster tokens equal the reference engine, greedy and sampled",
@@ -121,25 +61,9 @@ TEST_CASE("cluster tokens equal the reference engine, greedy and sampled",
   auto temperature = [](int s) { return s < 4 ? 0.0f : 0.9f; };
   auto seed = [](int s) { return uint64_t(1000 + 17 * s); };
 
-  std::vector<std::vector<TurnResult>> got(kSessions);
-  std::vector<std::thread> threads;
-  for (int s = 0; s < kSessions; ++s) {
-    threads.emplace_back([&, s] {
-      auto stub = cluster.NewStub();
-      grpc::ClientContext ctx;
-      karat::v1::CreateSessionRequest req;
-      req.set_seed(seed(s));
-      karat::v1::Session sess;
-      if (!stub->CreateSession(&ctx, req, &sess).ok()) return;
-      for (int t = 0; t < kTurns; ++t) {
-        got[s].push_back(Generate(stub.get(), sess.session_id(),
-                                  PromptText(s, t), kMaxNew, temperature(s)));
-      }
-    });
-  }
-  for (auto& th : threads) th.join();
-
-  CheckAgainstReference(cluster, got, kTurns, kMaxNew, seed, temperature);
+  const Conversations conv = TextConversations(kMaxNew, seed, temperature);
+  const auto got = RunConversations(cluster, kSessions, kTurns, conv);
+  CheckAgainstReference(cluster.model_dir(), got, conv, kTurns);
 
   // Idle daemons: no busy polling. Not a speed figure: a spinning thread
   // would use a whole core (100%); idle means a few percent at most.
@@ -179,42 +103,11 @@ TEST_CASE("every attention form: cluster tokens equal the reference engine",
     spec.preset = preset;
     spec.max_step_tokens = 48;
     Cluster cluster(spec);
-    std::vector<std::vector<TurnResult>> got(kSessions);
-    std::vector<std::thread> threads;
-    for (int s = 0; s < kSessions; ++s) {
-      threads.emplace_back([&, s] {
-        auto stub = cluster.NewStub();
-        grpc::ClientContext ctx;
-        karat::v1::CreateSessionRequest req;
-        req.set_seed(uint64_t(500 + s));
-        karat::v1::Session sess;
-        if (!stub->CreateSession(&ctx, req, &sess).ok()) return;
-        for (int t = 0; t < kTurns; ++t) {
-          got[s].push_back(Generate(stub.get(), sess.session_id(), prompt(s, t),
-                                    kMaxNew, temperature(s)));
-        }
-      });
-    }
-    for (auto& th : threads) th.join();
-
-    ModelFiles files = LoadOrFail(cluster.model_dir());
-    auto engine = ReferenceEngine::Create(files);
-    REQUIRE(engine.ok());
-    for (int s = 0; s < kSessions; ++s) {
-      REQUIRE(got[s].size() == kTurns);
-      ReferenceSession ref;
-      ref.key = uint64_t(s + 1);
-      ref.seed = uint64_t(500 + s);
-      for (int t = 0; t < kTurns; ++t) {
-        INFO("session " << s << " turn " << t);
-        INFO(got[s][t].status.error_message());
-        REQUIRE(got[s][t].status.ok());
-        auto want = (*engine)->RunTurn(&ref, EncodeText(prompt(s, t)), kMaxNew,
-                                       temperature(s));
-        REQUIRE(want.ok());
-        CHECK(got[s][t].tokens == *want);
-      }
-    }
+    const Conversations conv{prompt, [](int) { return kMaxNew; },
+                             [](int s) { return uint64_t(500 + s); },
+                             temperature};
+    const auto got = RunConversations(cluster, kSessions, kTurns, conv);
+    CheckAgainstReference(cluster.model_dir(), got, conv, kTurns);
   }
 }
 
@@ -230,9 +123,9 @@ TEST_CASE("bad requests get clear statuses and sessions survive",
   REQUIRE(engine.ok());
 
   SECTION("unknown and closed sessions are NOT_FOUND") {
-    TurnResult r = Generate(stub.get(), "s-does-not-exist", "hi", 4, 0);
+    Turn r = Generate(stub.get(), "s-does-not-exist", "hi", 4, 0);
     CHECK(r.status.error_code() == grpc::StatusCode::NOT_FOUND);
-    const std::string id = CreateSession(stub.get(), 1);
+    const std::string id = NewSession(stub.get(), 1);
     grpc::ClientContext ctx;
     karat::v1::CloseSessionRequest req;
     req.set_session_id(id);
@@ -243,7 +136,7 @@ TEST_CASE("bad requests get clear statuses and sessions survive",
   }
 
   SECTION("max_new_tokens out of range is INVALID_ARGUMENT") {
-    const std::string id = CreateSession(stub.get(), 1);
+    const std::string id = NewSession(stub.get(), 1);
     CHECK(Generate(stub.get(), id, "hi", 0, 0).status.error_code() ==
           grpc::StatusCode::INVALID_ARGUMENT);
     CHECK(Generate(stub.get(), id, "hi", -3, 0).status.error_code() ==
@@ -253,10 +146,10 @@ TEST_CASE("bad requests get clear statuses and sessions survive",
   }
 
   SECTION("a turn that fits no device is RESOURCE_EXHAUSTED, session intact") {
-    const std::string id = CreateSession(stub.get(), 3);
+    const std::string id = NewSession(stub.get(), 3);
     ReferenceSession ref;
     ref.seed = 3;
-    TurnResult r = Generate(stub.get(), id, "first turn", 8, 0);
+    Turn r = Generate(stub.get(), id, "first turn", 8, 0);
     REQUIRE(r.status.ok());
     auto want = (*engine)->RunTurn(&ref, EncodeText("first turn"), 8, 0);
     REQUIRE(want.ok());
@@ -272,9 +165,9 @@ TEST_CASE("bad requests get clear statuses and sessions survive",
   }
 
   SECTION("a second concurrent generate is FAILED_PRECONDITION") {
-    const std::string id = CreateSession(stub.get(), 4);
+    const std::string id = NewSession(stub.get(), 4);
     std::atomic<bool> started{false};
-    TurnResult first;
+    Turn first;
     std::thread t([&] {
       auto s2 = cluster.NewStub();
       grpc::ClientContext ctx;
@@ -294,7 +187,7 @@ TEST_CASE("bad requests get clear statuses and sessions survive",
       started = true;
     });
     while (!started) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    TurnResult second = Generate(stub.get(), id, "again", 4, 0);
+    Turn second = Generate(stub.get(), id, "again", 4, 0);
     t.join();
     if (!first.tokens.empty() && int(first.tokens.size()) < 200 &&
         first.tokens.back() == kEosToken) {
@@ -307,9 +200,9 @@ TEST_CASE("bad requests get clear statuses and sessions survive",
   }
 
   SECTION("a cancelled stream leaves the session usable") {
-    const std::string id = CreateSession(stub.get(), 5);
-    TurnResult r = Generate(stub.get(), id, "cancel me", 200, 0,
-                            /*cancel_after=*/3);
+    const std::string id = NewSession(stub.get(), 5);
+    Turn r = Generate(stub.get(), id, "cancel me", 200, 0,
+                      /*cancel_after=*/3);
     CHECK(r.status.error_code() == grpc::StatusCode::CANCELLED);
     CHECK(r.tokens.size() >= 3);
     // The session keeps what was streamed; the next turn continues from it.
@@ -322,7 +215,7 @@ TEST_CASE("bad requests get clear statuses and sessions survive",
     std::vector<int32_t> history(sess.tokens().begin(), sess.tokens().end());
     REQUIRE(history.size() >= 2);
     CHECK(history[0] == kBosToken);
-    TurnResult next = Generate(stub.get(), id, "and now?", 8, 0);
+    Turn next = Generate(stub.get(), id, "and now?", 8, 0);
     REQUIRE(next.status.ok());
     // Reference: the same history fed in one turn.
     ReferenceSession ref;
@@ -355,7 +248,7 @@ TEST_CASE("KV ingestion per turn is proportional to the new tokens",
     REQUIRE(resp.stats().count("kv_bytes_ingested") == 1);
     return resp.stats().at("kv_bytes_ingested");
   };
-  const std::string id = CreateSession(stub.get(), 9);
+  const std::string id = NewSession(stub.get(), 9);
   // Turn 1 fixes the history; turns 2 and 3 feed 1 + prompt + generated - 1
   // new positions each: the last sampled token plus the new prompt, then
   // each decoded token but the last.
@@ -363,7 +256,7 @@ TEST_CASE("KV ingestion per turn is proportional to the new tokens",
   double prev = ingested();
   std::vector<double> per_token;
   for (int len : {20, 80}) {
-    TurnResult r = Generate(stub.get(), id, std::string(len, 'y'), 6, 0);
+    Turn r = Generate(stub.get(), id, std::string(len, 'y'), 6, 0);
     REQUIRE(r.status.ok());
     const double now = ingested();
     const double fed = 1 + len + double(r.tokens.size()) - 1;
@@ -493,19 +386,19 @@ TEST_CASE("a restarted coordinator: cluster tokens equal the reference engine",
   auto temperature = [](int s) { return s == 0 ? 0.0f : 0.9f; };
   auto seed = [](int s) { return uint64_t(700 + s); };
   std::vector<std::string> ids;
-  std::vector<std::vector<TurnResult>> got(kSessions);
+  std::vector<std::vector<Turn>> got(kSessions);
   std::vector<int64_t> tokens_before(kSessions);
   {
     auto stub = cluster.NewStub();
     for (int s = 0; s < kSessions; ++s) {
-      ids.push_back(CreateSession(stub.get(), seed(s)));
+      ids.push_back(NewSession(stub.get(), seed(s)));
       got[s].push_back(Generate(stub.get(), ids[s], PromptText(s, 0), kMaxNew,
                                 temperature(s)));
       INFO(got[s][0].status.error_message());
       REQUIRE(got[s][0].status.ok());
     }
     // A closed session stays closed.
-    const std::string closed = CreateSession(stub.get(), 5);
+    const std::string closed = NewSession(stub.get(), 5);
     REQUIRE(Generate(stub.get(), closed, "short", 2, 0).status.ok());
     grpc::ClientContext ctx;
     karat::v1::CloseSessionRequest req;
@@ -549,7 +442,8 @@ TEST_CASE("a restarted coordinator: cluster tokens equal the reference engine",
       got[s].push_back(Generate(stub.get(), ids[s], PromptText(s, t), kMaxNew,
                                 temperature(s)));
 
-  CheckAgainstReference(cluster, got, kTurns, kMaxNew, seed, temperature);
+  CheckAgainstReference(cluster.model_dir(), got,
+                        TextConversations(kMaxNew, seed, temperature), kTurns);
 }
 
 }  // namespace

@@ -28,32 +28,6 @@
 namespace karat::testing {
 namespace {
 
-struct Turn {
-  grpc::Status status;
-  std::vector<int32_t> tokens;
-  int queued_updates = 0;
-};
-
-Turn Generate(karat::v1::Karat::Stub* stub, const std::string& session,
-              const std::string& prompt, int max_new, float temperature) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::minutes(3));
-  karat::v1::GenerateRequest req;
-  req.set_session_id(session);
-  req.set_prompt(prompt);
-  req.set_max_new_tokens(max_new);
-  req.set_temperature(temperature);
-  auto reader = stub->Generate(&ctx, req);
-  Turn t;
-  karat::v1::GenerateResponse ev;
-  while (reader->Read(&ev)) {
-    if (ev.has_token()) t.tokens.push_back(ev.token().token_id());
-    if (ev.has_queued()) ++t.queued_updates;
-  }
-  t.status = reader->Finish();
-  return t;
-}
-
 std::string Prompt(int s, int t) {
   std::string p = "scale-out session " + std::to_string(s) + " turn " +
                   std::to_string(t) + ": ";
@@ -63,42 +37,17 @@ std::string Prompt(int s, int t) {
   return p;
 }
 
-// A new session with `seed`; FAILs the test when it cannot be created.
-std::string NewSession(karat::v1::Karat::Stub* stub, uint64_t seed) {
-  grpc::ClientContext ctx;
-  karat::v1::CreateSessionRequest req;
-  req.set_seed(seed);
-  karat::v1::Session sess;
-  REQUIRE(stub->CreateSession(&ctx, req, &sess).ok());
-  return sess.session_id();
-}
-
-// Checks `got[s][t]`, turn t of session s (data-plane key s + 1, created
-// first, second, ...), against the reference engine: prompt Prompt(s, t),
+// Checks `got[s][t]` against the reference engine: prompt Prompt(s, t),
 // max_new[t] tokens at temperature[s], seed seeds[s].
 void CheckReference(const std::string& model_dir,
                     const std::vector<std::vector<Turn>>& got,
                     const std::vector<uint64_t>& seeds,
                     const std::vector<float>& temperature,
                     const std::vector<int>& max_new) {
-  auto files = LoadModel(model_dir);
-  REQUIRE(files.ok());
-  auto engine = ReferenceEngine::Create(*files);
-  REQUIRE(engine.ok());
-  for (size_t s = 0; s < got.size(); ++s) {
-    ReferenceSession ref;
-    ref.key = uint64_t(s + 1);
-    ref.seed = seeds[s];
-    for (size_t t = 0; t < got[s].size(); ++t) {
-      INFO("session " << s << " turn " << t);
-      INFO(got[s][t].status.error_message());
-      REQUIRE(got[s][t].status.ok());
-      auto want = (*engine)->RunTurn(&ref, EncodeText(Prompt(int(s), int(t))),
-                                     max_new[t], temperature[s]);
-      REQUIRE(want.ok());
-      CHECK(got[s][t].tokens == *want);
-    }
-  }
+  const Conversations conv{Prompt, [&](int t) { return max_new[t]; },
+                           [&](int s) { return seeds[s]; },
+                           [&](int s) { return temperature[s]; }};
+  CheckAgainstReference(model_dir, got, conv);
 }
 
 double Stat(const karat::v1::ClusterStatus& st, const std::string& node,
@@ -119,43 +68,10 @@ karat::v1::ClusterStatus RunAndCheck(const ClusterSpec& spec, int sessions,
   auto temperature = [](int s) { return s % 2 ? 0.7f : 0.0f; };
   auto seed = [](int s) { return uint64_t(300 + 7 * s); };
   Cluster cluster(spec);
-  std::vector<std::vector<Turn>> got(sessions);
-  std::vector<std::thread> threads;
-  for (int s = 0; s < sessions; ++s) {
-    threads.emplace_back([&, s] {
-      auto stub = cluster.NewStub();
-      grpc::ClientContext ctx;
-      karat::v1::CreateSessionRequest req;
-      req.set_seed(seed(s));
-      karat::v1::Session sess;
-      if (!stub->CreateSession(&ctx, req, &sess).ok()) return;
-      for (int t = 0; t < turns; ++t) {
-        got[s].push_back(Generate(stub.get(), sess.session_id(), Prompt(s, t),
-                                  kMaxNew, temperature(s)));
-      }
-    });
-  }
-  for (auto& th : threads) th.join();
-
-  auto files = LoadModel(cluster.model_dir());
-  REQUIRE(files.ok());
-  auto engine = ReferenceEngine::Create(*files);
-  REQUIRE(engine.ok());
-  for (int s = 0; s < sessions; ++s) {
-    REQUIRE(int(got[s].size()) == turns);
-    ReferenceSession ref;
-    ref.key = uint64_t(s + 1);
-    ref.seed = seed(s);
-    for (int t = 0; t < turns; ++t) {
-      INFO("session " << s << " turn " << t);
-      INFO(got[s][t].status.error_message());
-      REQUIRE(got[s][t].status.ok());
-      auto want = (*engine)->RunTurn(&ref, EncodeText(Prompt(s, t)), kMaxNew,
-                                     temperature(s));
-      REQUIRE(want.ok());
-      CHECK(got[s][t].tokens == *want);
-    }
-  }
+  const Conversations conv{Prompt, [](int) { return kMaxNew; }, seed,
+                           temperature};
+  const auto got = RunConversations(cluster, sessions, turns, conv);
+  CheckAgainstReference(cluster.model_dir(), got, conv, turns);
   auto stub = cluster.NewStub();
   grpc::ClientContext ctx;
   karat::v1::ClusterStatus st;
@@ -287,24 +203,11 @@ TEST_CASE("rebuild after a lost KARAT node keeps per-turn method state",
       got[s].push_back(
           Generate(stub.get(), ids[s], Prompt(s, 2), kMaxNew, 0.0f));
     }
-    auto files = LoadModel(cluster.model_dir());
-    REQUIRE(files.ok());
-    auto engine = ReferenceEngine::Create(*files);
-    REQUIRE(engine.ok());
-    for (int s = 0; s < kSessions; ++s) {
-      ReferenceSession ref;
-      ref.key = uint64_t(s + 1);
-      ref.seed = uint64_t(900 + s);
-      for (int t = 0; t < 3; ++t) {
-        INFO("session " << s << " turn " << t);
-        INFO(got[s][t].status.error_message());
-        REQUIRE(got[s][t].status.ok());
-        auto want =
-            (*engine)->RunTurn(&ref, EncodeText(Prompt(s, t)), kMaxNew, 0.0f);
-        REQUIRE(want.ok());
-        CHECK(got[s][t].tokens == *want);
-      }
-    }
+    CheckAgainstReference(
+        cluster.model_dir(), got,
+        {Prompt, [](int) { return kMaxNew; },
+         [](int s) { return uint64_t(900 + s); }, [](int) { return 0.0f; }},
+        3);
   }
 }
 
