@@ -540,8 +540,8 @@ inline void ScoreHeads(const uint32_t* kt, int pairs, const uint32_t* q,
 // on one core with 16K keys in cache: the tile instructions alone ~12 ns a
 // key (32 TDPBF16PS per 32 keys, ~12 ns each with their loads and stores),
 // the decode and transpose alone ~11 ns, the head terms ~3 ns; together
-// ~39 ns, more than the sum. Vector work between tile instructions does
-// not overlap them and itself runs slower: in a stand-alone loop, 256
+// ~39 ns, more than the sum. Vector work between tile blocks hardly
+// overlaps them and itself runs slower: in a stand-alone loop, 256
 // load + vpermb + store groups took 0.24 us alone and added 0.79 us to a
 // block of 32 TDPBF16PS, also when the block's results were waited for
 // first or the tile state released in between. A variant with the keys as
