@@ -113,6 +113,7 @@
 #include <rdma/fi_rma.h>
 #include <sched.h>
 #include <sys/eventfd.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -240,7 +241,17 @@ inline void CpuRelax() {
 #endif
 }
 
-int64_t NowNs() { return absl::GetCurrentTimeNanos(); }
+// Wall-clock time in nanoseconds since the Unix epoch (comparable with
+// absl::ToUnixNanos(absl::Now())), from the vDSO: every message reads the
+// clock a few times, and absl::GetCurrentTimeNanos() costs about 100 ns
+// here against about 28 ns for clock_gettime().
+int64_t NowNs() {
+  timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return int64_t{ts.tv_sec} * 1'000'000'000 + ts.tv_nsec;
+}
+// absl::Now() from NowNs(), for the per-message paths.
+absl::Time WallNow() { return absl::FromUnixNanos(NowNs()); }
 
 // FNV-1a of an endpoint address, folded to 32 bits: the same in every
 // process (absl::Hash is seeded per process).
@@ -1341,7 +1352,7 @@ absl::Status FabricTransport::InjectSend(PeerId peer, fid_ep* send_ep,
                        "': fi_inject failed: ", FiError(rc)));
     }
     if (deadline == absl::InfiniteFuture()) {
-      deadline = absl::Now() + absl::Milliseconds(options_.send_timeout_ms);
+      deadline = WallNow() + absl::Milliseconds(options_.send_timeout_ms);
     }
     if (absl::Status failed = PeerFailure(peer); !failed.ok()) return failed;
     // The transmit queue is full: reap completions to free it.
@@ -1351,7 +1362,7 @@ absl::Status FabricTransport::InjectSend(PeerId peer, fid_ep* send_ep,
       continue;
     }
     if (!OnProgressThread()) Wake();
-    if (absl::Now() >= deadline) {
+    if (WallNow() >= deadline) {
       return absl::UnavailableError(
           absl::StrCat("send to peer '", PeerName(peer),
                        "': transmit queue stayed full for ",
@@ -1396,7 +1407,7 @@ absl::Status FabricTransport::SendImpl(PeerId peer, const char* data,
   }
   const bool tagged = send_ep != nullptr && !wire.has_data && !wire.write;
   const absl::Time deadline =
-      absl::Now() + absl::Milliseconds(options_.send_timeout_ms);
+      WallNow() + absl::Milliseconds(options_.send_timeout_ms);
 
   SendOp* op = AcquireSendOp(owned != nullptr ? 0 : len);
   op->peer = peer;
@@ -1471,7 +1482,7 @@ absl::Status FabricTransport::SendImpl(PeerId peer, const char* data,
       continue;
     }
     if (!OnProgressThread()) Wake();
-    if (absl::Now() >= deadline) {
+    if (WallNow() >= deadline) {
       post_status = absl::UnavailableError(
           absl::StrCat("send to peer '", PeerName(peer),
                        "': transmit queue stayed full for ",
@@ -1628,7 +1639,7 @@ void FabricTransport::AwaitSendOnProgressThread(SendOp* op, size_t len,
   int64_t spin_until = NowNs() + spin_ns;
   for (;;) {
     if (op->done_flag.load(std::memory_order_acquire)) return;
-    if (absl::Now() >= deadline) return;
+    if (WallNow() >= deadline) return;
     if (DrainCompletions(/*try_only=*/false) > 0) {
       backoff = kMinPollBackoff;
       spin_until = NowNs() + spin_ns;
@@ -1695,7 +1706,10 @@ void FabricTransport::ProgressLoop() {
   progress_thread_id_.store(std::this_thread::get_id(),
                             std::memory_order_release);
   absl::Duration backoff = kMinPollBackoff;
-  absl::Time last_completion = absl::Now();
+  // When the last completion was handled: read from the clock only before
+  // a sleep (not per message), so it may lag by the spin time.
+  absl::Time last_completion = WallNow();
+  bool completed = false;  // since last_completion was read
   const int64_t spin_ns = SpinNs(0);
   uint32_t idle_spins = 0;
   while (!stop_.load(std::memory_order_acquire)) {
@@ -1705,12 +1719,12 @@ void FabricTransport::ProgressLoop() {
     RunReadyCallbacks();
     if (DeliverOne()) {
       backoff = kMinPollBackoff;
-      last_completion = absl::Now();
+      completed = true;
       continue;
     }
     if (DrainCompletions(/*try_only=*/false) > 0) {
       backoff = kMinPollBackoff;
-      last_completion = absl::Now();
+      completed = true;
       continue;
     }
     // Recent traffic and no sender polling: keep polling without sleeping,
@@ -1725,6 +1739,10 @@ void FabricTransport::ProgressLoop() {
       continue;
     }
     // About to sleep: return the landing-zone space delivered meanwhile.
+    if (completed) {
+      last_completion = WallNow();
+      completed = false;
+    }
     FlushCredits();
     if (cq_fd_ >= 0) {
       fid* fids[1] = {&cq_->fid};
@@ -1751,7 +1769,7 @@ void FabricTransport::ProgressLoop() {
     }
     if (!queued) WaitForWork(backoff);
     progress_sleeping_.store(false, std::memory_order_relaxed);
-    const absl::Duration cap = absl::Now() - last_completion > kIdleAfter
+    const absl::Duration cap = WallNow() - last_completion > kIdleAfter
                                    ? kIdlePollBackoff
                                    : kMaxPollBackoff;
     backoff = std::min(backoff * 2, cap);
