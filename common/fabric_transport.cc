@@ -1831,6 +1831,11 @@ int FabricTransport::DrainCompletions(bool try_only) {
       HandleCompletion(entries[i], source_ ? sources[i] : FI_ADDR_NOTAVAIL);
     }
     handled += static_cast<int>(n);
+    // A short batch emptied the queue: return what was read rather than
+    // poll the provider once more (every caller polls again while this
+    // returns completions, so none is left behind before a sleep). In a
+    // ping-pong that second poll sat between a message and its handler.
+    if (n < kCqBatch) break;
   }
   cq_mu_.Unlock();
   if (handled > 0) last_activity_ns_.store(NowNs(), std::memory_order_relaxed);
