@@ -13,8 +13,9 @@
 // child):
 //   * latency: ping-pong with SendShared(); the reply is sent from the
 //     receive handler, and the next ping from the originator's handler, so
-//     only the transports' own threads run. Reported one-way: round trip / 2
-//     (as fi_pingpong's usec/xfer).
+//     only the transports' own threads run; the originator's handler counts
+//     without a lock. Reported one-way: round trip / 2 (as fi_pingpong's
+//     usec/xfer).
 //   * bandwidth: one-way stream of messages from the parent's main thread;
 //     the child acknowledges the last one. MB/s = 1e6 bytes per second.
 //     "MB/s" sends with SendShared() (large messages without a copy) the
@@ -25,7 +26,8 @@
 //     which copies each message into a transport buffer first. The latency
 //     column uses the daemons' way too.
 //   * fi_pingpong: `fi_pingpong -e rdm -p PROVIDER -S SIZE -I ITERS` server
-//     and client on localhost; its usec/xfer and MB/sec columns.
+//     and client on localhost; its usec/xfer and MB/sec columns. A client
+//     gets 2 min; a server that outlives SIGTERM by 3 s is killed.
 // Ratios: our bandwidth / fi_pingpong's MB/sec, our latency / its usec/xfer.
 // With --repeat N every measurement is taken N times and the best kept.
 // --receive-buffers sets FabricOptions::receive_buffers (default 16) and
@@ -226,21 +228,27 @@ std::optional<Result> MeasureOurs(
       Clock::time_point start, end;
       std::string ping(size, 'p');
       auto shared = std::make_shared<const std::string>(size, 's');
+      // Latency: the handler (always on the transport's progress thread)
+      // counts the pongs itself and takes the lock only at the end, so the
+      // round trip holds no lock that the waiting main thread's condition
+      // would be evaluated under (fi_pingpong's loop holds none either).
+      int lat_pongs = 0;
       transport->SetReceiveHandler([&](std::string_view) {
-        absl::MutexLock lock(&mu);
         if (mode == Mode::kLatency) {
-          ++pongs;
-          if (pongs == warmup) start = Clock::now();
-          if (pongs == total) {
+          ++lat_pongs;
+          if (lat_pongs == warmup) start = Clock::now();
+          if (lat_pongs == total) {
             end = Clock::now();
+            absl::MutexLock lock(&mu);
             finished = true;
             return;
           }
           (void)transport->SendShared(child.load(), shared);
-        } else {
-          end = Clock::now();
-          ++pongs;
+          return;
         }
+        absl::MutexLock lock(&mu);
+        end = Clock::now();
+        ++pongs;
       });
       auto address = ReadString(c2p[0]);
       char ready;
@@ -323,8 +331,9 @@ std::optional<Result> MeasureFiPingpong(const std::string& provider,
   // The server needs a moment to listen on its control port; retry.
   for (int attempt = 0; attempt < 20 && !result; ++attempt) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    const std::string cmd =
-        absl::StrCat(common, " -P ", port, " 127.0.0.1 2>/dev/null");
+    // A client that never finishes would hold this loop: at most 2 min.
+    const std::string cmd = absl::StrCat("timeout -k 5 120 ", common, " -P ",
+                                         port, " 127.0.0.1 2>/dev/null");
     FILE* f = popen(cmd.c_str(), "r");
     if (f == nullptr) break;
     char line[512];
@@ -339,11 +348,33 @@ std::optional<Result> MeasureFiPingpong(const std::string& provider,
       }
     }
     const int rc = pclose(f);
-    if (!result && WIFEXITED(rc) && WEXITSTATUS(rc) == 127) break;
+    // 127: no fi_pingpong; 124 / 137: the client timed out (no retry).
+    if (!result && WIFEXITED(rc) &&
+        (WEXITSTATUS(rc) == 127 || WEXITSTATUS(rc) == 124 ||
+         WEXITSTATUS(rc) == 137)) {
+      if (WEXITSTATUS(rc) != 127) {
+        std::fprintf(stderr, "fi_pingpong client timed out after 120 s\n");
+      }
+      break;
+    }
   }
+  // fi_pingpong's SIGTERM handler has been seen to hang (blocked on a
+  // lock inside libfabric): give it 3 s, then SIGKILL.
   kill(server, SIGTERM);
   int status = 0;
-  waitpid(server, &status, 0);
+  bool reaped = false;
+  for (int i = 0; i < 300 && !reaped; ++i) {
+    reaped = waitpid(server, &status, WNOHANG) == server;
+    if (!reaped) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  if (!reaped) {
+    std::fprintf(stderr,
+                 "fi_pingpong server (pid %d) ignored SIGTERM for 3 s; "
+                 "killed\n",
+                 static_cast<int>(server));
+    kill(server, SIGKILL);
+    waitpid(server, &status, 0);
+  }
   return result;
 }
 
