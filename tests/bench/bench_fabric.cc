@@ -358,8 +358,8 @@ std::optional<Result> MeasureFiPingpong(const std::string& provider,
       break;
     }
   }
-  // fi_pingpong's SIGTERM handler has been seen to hang (blocked on a
-  // lock inside libfabric): give it 3 s, then SIGKILL.
+  // An fi_pingpong server has been seen to stay up after SIGTERM (in a
+  // futex wait with SIGTERM masked): give it 3 s, then SIGKILL.
   kill(server, SIGTERM);
   int status = 0;
   bool reaped = false;
