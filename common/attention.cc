@@ -1427,12 +1427,7 @@ int TopKSampleSize(int n, int k) {
 // Whether any of x[0, n) is NaN.
 bool AnyNan(const float* x, int n) {
   __mmask16 nan = 0;
-  int i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
-    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  }
-  if (i < n) {
+  for (int i = 0; i < n; i += 16) {
     const __mmask16 m = FirstLanes16(n - i);
     const __m512 v = _mm512_maskz_loadu_ps(m, x + i);
     nan |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);

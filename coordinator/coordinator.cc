@@ -959,10 +959,8 @@ class AdminService final : public cl::Admin::Service {
       if (s_->wal_ != nullptr) {
         // On disk before it is in force, so that a restarted coordinator
         // keeps what its clients were told.
-        cl::WalRecord record;
-        auto* rules = record.mutable_links();  // set even when none are left
-        for (const auto& l : next) *rules->add_links() = l;
-        if (absl::Status st = s_->wal_->Append(record); !st.ok()) {
+        if (absl::Status st = s_->wal_->Append(LinkRulesRecord(next));
+            !st.ok()) {
           KLOG(Error, kLog) << "link rule not set: " << st.message();
           return grpc::Status(
               grpc::StatusCode::INTERNAL,

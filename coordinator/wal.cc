@@ -154,6 +154,14 @@ std::vector<LoggedSession> ReplayWal(
   return out;
 }
 
+cluster::WalRecord LinkRulesRecord(
+    const std::vector<cluster::LinkConfig>& links) {
+  cluster::WalRecord record;
+  auto* list = record.mutable_links();
+  for (const cluster::LinkConfig& l : links) *list->add_links() = l;
+  return record;
+}
+
 std::optional<std::vector<cluster::LinkConfig>> ReplayWalLinks(
     const std::vector<cluster::WalRecord>& records) {
   std::optional<std::vector<cluster::LinkConfig>> links;
@@ -195,10 +203,7 @@ absl::StatusOr<std::unique_ptr<SessionLog>> SessionLog::Open(
   // and one turn record each.
   std::string snapshot;
   if (logged_links.has_value()) {
-    cluster::WalRecord rules;
-    auto* list = rules.mutable_links();  // set even when it is empty
-    for (const cluster::LinkConfig& l : *logged_links) *list->add_links() = l;
-    snapshot += EncodeWalRecord(rules);
+    snapshot += EncodeWalRecord(LinkRulesRecord(*logged_links));
   }
   for (const LoggedSession& s : *sessions) {
     cluster::WalRecord created;

@@ -69,6 +69,11 @@ std::optional<std::vector<cluster::LinkConfig>> ReplayWalLinks(
 // One record as it is stored (header and payload).
 std::string EncodeWalRecord(const cluster::WalRecord& record);
 
+// The LinkRules record of `links` (its `links` field set even when the list
+// is empty, so that an empty list is logged as such).
+cluster::WalRecord LinkRulesRecord(
+    const std::vector<cluster::LinkConfig>& links);
+
 // Thread-safe.
 class SessionLog {
  public:
