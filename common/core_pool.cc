@@ -3,14 +3,36 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <chrono>
 
 namespace karat {
 namespace {
 
-// Polls (each a pause instruction, ~50 ns) before blocking: long enough to
-// catch the next stage of a kernel, short enough that a thread waiting
-// for a core shared with other programs soon yields it.
-constexpr int kSpinPolls = 1 << 7;
+// How long a thread polls before it blocks. A blocked worker takes 8-30 us
+// to be woken here (a futex wake and a reschedule), which is the whole read
+// time of a small Gather + Attend; a device's stages of one step follow each
+// other closely (Score, then Select on the calling thread, ~40 us at 128K
+// tokens of the small models, then Attend). Reading 2048 scattered entries
+// of the small models through the pool right after another loop took
+// 59-95 us with 3 us of polling, 37-53 us with 45-50 us (karat-bench-kernels,
+// "the gather alone"). Short enough that an idle device's threads soon give
+// their cores back.
+constexpr std::chrono::microseconds kSpin{50};
+
+// Polls `ready` (a pause instruction between polls, ~20 ns here) until it
+// holds or kSpin has passed; returns its last value.
+template <typename Ready>
+bool SpinUntil(const Ready& ready) {
+  const auto deadline = std::chrono::steady_clock::now() + kSpin;
+  for (uint32_t i = 1;; ++i) {
+    if (ready()) return true;
+    // The clock every 16 polls: a read costs about as much as a poll.
+    if (i % 16 == 0 && std::chrono::steady_clock::now() >= deadline) {
+      return ready();
+    }
+    _mm_pause();
+  }
+}
 
 }  // namespace
 
@@ -35,16 +57,14 @@ void CorePool::WorkerLoop(int worker) {
   for (;;) {
     // The next loop: poll for a while, then block.
     uint64_t gen = seen;
-    for (int i = 0; i < kSpinPolls; ++i) {
+    SpinUntil([&] {
       gen = generation_.load(std::memory_order_acquire);
-      if (gen != seen || stopping_.load(std::memory_order_relaxed)) break;
-      _mm_pause();
-    }
+      return gen != seen || stopping_.load(std::memory_order_relaxed);
+    });
     if (gen == seen) {
       std::unique_lock<std::mutex> lock(mu_);
-      wake_.wait(lock, [&] {
-        return stopping_.load() || generation_.load() != seen;
-      });
+      wake_.wait(
+          lock, [&] { return stopping_.load() || generation_.load() != seen; });
       gen = generation_.load(std::memory_order_acquire);
     }
     if (stopping_.load()) return;
@@ -85,11 +105,8 @@ void CorePool::ParallelFor(int64_t n_items, int64_t grain,
   }
   wake_.notify_all();
   fn(0, std::min(n_items, chunk));  // range 0 on the calling thread
-  for (int i = 0; i < kSpinPolls; ++i) {
-    if (pending_.load(std::memory_order_acquire) == 0) break;
-    _mm_pause();
-  }
-  if (pending_.load(std::memory_order_acquire) != 0) {
+  if (!SpinUntil(
+          [&] { return pending_.load(std::memory_order_acquire) == 0; })) {
     std::unique_lock<std::mutex> lock(mu_);
     done_.wait(lock, [&] { return pending_.load() == 0; });
   }

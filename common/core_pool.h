@@ -37,11 +37,11 @@ class CorePool {
   // ceil(n_items / (cores * grain)) * grain, so the split is a pure function
   // of (n_items, grain, cores). Calls from several threads are serialised
   // (one loop at a time); fn must not call ParallelFor on the same pool.
-  // A worker that finished a loop polls for the next one for a short while
-  // (a few microseconds) before it blocks on a
-  // condition variable, and the caller polls for the workers' completion
-  // the same way: a kernel's stages follow each other within microseconds,
-  // and a blocked thread takes far longer than that to be woken.
+  // A worker that finished a loop polls for the next one for up to 50 us
+  // before it blocks on a condition variable, and the caller polls for the
+  // workers' completion the same way: a device's stages of one step follow
+  // each other within tens of microseconds, and a blocked thread takes
+  // 8-30 us to be woken.
   void ParallelFor(int64_t n_items, int64_t grain,
                    const std::function<void(int64_t, int64_t)>& fn);
 
@@ -61,7 +61,7 @@ class CorePool {
   // Advanced under mu_ (so that a blocking worker cannot miss it), read
   // without it by polling workers.
   std::atomic<uint64_t> generation_{0};
-  std::atomic<int> pending_{0};  // workers still running the loop
+  std::atomic<int> pending_{0};        // workers still running the loop
   std::atomic<bool> stopping_{false};  // set under mu_
   std::vector<std::thread> threads_;
 };
