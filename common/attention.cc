@@ -2576,10 +2576,8 @@ absl::Status RunIndexer(const AttnShapes& shapes, int layer, int pos_start,
                      " positions; a segment cannot start at ", pos_start));
   }
   const int hi = shapes.index_heads, di = shapes.index_dim;
-  for (int i = 0; i < n; ++i) {
-    RETURN_IF_ERROR(cache->WriteIndexKey(
-        layer, pos_start + i, in.k_codes + size_t(i) * di, in.k_scales[i]));
-  }
+  RETURN_IF_ERROR(
+      cache->WriteIndexKeyRun(layer, pos_start, n, in.k_codes, in.k_scales));
   // Index keys of this layer are valid up to pos_start + n; the KV entries
   // follow in RunAttention, which sets the layer's length.
   const LayerView view = cache->View(layer);
@@ -2660,10 +2658,7 @@ absl::Status RunAttention(const AttnShapes& shapes, int layer, int pos_start,
         absl::StrCat("layer ", layer, ": no index selection for positions ",
                      pos_start, "..", pos_start + n - 1));
   }
-  for (int i = 0; i < n; ++i) {
-    RETURN_IF_ERROR(cache->WriteKv(layer, pos_start + i,
-                                   in.kv + size_t(i) * shapes.kv_dim));
-  }
+  RETURN_IF_ERROR(cache->WriteKvRun(layer, pos_start, n, in.kv));
   cache->SetLength(layer, pos_start + n);
   const LayerView view = cache->View(layer);
   auto attend_token = [&](int i, CorePool* p, std::vector<int32_t>* dense) {

@@ -203,10 +203,7 @@ absl::Status RunAttentionLayer(const SparseAttention& method, int layer,
         absl::StrCat("layer ", layer, " holds ", cache->length(layer),
                      " positions; a segment cannot start at ", pos_start));
   }
-  for (int i = 0; i < n; ++i) {
-    RETURN_IF_ERROR(
-        cache->WriteKv(layer, pos_start + i, in.kv + size_t(i) * s.kv_dim));
-  }
+  RETURN_IF_ERROR(cache->WriteKvRun(layer, pos_start, n, in.kv));
   cache->SetLength(layer, pos_start + n);
   const LayerView view = cache->View(layer);
   KernelCost local;
