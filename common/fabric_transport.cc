@@ -136,6 +136,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -539,6 +540,15 @@ class FabricTransport final : public Transport {
   // The error a send to `peer` fails with at once (FailPeer()); OK when
   // none.
   absl::Status PeerFailure(PeerId peer) const;
+  // Calls `post` (under fid_lock_) until the provider takes the operation.
+  // A full transmit queue (-FI_EAGAIN) is retried after reaping completions,
+  // until the peer fails or `deadline` passes (InfiniteFuture: the send
+  // timeout from the first full queue, so the common case never reads the
+  // clock). `what` names the provider call in errors; *post_failed
+  // (optional) is set when the provider refused the operation.
+  absl::Status PostRetrying(PeerId peer, const char* what, absl::Time deadline,
+                            absl::FunctionRef<ssize_t()> post,
+                            bool* post_failed = nullptr);
   // Messages up to the provider's inject size: the provider copies them at
   // once and reports no completion, so nothing waits.
   absl::Status InjectSend(PeerId peer, fid_ep* ep, fi_addr_t fi_addr,
@@ -1315,41 +1325,31 @@ absl::Status FabricTransport::SendControl(PeerId peer, ControlKind kind,
   return SendImpl(peer, body.data(), body.size(), nullptr, wire);
 }
 
-absl::Status FabricTransport::InjectSend(PeerId peer, fid_ep* send_ep,
-                                         fi_addr_t fi_addr, const char* data,
-                                         size_t len, const WireOp& wire) {
-  // User messages from a peer's send endpoint carry the source data.
-  const bool tagged = send_ep != nullptr && !wire.has_data;
+absl::Status FabricTransport::PostRetrying(PeerId peer, const char* what,
+                                           absl::Time deadline,
+                                           absl::FunctionRef<ssize_t()> post,
+                                           bool* post_failed) {
   absl::Duration backoff = kMinPollBackoff;
-  // Set at the first full transmit queue (the common case never reads the
-  // clock).
-  absl::Time deadline = absl::InfiniteFuture();
   for (;;) {
-    ssize_t rc;
+    ssize_t rc = 0;
     bool closed;
     {
       FidLock lock(this);
       closed = closed_;
-      if (closed) {
-        rc = 0;
-      } else if (tagged) {
-        rc = fi_injectdata(send_ep, data, len, source_data_, fi_addr);
-      } else if (wire.has_data) {
-        rc = fi_injectdata(ep_.get(), data, len, wire.data, fi_addr);
-      } else {
-        rc = fi_inject(ep_.get(), data, len, fi_addr);
-      }
+      if (!closed) rc = post();
     }
-    // Not under fid_lock_: AddPeer() takes peers_mu_ before it.
+    // Errors name the peer with PeerName(), never under fid_lock_
+    // (AddPeer() takes peers_mu_ before it).
     if (closed) {
       return absl::UnavailableError(absl::StrCat(
           "send to peer '", PeerName(peer), "': transport is shut down"));
     }
-    if (rc == 0) break;
+    if (rc == 0) return absl::OkStatus();
     if (rc != -FI_EAGAIN) {
-      return absl::UnavailableError(
-          absl::StrCat("send to peer '", PeerName(peer),
-                       "': fi_inject failed: ", FiError(rc)));
+      if (post_failed != nullptr) *post_failed = true;
+      return absl::UnavailableError(absl::StrCat("send to peer '",
+                                                 PeerName(peer), "': ", what,
+                                                 " failed: ", FiError(rc)));
     }
     if (deadline == absl::InfiniteFuture()) {
       deadline = WallNow() + absl::Milliseconds(options_.send_timeout_ms);
@@ -1370,6 +1370,23 @@ absl::Status FabricTransport::InjectSend(PeerId peer, fid_ep* send_ep,
     }
     backoff = WaitForTransmitSlot(seen, backoff);
   }
+}
+
+absl::Status FabricTransport::InjectSend(PeerId peer, fid_ep* send_ep,
+                                         fi_addr_t fi_addr, const char* data,
+                                         size_t len, const WireOp& wire) {
+  // User messages from a peer's send endpoint carry the source data.
+  const bool tagged = send_ep != nullptr && !wire.has_data;
+  RETURN_IF_ERROR(
+      PostRetrying(peer, "fi_inject", absl::InfiniteFuture(), [&]() -> ssize_t {
+        if (tagged) {
+          return fi_injectdata(send_ep, data, len, source_data_, fi_addr);
+        }
+        if (wire.has_data) {
+          return fi_injectdata(ep_.get(), data, len, wire.data, fi_addr);
+        }
+        return fi_inject(ep_.get(), data, len, fi_addr);
+      }));
   // Manual-progress providers may still have to move the bytes: make sure
   // the progress thread polls.
   last_activity_ns_.store(NowNs(), std::memory_order_relaxed);
@@ -1425,76 +1442,37 @@ absl::Status FabricTransport::SendImpl(PeerId peer, const char* data,
     in_flight_.insert(op);
   }
 
-  // Error messages name the peer with PeerName(), never under fid_lock_
-  // (AddPeer() takes peers_mu_ before it).
-  absl::Status post_status;
-  bool closed = false;
-  absl::Duration backoff = kMinPollBackoff;
-  for (;;) {
-    ssize_t rc;
-    {
-      FidLock lock(this);
-      if (closed_) {
-        closed = true;
-        break;
-      }
-      if (wire.write) {
-        iovec iov{const_cast<char*>(payload), len};
-        fi_rma_iov rma_iov{wire.remote_addr, len, wire.key};
-        fi_msg_rma msg{};
-        msg.msg_iov = &iov;
-        msg.iov_count = 1;
-        msg.addr = fi_addr;
-        msg.rma_iov = &rma_iov;
-        msg.rma_iov_count = 1;
-        msg.context = &op->op.context;
-        // Complete only once the bytes are in the target's memory: the
-        // notice that follows must not overtake them (shm does not order
-        // sends after writes).
-        rc = fi_writemsg(ep_.get(), &msg, FI_COMPLETION | FI_DELIVERY_COMPLETE);
-      } else if (tagged) {
-        rc = fi_senddata(send_ep, payload, len, nullptr, source_data_, fi_addr,
-                         &op->op.context);
-      } else if (wire.has_data) {
-        rc = fi_senddata(ep_.get(), payload, len, nullptr, wire.data, fi_addr,
-                         &op->op.context);
-      } else {
-        rc =
-            fi_send(ep_.get(), payload, len, nullptr, fi_addr, &op->op.context);
-      }
-    }
-    if (rc == 0) break;
-    if (rc != -FI_EAGAIN) {
-      if (post_failed != nullptr) *post_failed = true;
-      post_status = absl::UnavailableError(absl::StrCat(
-          "send to peer '", PeerName(peer), "': ",
-          wire.write ? "fi_writemsg" : "fi_send", " failed: ", FiError(rc)));
-      break;
-    }
-    if (absl::Status failed = PeerFailure(peer); !failed.ok()) {
-      post_status = std::move(failed);
-      break;
-    }
-    // The transmit queue is full: reap completions to free it.
-    const uint64_t seen = SendsCompleted();
-    if (DrainCompletions(/*try_only=*/!OnProgressThread()) > 0) {
-      backoff = kMinPollBackoff;
-      continue;
-    }
-    if (!OnProgressThread()) Wake();
-    if (WallNow() >= deadline) {
-      post_status = absl::UnavailableError(
-          absl::StrCat("send to peer '", PeerName(peer),
-                       "': transmit queue stayed full for ",
-                       options_.send_timeout_ms, " ms"));
-      break;
-    }
-    backoff = WaitForTransmitSlot(seen, backoff);
-  }
-  if (closed) {
-    post_status = absl::UnavailableError(absl::StrCat(
-        "send to peer '", PeerName(peer), "': transport is shut down"));
-  }
+  const absl::Status post_status = PostRetrying(
+      peer, wire.write ? "fi_writemsg" : "fi_send", deadline,
+      [&]() -> ssize_t {
+        if (wire.write) {
+          iovec iov{const_cast<char*>(payload), len};
+          fi_rma_iov rma_iov{wire.remote_addr, len, wire.key};
+          fi_msg_rma msg{};
+          msg.msg_iov = &iov;
+          msg.iov_count = 1;
+          msg.addr = fi_addr;
+          msg.rma_iov = &rma_iov;
+          msg.rma_iov_count = 1;
+          msg.context = &op->op.context;
+          // Complete only once the bytes are in the target's memory: the
+          // notice that follows must not overtake them (shm does not order
+          // sends after writes).
+          return fi_writemsg(ep_.get(), &msg,
+                             FI_COMPLETION | FI_DELIVERY_COMPLETE);
+        }
+        if (tagged) {
+          return fi_senddata(send_ep, payload, len, nullptr, source_data_,
+                             fi_addr, &op->op.context);
+        }
+        if (wire.has_data) {
+          return fi_senddata(ep_.get(), payload, len, nullptr, wire.data,
+                             fi_addr, &op->op.context);
+        }
+        return fi_send(ep_.get(), payload, len, nullptr, fi_addr,
+                       &op->op.context);
+      },
+      post_failed);
   if (!post_status.ok()) {
     absl::MutexLock lock(&send_mu_);
     RecycleSendOp(op);  // never posted: nothing else refers to it
