@@ -970,6 +970,22 @@ class AdminService final : public cl::Admin::Service {
       s_->links_ = std::move(next);
       push = LinkPushLocked(s_, &targets);
       for (const auto& l : s_->links_) *resp->add_links() = l;
+      if (!req->remove()) {
+        for (const std::string* name : {&link.source(), &link.destination()}) {
+          if (*name == "*" ||
+              (name != &link.source() && *name == link.source())) {
+            continue;
+          }
+          const bool known = std::any_of(
+              s_->nodes_.begin(), s_->nodes_.end(),
+              [&](const auto& n) { return n.second.name == *name; });
+          if (!known) {
+            resp->add_warnings(
+                absl::StrCat("no node has registered as '", *name,
+                             "'; the rule applies once one does"));
+          }
+        }
+      }
     }
     KLOG(Info, kLog) << (req->remove() ? "link rule removed: "
                                        : "link rule set: ")

@@ -1629,6 +1629,35 @@ TEST_CASE("state_dir: link rules set at run time survive a restart") {
   CHECK(links(again).empty());
 }
 
+TEST_CASE("Admin.SetLink warns about names no node registered under") {
+  Cluster c(64);
+  c.AddNodes({1000}, {65});
+  auto admin = cl::Admin::NewStub(grpc::CreateChannel(
+      c.coordinator->address(), grpc::InsecureChannelCredentials()));
+  auto set_link = [&](const std::string& source, const std::string& destination,
+                      bool remove = false) {
+    cl::SetLinkRequest req;
+    req.mutable_link()->set_source(source);
+    req.mutable_link()->set_destination(destination);
+    req.mutable_link()->set_latency_us(10);
+    req.set_remove(remove);
+    cl::SetLinkResponse resp;
+    grpc::ClientContext ctx;
+    REQUIRE(admin->SetLink(&ctx, req, &resp).ok());
+    return std::vector<std::string>(resp.warnings().begin(),
+                                    resp.warnings().end());
+  };
+  CHECK(set_link("gpu0", "karat0").empty());
+  CHECK(set_link("*", "karat0").empty());
+  const std::vector<std::string> w = set_link("gpu0", "karta0");
+  REQUIRE(w.size() == 1);
+  CHECK(w[0].find("'karta0'") != std::string::npos);
+  // The rule is kept all the same.
+  CHECK(set_link("gpu0", "karta0", /*remove=*/true).empty());
+  CHECK(set_link("nobody", "nobody").size() == 1);
+  CHECK(set_link("nobody", "*").size() == 1);
+}
+
 TEST_CASE("state_dir: a turn's tokens are logged when it fails") {
   StateDir dir;
   auto configure = [&](Options& o) { o.state_dir = dir.path; };

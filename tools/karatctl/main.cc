@@ -58,7 +58,8 @@ commands:
   link remove --from NODE|* --to NODE|*
   link list
       Link emulation of the data plane (the coordinator pushes it to the
-      nodes); `status` shows the rules and per-link counters too.
+      nodes); `status` shows the rules and per-link counters too. A rule
+      naming a node that has not registered is kept, with a warning.
   fault kill --node NAME
   fault pause --node NAME --ms N
       A process fault (DESIGN.md §7): the node dies by SIGKILL, or stops
@@ -413,6 +414,9 @@ int Link(const std::string& address, const std::string& action,
   const grpc::Status gs = stub->SetLink(&ctx, req, &resp);
   if (!gs.ok()) return PrintError(FromGrpc(gs));
   PrintLinkRules(resp.links(), "");
+  for (const auto& w : resp.warnings()) {
+    std::fprintf(stderr, "karatctl: warning: %s\n", w.c_str());
+  }
   for (const auto& n : resp.not_applied()) {
     std::fprintf(stderr, "karatctl: not applied on %s\n", n.c_str());
   }
