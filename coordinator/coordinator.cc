@@ -2486,6 +2486,21 @@ grpc::Status KaratService::Generate(
         stub->RunTurn(&gpu_ctx, run);
     cl::RunTurnEvent ev;
     while (reader->Read(&ev)) {
+      if (ev.progress()) {
+        // A long feed is part way through: no token, nothing to record.
+        v1::GenerateResponse out;
+        v1::PrefillProgress* p = out.mutable_prefill();
+        p->set_fed_tokens(ev.prefill_fed());
+        p->set_total_tokens(ev.prefill_total());
+        if (!writer->Write(out)) {
+          client_cancelled = true;
+          gpu_ctx.TryCancel();
+          while (reader->Read(&ev)) {
+          }
+          break;
+        }
+        continue;
+      }
       generated++;
       absl::Time now = s_->Now();
       int64_t latency = absl::ToInt64Microseconds(now - previous);

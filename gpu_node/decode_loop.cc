@@ -497,7 +497,16 @@ void DecodeLoop::RunStep(std::vector<std::shared_ptr<Request>>* active) {
       if (r->state == RequestState::kPrefill) {
         r->fed += n;
         prefilled += n;
-        if (r->fed < r->turn.feed_tokens.size()) continue;
+        if (r->fed < r->turn.feed_tokens.size()) {
+          // Part of a long feed: tell the caller how far it got.
+          Outcome o{r, {}, true};
+          o.event.set_progress(true);
+          o.event.set_prefill_fed(static_cast<int32_t>(r->fed));
+          o.event.set_prefill_total(
+              static_cast<int32_t>(r->turn.feed_tokens.size()));
+          outcomes.push_back(std::move(o));
+          continue;
+        }
       } else {
         decoded += n;
       }

@@ -82,6 +82,17 @@ class FakeGpuNode final : public cl::GpuNode::Service {
       runs_.push_back(*req);
     }
     int64_t pos = req->pos_start() + req->feed_tokens_size();
+    // A feed prefilled in steps of `progress_step` tokens reports each step
+    // that does not finish it.
+    const int step = progress_step.load();
+    for (int fed = step; step > 0 && fed < req->feed_tokens_size();
+         fed += step) {
+      cl::RunTurnEvent ev;
+      ev.set_progress(true);
+      ev.set_prefill_fed(fed);
+      ev.set_prefill_total(req->feed_tokens_size());
+      writer->Write(ev);
+    }
     for (int i = 0; i < req->max_new_tokens(); ++i) {
       if (i == hold_after.load()) {
         while (!ctx->IsCancelled() && !release.load())
@@ -187,6 +198,7 @@ class FakeGpuNode final : public cl::GpuNode::Service {
     return karat_lost_;
   }
   std::atomic<int> hold_after{-1};
+  std::atomic<int> progress_step{0};
   // With `fail_once` only the first call fails; `on_fail` (set before the
   // turn) runs just before the failure.
   std::atomic<bool> fail_once{false};
@@ -323,6 +335,7 @@ class Cluster {
     std::vector<v1::GeneratedToken> tokens;
     std::optional<v1::TurnDone> done;
     std::vector<int> queued;  // QueuePosition updates, in order
+    std::vector<std::pair<int, int>> prefill;  // (fed, total) reports
   };
   Result Generate(const std::string& id, const std::string& prompt, int max_new,
                   int cancel_after = -1) {
@@ -341,6 +354,11 @@ class Cluster {
       if (resp.has_queued()) r.queued.push_back(resp.queued().position());
       if (resp.has_token()) r.tokens.push_back(resp.token());
       if (resp.has_done()) r.done = resp.done();
+      if (resp.has_prefill()) {
+        CHECK(r.tokens.empty());
+        r.prefill.emplace_back(resp.prefill().fed_tokens(),
+                               resp.prefill().total_tokens());
+      }
       if (static_cast<int>(r.tokens.size()) == cancel_after) ctx.TryCancel();
     }
     r.status = reader->Finish();
@@ -575,6 +593,29 @@ TEST_CASE("generate: history and kv_len across two turns") {
   CHECK(status.tokens_generated() == 5);
   CHECK(status.sessions() == 1);
   CHECK(status.active_generations() == 0);
+}
+
+TEST_CASE("generate: a long prompt's prefill progress reaches the client") {
+  Cluster c;
+  c.AddNodes({1000}, {'A', 'B'});
+  const std::string sid = c.NewSession();
+  c.gpu->progress_step = 4;
+  auto r = c.Generate(sid, "0123456789", 2);  // BOS + 10: 11 to feed
+  REQUIRE(r.status.ok());
+  CHECK(r.prefill == std::vector<std::pair<int, int>>{{4, 11}, {8, 11}});
+  // Reports are not tokens: the turn, the history and the counters are
+  // those of a turn without them.
+  REQUIRE(r.tokens.size() == 2);
+  CHECK(r.tokens[0].position() == 11);
+  REQUIRE(r.done.has_value());
+  CHECK(r.done->generated_tokens() == 2);
+  CHECK(c.Get(sid).num_tokens() == 13);
+  CHECK(c.Status().tokens_generated() == 2);
+  // A feed that fits one step reports nothing.
+  c.gpu->progress_step = 0;
+  r = c.Generate(sid, "x", 1);
+  REQUIRE(r.status.ok());
+  CHECK(r.prefill.empty());
 }
 
 TEST_CASE("generate: EOS ends the turn") {

@@ -120,13 +120,28 @@ TurnRequest MakeTurn(uint64_t session, std::vector<int32_t> feed, int max_new,
   return t;
 }
 
-// Pops every event; returns the tokens and the turn's status.
-std::vector<Token> Collect(TurnStream* stream, absl::Status* status) {
+// Pops every event; returns the tokens and the turn's status, and in
+// `*fed` (optional) the prefill progress reports' fed counts.
+std::vector<Token> Collect(TurnStream* stream, absl::Status* status,
+                           std::vector<int32_t>* fed = nullptr) {
   std::vector<Token> out;
   for (int i = 0; i < 600; ++i) {  // at most a minute
     cluster::RunTurnEvent e;
     switch (stream->Pop(absl::Milliseconds(100), &e)) {
       case TurnStream::Next::kEvent:
+        if (e.progress()) {
+          // Before the turn's first token, counting up, no token fields.
+          CHECK(out.empty());
+          CHECK(e.prefill_fed() > 0);
+          CHECK(e.prefill_fed() < e.prefill_total());
+          CHECK(e.token_id() == 0);
+          CHECK(e.step_us() == 0);
+          if (fed != nullptr) {
+            if (!fed->empty()) CHECK(e.prefill_fed() > fed->back());
+            fed->push_back(e.prefill_fed());
+          }
+          break;
+        }
         out.push_back({e.token_id(), e.position()});
         CHECK(e.kv_len() == e.position());
         // The step that produced it: timed, with this request among its
@@ -169,9 +184,14 @@ TEST_CASE("decode loop equals hand-run steps", "[gpu_node]") {
     auto stream = loop.Submit(MakeTurn(11, feed, 6));
     REQUIRE(stream.ok());
     absl::Status status;
-    const std::vector<Token> got = Collect(stream->get(), &status);
+    std::vector<int32_t> fed;
+    const std::vector<Token> got = Collect(stream->get(), &status, &fed);
     CHECK(status.ok());
     CHECK(got == expected);
+    // A feed that fits one step reports no progress; 37 tokens 8 a step
+    // report each of the first four steps.
+    if (max_step_tokens == 256) CHECK(fed.empty());
+    if (max_step_tokens == 8) CHECK(fed == std::vector<int32_t>{8, 16, 24, 32});
     const DecodeStats stats = loop.stats();
     CHECK(stats.tokens_prefilled == feed.size());
     CHECK(stats.tokens_generated == expected.size());

@@ -203,8 +203,15 @@ TEST_CASE("node daemons serve a turn over gRPC and libfabric",
     auto reader = gpu_stub->RunTurn(&ctx, turn);
     cluster::RunTurnEvent e;
     std::vector<int32_t> got;
+    std::vector<int32_t> fed;  // progress reports of the chunked prefill
     bool last = false;
     while (reader->Read(&e)) {
+      if (e.progress()) {
+        CHECK(got.empty());
+        CHECK(e.prefill_total() == int32_t(feed.size()));
+        fed.push_back(e.prefill_fed());
+        continue;
+      }
       got.push_back(e.token_id());
       CHECK(e.position() == int64_t(feed.size() + got.size() - 1));
       last = e.last();
@@ -214,6 +221,8 @@ TEST_CASE("node daemons serve a turn over gRPC and libfabric",
     CHECK(status.ok());
     CHECK(last);
     CHECK(got == expected);
+    // 31 feed tokens at most 8 a step: 8, 16, 24 stored before the last.
+    CHECK(fed == std::vector<int32_t>{8, 16, 24});
   }
   {
     cluster::RunTurnRequest bad = turn;

@@ -16,24 +16,42 @@ absl::Status FromGrpc(const grpc::Status& s) {
 
 const char* StatusCodeName(absl::StatusCode code) {
   switch (code) {
-    case absl::StatusCode::kOk: return "OK";
-    case absl::StatusCode::kCancelled: return "CANCELLED";
-    case absl::StatusCode::kUnknown: return "UNKNOWN";
-    case absl::StatusCode::kInvalidArgument: return "INVALID_ARGUMENT";
-    case absl::StatusCode::kDeadlineExceeded: return "DEADLINE_EXCEEDED";
-    case absl::StatusCode::kNotFound: return "NOT_FOUND";
-    case absl::StatusCode::kAlreadyExists: return "ALREADY_EXISTS";
-    case absl::StatusCode::kPermissionDenied: return "PERMISSION_DENIED";
-    case absl::StatusCode::kResourceExhausted: return "RESOURCE_EXHAUSTED";
-    case absl::StatusCode::kFailedPrecondition: return "FAILED_PRECONDITION";
-    case absl::StatusCode::kAborted: return "ABORTED";
-    case absl::StatusCode::kOutOfRange: return "OUT_OF_RANGE";
-    case absl::StatusCode::kUnimplemented: return "UNIMPLEMENTED";
-    case absl::StatusCode::kInternal: return "INTERNAL";
-    case absl::StatusCode::kUnavailable: return "UNAVAILABLE";
-    case absl::StatusCode::kDataLoss: return "DATA_LOSS";
-    case absl::StatusCode::kUnauthenticated: return "UNAUTHENTICATED";
-    default: return "UNKNOWN";
+    case absl::StatusCode::kOk:
+      return "OK";
+    case absl::StatusCode::kCancelled:
+      return "CANCELLED";
+    case absl::StatusCode::kUnknown:
+      return "UNKNOWN";
+    case absl::StatusCode::kInvalidArgument:
+      return "INVALID_ARGUMENT";
+    case absl::StatusCode::kDeadlineExceeded:
+      return "DEADLINE_EXCEEDED";
+    case absl::StatusCode::kNotFound:
+      return "NOT_FOUND";
+    case absl::StatusCode::kAlreadyExists:
+      return "ALREADY_EXISTS";
+    case absl::StatusCode::kPermissionDenied:
+      return "PERMISSION_DENIED";
+    case absl::StatusCode::kResourceExhausted:
+      return "RESOURCE_EXHAUSTED";
+    case absl::StatusCode::kFailedPrecondition:
+      return "FAILED_PRECONDITION";
+    case absl::StatusCode::kAborted:
+      return "ABORTED";
+    case absl::StatusCode::kOutOfRange:
+      return "OUT_OF_RANGE";
+    case absl::StatusCode::kUnimplemented:
+      return "UNIMPLEMENTED";
+    case absl::StatusCode::kInternal:
+      return "INTERNAL";
+    case absl::StatusCode::kUnavailable:
+      return "UNAVAILABLE";
+    case absl::StatusCode::kDataLoss:
+      return "DATA_LOSS";
+    case absl::StatusCode::kUnauthenticated:
+      return "UNAUTHENTICATED";
+    default:
+      return "UNKNOWN";
   }
 }
 
@@ -80,7 +98,8 @@ absl::StatusOr<v1::ClusterStatus> Client::GetClusterStatus() {
 
 absl::StatusOr<TurnResult> Client::Generate(
     const v1::GenerateRequest& request,
-    const std::function<void(const v1::GeneratedToken&)>& on_token) {
+    const std::function<void(const v1::GeneratedToken&)>& on_token,
+    const std::function<void(const v1::PrefillProgress&)>& on_progress) {
   grpc::ClientContext ctx;
   TurnResult result;
   auto start = std::chrono::steady_clock::now();
@@ -90,7 +109,8 @@ absl::StatusOr<TurnResult> Client::Generate(
   while (reader->Read(&resp)) {
     if (resp.has_token()) {
       auto now = std::chrono::steady_clock::now();
-      double ms = std::chrono::duration<double, std::milli>(now - previous).count();
+      double ms =
+          std::chrono::duration<double, std::milli>(now - previous).count();
       if (result.tokens == 0) {
         result.ttft_ms = ms;
       } else {
@@ -101,6 +121,8 @@ absl::StatusOr<TurnResult> Client::Generate(
       if (on_token) on_token(resp.token());
     } else if (resp.has_done()) {
       result.finish_reason = resp.done().finish_reason();
+    } else if (resp.has_prefill() && on_progress) {
+      on_progress(resp.prefill());
     }
   }
   grpc::Status st = reader->Finish();

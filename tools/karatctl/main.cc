@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -161,6 +162,24 @@ void PrintSummary(const TurnResult& r, const std::string& session_id) {
       mean_tbt);
 }
 
+// Prints a long prompt's prefill progress on stderr: the first report, then
+// at most one every half second.
+class ProgressPrinter {
+ public:
+  void operator()(const v1::PrefillProgress& p) {
+    const auto now = std::chrono::steady_clock::now();
+    if (printed_ && now - last_ < std::chrono::milliseconds(500)) return;
+    printed_ = true;
+    last_ = now;
+    std::fprintf(stderr, "[prefill %d / %d tokens]\n", p.fed_tokens(),
+                 p.total_tokens());
+  }
+
+ private:
+  bool printed_ = false;
+  std::chrono::steady_clock::time_point last_;
+};
+
 int Generate(Client& client, const Flags& f) {
   if (!f.Has("prompt")) Usage("generate needs --prompt");
   std::string session_id = f.Str("session");
@@ -177,15 +196,18 @@ int Generate(Client& client, const Flags& f) {
   req.set_temperature(static_cast<float>(f.Double("temperature", 0)));
   bool ids = f.Has("ids");
   bool first = true;
-  auto r = client.Generate(req, [&](const v1::GeneratedToken& t) {
-    if (ids) {
-      std::printf("%s%d", first ? "" : " ", t.token_id());
-    } else {
-      std::fwrite(t.text().data(), 1, t.text().size(), stdout);
-    }
-    first = false;
-    std::fflush(stdout);
-  });
+  auto r = client.Generate(
+      req,
+      [&](const v1::GeneratedToken& t) {
+        if (ids) {
+          std::printf("%s%d", first ? "" : " ", t.token_id());
+        } else {
+          std::fwrite(t.text().data(), 1, t.text().size(), stdout);
+        }
+        first = false;
+        std::fflush(stdout);
+      },
+      ProgressPrinter());
   if (!first) std::printf("\n");
   std::fflush(stdout);
   if (!r.ok()) {
@@ -216,10 +238,13 @@ int Chat(Client& client, const Flags& f) {
     req.set_prompt(line + "\n");
     req.set_max_new_tokens(static_cast<int32_t>(f.Int("max-new-tokens", 64)));
     req.set_temperature(static_cast<float>(f.Double("temperature", 0)));
-    auto r = client.Generate(req, [](const v1::GeneratedToken& t) {
-      std::fwrite(t.text().data(), 1, t.text().size(), stdout);
-      std::fflush(stdout);
-    });
+    auto r = client.Generate(
+        req,
+        [](const v1::GeneratedToken& t) {
+          std::fwrite(t.text().data(), 1, t.text().size(), stdout);
+          std::fflush(stdout);
+        },
+        ProgressPrinter());
     std::printf("\n");
     if (!r.ok()) {
       PrintError(r.status());
