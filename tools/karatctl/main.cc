@@ -3,12 +3,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <iostream>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <set>
@@ -35,10 +37,12 @@ constexpr char kUsage[] =
     R"(usage: karatctl [--coordinator HOST:PORT | --addr-file PATH] COMMAND [flags]
 
 commands:
-  generate --prompt TEXT [--max-new-tokens N] [--temperature T] [--seed S]
-           [--session ID] [--ids]
+  generate --prompt TEXT | --prompt-file PATH [--max-new-tokens N]
+           [--temperature T] [--seed S] [--session ID] [--ids]
       One turn (in a new session unless --session); prints the text as it
-      streams, then a summary (tokens, TTFT, mean TBT) on stderr.
+      streams, then a summary (tokens, TTFT, mean TBT) on stderr. A prompt
+      file ("-": standard input) is sent as it is, for prompts too long for
+      an argument; a long prompt's prefill progress goes to stderr.
   chat [--max-new-tokens N] [--temperature T] [--seed S]
       Multi-turn conversation on one session; one line of stdin per turn,
       until EOF or /quit.
@@ -181,7 +185,25 @@ class ProgressPrinter {
 };
 
 int Generate(Client& client, const Flags& f) {
-  if (!f.Has("prompt")) Usage("generate needs --prompt");
+  if (f.Has("prompt") == f.Has("prompt-file")) {
+    Usage("generate needs --prompt or --prompt-file (one of them)");
+  }
+  std::string prompt = f.Str("prompt");
+  if (f.Has("prompt-file")) {
+    // A long prompt does not fit in an argument ("-": standard input).
+    const std::string path = f.Str("prompt-file");
+    std::ifstream file;
+    if (path != "-") {
+      file.open(path, std::ios::binary);
+      if (!file) {
+        return PrintError(absl::NotFoundError(absl::StrCat(
+            "cannot read the prompt file ", path, ": ", std::strerror(errno))));
+      }
+    }
+    std::istream& in = path == "-" ? std::cin : file;
+    prompt.assign(std::istreambuf_iterator<char>(in),
+                  std::istreambuf_iterator<char>());
+  }
   std::string session_id = f.Str("session");
   const bool fresh = session_id.empty();
   if (fresh) {
@@ -191,7 +213,7 @@ int Generate(Client& client, const Flags& f) {
   }
   v1::GenerateRequest req;
   req.set_session_id(session_id);
-  req.set_prompt(f.Str("prompt"));
+  req.set_prompt(prompt);
   req.set_max_new_tokens(static_cast<int32_t>(f.Int("max-new-tokens", 64)));
   req.set_temperature(static_cast<float>(f.Double("temperature", 0)));
   bool ids = f.Has("ids");
@@ -659,7 +681,8 @@ int Main(int argc, char** argv) {
   std::set<std::string> known, switches;
   std::string link_action;  // or the fault action
   if (command == "generate") {
-    known = {"prompt", "max-new-tokens", "temperature", "seed", "session"};
+    known = {"prompt",      "prompt-file", "max-new-tokens",
+             "temperature", "seed",        "session"};
     switches = {"ids"};
   } else if (command == "chat") {
     known = {"max-new-tokens", "temperature", "seed"};
