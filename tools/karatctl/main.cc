@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -90,9 +91,21 @@ run/coordinator.addr (written by `deploy/karat up`).
   std::exit(2);
 }
 
+// The coordinator's address, for the hint below.
+std::string g_coordinator;
+
 int PrintError(const absl::Status& st) {
   std::fprintf(stderr, "karatctl: %s: %s\n", StatusCodeName(st.code()),
                std::string(st.message()).c_str());
+  // gRPC's own words for a refused connection name no cause a user would
+  // look for.
+  if (st.code() == absl::StatusCode::kUnavailable &&
+      absl::StrContains(st.message(), "failed to connect")) {
+    std::fprintf(stderr,
+                 "karatctl: no coordinator answers at %s: is the cluster up "
+                 "(deploy/karat up), and is this its address?\n",
+                 g_coordinator.c_str());
+  }
   return 1;
 }
 
@@ -723,6 +736,7 @@ int Main(int argc, char** argv) {
       return 2;
     }
   }
+  g_coordinator = address;
   Client client(address);
   if (command == "generate") return Generate(client, flags);
   if (command == "chat") return Chat(client, flags);
