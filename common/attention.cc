@@ -858,8 +858,7 @@ void LoadKeyRows(const LayerView& view, KeyPos p, int b, int dim, KeyRows* kb) {
     const float* sc =
         reinterpret_cast<const float*>(page + l.iscale_offset) + p.off;
     for (int k = 0; k < run; k += 16) {
-      const __mmask16 m =
-          run - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (run - k)) - 1);
+      const __mmask16 m = FirstLanes16(run - k);
       _mm512_mask_storeu_ps(&kb->scale[j + k], m,
                             _mm512_maskz_loadu_ps(m, sc + k));
     }
@@ -1002,7 +1001,7 @@ inline void StoreScores(__m512 lo, __m512 hi, const float* scale, int b,
     _mm512_storeu_ps(out, lo);
     _mm512_storeu_ps(out + 16, hi);
   } else if (b > 0) {
-    const __mmask16 m0 = b >= 16 ? 0xFFFF : __mmask16((1u << b) - 1);
+    const __mmask16 m0 = FirstLanes16(b);
     const __mmask16 m1 = b <= 16 ? 0 : __mmask16((1u << (b - 16)) - 1);
     _mm512_mask_storeu_ps(out, m0, lo);
     _mm512_mask_storeu_ps(out + 16, m1, hi);
@@ -1172,7 +1171,7 @@ void FinishKeyBlock(const KeyBlock& kb, const IndexQuery& iq, int b, float* out,
     _mm512_storeu_ps(out, s0);
     _mm512_storeu_ps(out + 16, s1);
   } else {
-    const __mmask16 m0 = b >= 16 ? 0xFFFF : __mmask16((1u << b) - 1);
+    const __mmask16 m0 = FirstLanes16(b);
     const __mmask16 m1 = b <= 16 ? 0 : __mmask16((1u << (b - 16)) - 1);
     _mm512_mask_storeu_ps(out, m0, s0);
     _mm512_mask_storeu_ps(out + 16, m1, s1);
@@ -1203,7 +1202,7 @@ void ScoreKeyBlock(const KeyBlock& kb, const IndexQuery& iq, int b,
     _mm512_storeu_ps(out, s0);
     _mm512_storeu_ps(out + 16, s1);
   } else {
-    const __mmask16 m0 = b >= 16 ? 0xFFFF : __mmask16((1u << b) - 1);
+    const __mmask16 m0 = FirstLanes16(b);
     const __mmask16 m1 = b <= 16 ? 0 : __mmask16((1u << (b - 16)) - 1);
     _mm512_mask_storeu_ps(out, m0, s0);
     _mm512_mask_storeu_ps(out + 16, m1, s1);
@@ -1759,7 +1758,7 @@ void WeightedSum(const uint16_t* const* entries, int nsel, const float* p,
 #pragma GCC unroll 16
     for (int i = 0; i < NV; ++i) {
       const int cnt = std::min(16, width - 16 * i);
-      const __mmask16 mk = cnt >= 16 ? 0xFFFF : __mmask16((1u << cnt) - 1);
+      const __mmask16 mk = FirstLanes16(cnt);
       _mm512_mask_storeu_ps(o + h * o_stride + 16 * i, mk, acc[h][i]);
     }
   }
@@ -1897,7 +1896,7 @@ void AttendChunk(const uint16_t* const* ent, int n, int ahead, const float* q,
     __m512 vm = _mm512_set1_ps(-INFINITY);
     for (int blk = 0; blk < nb; ++blk) {
       const int cnt = std::min(16, n - blk * 16);
-      const __mmask16 valid = cnt >= 16 ? 0xFFFF : __mmask16((1u << cnt) - 1);
+      const __mmask16 valid = FirstLanes16(cnt);
       vm = _mm512_mask_max_ps(vm, valid, vm, _mm512_loadu_ps(sh + blk * 16));
     }
     const float mh = _mm512_reduce_max_ps(vm);
@@ -1905,7 +1904,7 @@ void AttendChunk(const uint16_t* const* ent, int n, int ahead, const float* q,
     __m512 vz = _mm512_setzero_ps();
     for (int blk = 0; blk < nb; ++blk) {
       const int cnt = std::min(16, n - blk * 16);
-      const __mmask16 valid = cnt >= 16 ? 0xFFFF : __mmask16((1u << cnt) - 1);
+      const __mmask16 valid = FirstLanes16(cnt);
       const __m512 p = _mm512_maskz_mov_ps(
           valid,
           KernelExp16(_mm512_sub_ps(_mm512_loadu_ps(sh + blk * 16), vmh)));
@@ -2079,7 +2078,7 @@ void PrepareTileQuery(const float* q, int q_dim, const TileAttendDims& t,
     for (int d0 = 0; d0 < t.kv_dim; d0 += 32) {
       auto load = [&](int d) {
         const int cnt = std::max(0, std::min(16, t.kv_dim - d));
-        const __mmask16 m = cnt >= 16 ? 0xFFFF : __mmask16((1u << cnt) - 1);
+        const __mmask16 m = FirstLanes16(cnt);
         return _mm512_maskz_loadu_ps(m, q + size_t(h) * q_dim + d);
       };
       __m512 a[kParts], b[kParts];
@@ -2248,7 +2247,7 @@ void AttendChunkTiles(const uint16_t* const* ent, int n,
       const float* row = sb + size_t(j) * t.cols;
       for (int h0 = 0; h0 < h16; h0 += 16) {
         const int cnt = std::min(16, heads - h0);
-        const __mmask16 mk = cnt >= 16 ? 0xFFFF : __mmask16((1u << cnt) - 1);
+        const __mmask16 mk = FirstLanes16(cnt);
         __m512 v = _mm512_add_ps(_mm512_maskz_loadu_ps(mk, row + h0),
                                  _mm512_maskz_loadu_ps(mk, row + heads + h0));
         v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mk, row + 2 * heads + h0));
@@ -2320,7 +2319,7 @@ void AttendChunkTiles(const uint16_t* const* ent, int n,
     __m512 vm = _mm512_set1_ps(-INFINITY);
     for (int blk = 0; blk < nb16; ++blk) {
       const int cnt = std::min(16, n - blk * 16);
-      const __mmask16 valid = cnt >= 16 ? 0xFFFF : __mmask16((1u << cnt) - 1);
+      const __mmask16 valid = FirstLanes16(cnt);
       vm = _mm512_mask_max_ps(vm, valid, vm, _mm512_load_ps(sh + blk * 16));
     }
     const float mh = _mm512_reduce_max_ps(vm);
@@ -2330,7 +2329,7 @@ void AttendChunkTiles(const uint16_t* const* ent, int n,
       __m512 p[2];
       for (int u = 0; u < 2; ++u) {
         const int cnt = std::max(0, std::min(16, n - (blk + u) * 16));
-        const __mmask16 valid = cnt >= 16 ? 0xFFFF : __mmask16((1u << cnt) - 1);
+        const __mmask16 valid = FirstLanes16(cnt);
         p[u] = _mm512_maskz_mov_ps(
             valid, KernelExp16(_mm512_sub_ps(
                        _mm512_load_ps(sh + (blk + u) * 16), vmh)));
@@ -2406,7 +2405,7 @@ void AttendChunkTiles(const uint16_t* const* ent, int n,
     const float* p2 = o3 + size_t(2 * heads + h) * t.lp;
     for (int d0 = 0; d0 < lora; d0 += 16) {
       const int cnt = std::min(16, lora - d0);
-      const __mmask16 mk = cnt >= 16 ? 0xFFFF : __mmask16((1u << cnt) - 1);
+      const __mmask16 mk = FirstLanes16(cnt);
       const __m512 v = _mm512_add_ps(
           _mm512_add_ps(_mm512_load_ps(p0 + d0), _mm512_load_ps(p1 + d0)),
           _mm512_load_ps(p2 + d0));
@@ -2552,8 +2551,7 @@ void MlaAttend(const LayerView& view, const int32_t* sel, int nsel,
                   float* out = o_lat + h * os;
                   for (int d0 = 0; d0 < lora; d0 += 16) {
                     const int cnt = std::min(16, lora - d0);
-                    const __mmask16 mk =
-                        cnt >= 16 ? 0xFFFF : __mmask16((1u << cnt) - 1);
+                    const __mmask16 mk = FirstLanes16(cnt);
                     __m512 acc = _mm512_setzero_ps();
                     for (int c = 0; c < nchunks; ++c) {
                       const __m512 w = _mm512_set1_ps(merge_w[c]);

@@ -322,6 +322,13 @@ class State {
     return push;
   }
 
+  // Whether a node has registered as `name` (alive or not).
+  bool HasNodeNamedLocked(const std::string& name) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return std::any_of(nodes_.begin(), nodes_.end(),
+                       [&](const auto& e) { return e.second.name == name; });
+  }
+
   bool AliveLocked(const Node& n) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return !n.lost &&
            Now() - n.last_seen <= absl::Milliseconds(options_.node_timeout_ms);
@@ -970,20 +977,13 @@ class AdminService final : public cl::Admin::Service {
       s_->links_ = std::move(next);
       push = LinkPushLocked(s_, &targets);
       for (const auto& l : s_->links_) *resp->add_links() = l;
-      if (!req->remove()) {
-        for (const std::string* name : {&link.source(), &link.destination()}) {
-          if (*name == "*" ||
-              (name != &link.source() && *name == link.source())) {
-            continue;
-          }
-          const bool known = std::any_of(
-              s_->nodes_.begin(), s_->nodes_.end(),
-              [&](const auto& n) { return n.second.name == *name; });
-          if (!known) {
-            resp->add_warnings(
-                absl::StrCat("no node has registered as '", *name,
-                             "'; the rule applies once one does"));
-          }
+      std::vector<std::string> names;
+      if (!req->remove()) names = {link.source(), link.destination()};
+      if (names.size() == 2 && names[1] == names[0]) names.pop_back();
+      for (const std::string& name : names) {
+        if (name != "*" && !s_->HasNodeNamedLocked(name)) {
+          resp->add_warnings(absl::StrCat("no node has registered as '", name,
+                                          "'; the rule applies once one does"));
         }
       }
     }
@@ -1028,10 +1028,7 @@ class AdminService final : public cl::Admin::Service {
         role = n.role;
       }
       if (channel == nullptr) {
-        const bool known = std::any_of(
-            s_->nodes_.begin(), s_->nodes_.end(),
-            [&](const auto& e) { return e.second.name == req->node(); });
-        if (known)
+        if (s_->HasNodeNamedLocked(req->node()))
           return grpc::Status(
               grpc::StatusCode::FAILED_PRECONDITION,
               absl::StrCat("node ", req->node(), " is not alive"));
@@ -2485,6 +2482,16 @@ grpc::Status KaratService::Generate(
     std::unique_ptr<grpc::ClientReader<cl::RunTurnEvent>> reader =
         stub->RunTurn(&gpu_ctx, run);
     cl::RunTurnEvent ev;
+    // Sends `out` to the client; a client that went away cancels the GPU
+    // node's turn (its remaining events are drained).
+    auto relay = [&](const v1::GenerateResponse& out) {
+      if (writer->Write(out)) return true;
+      client_cancelled = true;
+      gpu_ctx.TryCancel();
+      while (reader->Read(&ev)) {
+      }
+      return false;
+    };
     while (reader->Read(&ev)) {
       if (ev.progress()) {
         // A long feed is part way through: no token, nothing to record.
@@ -2492,13 +2499,7 @@ grpc::Status KaratService::Generate(
         v1::PrefillProgress* p = out.mutable_prefill();
         p->set_fed_tokens(ev.prefill_fed());
         p->set_total_tokens(ev.prefill_total());
-        if (!writer->Write(out)) {
-          client_cancelled = true;
-          gpu_ctx.TryCancel();
-          while (reader->Read(&ev)) {
-          }
-          break;
-        }
+        if (!relay(out)) break;
         continue;
       }
       generated++;
@@ -2533,13 +2534,7 @@ grpc::Status KaratService::Generate(
       tok->set_text(TokenText(ev.token_id()));
       tok->set_position(ev.position());
       tok->set_latency_us(latency);
-      if (!writer->Write(out)) {
-        client_cancelled = true;
-        gpu_ctx.TryCancel();
-        while (reader->Read(&ev)) {
-        }
-        break;
-      }
+      if (!relay(out)) break;
     }
     gpu_status = reader->Finish();
     {
