@@ -6,9 +6,15 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 #include <utility>
 
 #include "common/kernel_cost.h"
+
+// GCC 12 reports its own AVX-512 intrinsic headers (_mm512_undefined_*)
+// as maybe-uninitialized.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 namespace karat {
 namespace {
@@ -48,6 +54,15 @@ struct Zmm {
   static constexpr int kLanes = 16;
   static T Zero() { return _mm512_setzero_ps(); }
   static T Load(const float* p) { return _mm512_load_ps(p); }
+  // A bf16 pair row (see LinearWeight::PackedRow): the first input's
+  // weights, widened to fp32 exactly, and the second's.
+  static T Even(const uint32_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_load_si512(p), 16));
+  }
+  static T Odd(const uint32_t* p) {
+    return _mm512_castsi512_ps(_mm512_and_si512(
+        _mm512_load_si512(p), _mm512_set1_epi32(int(0xFFFF0000u))));
+  }
   static T Set1(float v) { return _mm512_set1_ps(v); }
   static T Fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
   static T Add(T a, T b) { return _mm512_add_ps(a, b); }
@@ -65,6 +80,15 @@ struct Ymm {
   static constexpr int kLanes = 8;
   static T Zero() { return _mm256_setzero_ps(); }
   static T Load(const float* p) { return _mm256_load_ps(p); }
+  static T Even(const uint32_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_load_si256(reinterpret_cast<const __m256i*>(p)), 16));
+  }
+  static T Odd(const uint32_t* p) {
+    return _mm256_castsi256_ps(
+        _mm256_and_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(p)),
+                         _mm256_set1_epi32(int(0xFFFF0000u))));
+  }
   static T Set1(float v) { return _mm256_set1_ps(v); }
   static T Fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
   static T Add(T a, T b) { return _mm256_add_ps(a, b); }
@@ -79,36 +103,68 @@ struct Ymm {
 
 // Runs SP consecutive segments (first one at input index k0) of the tile
 // over `len` steps each, one FMA chain per (segment, row, output lane).
-// Panel rows are V::kLanes floats apart; panels are `ps` floats apart.
-template <class V, int MR, int NV, int SP>
+// Panel rows are V::kLanes elements apart; panels are `ps` elements apart.
+// W is the packed element: float (one input index per row) or uint32_t
+// (bf16 pairs: two input indices per row, k0 even).
+template <class V, int MR, int NV, int SP, class W>
 __attribute__((always_inline)) inline void RunChains(
-    const float* x, int64_t xs, const float* w, int64_t ps, int k0, int len,
+    const float* x, int64_t xs, const W* w, int64_t ps, int k0, int len,
     typename V::T (&acc)[SP][MR][NV]) {
+  using T = typename V::T;
 #pragma GCC unroll 8
   for (int s = 0; s < SP; ++s)
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) acc[s][r][v] = V::Zero();
+  // One input step: acc += wv * x[t] for every (segment, row, panel).
+  auto step = [&](const float* xt, const T(&wv)[SP][NV]) {
+#pragma GCC unroll 8
+    for (int s = 0; s < SP; ++s) {
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const T xb = V::Set1(xt[r * xs + s * kSeg]);
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v)
+          acc[s][r][v] = V::Fma(wv[s][v], xb, acc[s][r][v]);
+      }
+    }
+  };
   // Walking pointers with segment offsets as constants keep the address
   // arithmetic in displacements, so the loop needs one register per row and
   // per panel rather than one per (segment, row) and (segment, panel).
   const float* xt = x + k0;
-  const float* wt = w + static_cast<int64_t>(k0) * V::kLanes;
-  for (int t = 0; t < len; ++t, ++xt, wt += V::kLanes) {
+  if constexpr (std::is_same_v<W, float>) {
+    const float* wt = w + static_cast<int64_t>(k0) * V::kLanes;
+    for (int t = 0; t < len; ++t, ++xt, wt += V::kLanes) {
+      T wv[SP][NV];
 #pragma GCC unroll 8
-    for (int s = 0; s < SP; ++s) {
-      typename V::T wv[NV];
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v)
-        wv[v] = V::Load(wt + v * ps + s * kSeg * V::kLanes);
-#pragma GCC unroll 8
-      for (int r = 0; r < MR; ++r) {
-        const typename V::T xb = V::Set1(xt[r * xs + s * kSeg]);
+      for (int s = 0; s < SP; ++s)
 #pragma GCC unroll 4
         for (int v = 0; v < NV; ++v)
-          acc[s][r][v] = V::Fma(wv[v], xb, acc[s][r][v]);
-      }
+          wv[s][v] = V::Load(wt + v * ps + s * kSeg * V::kLanes);
+      step(xt, wv);
+    }
+  } else {
+    // Each pair row feeds two steps: its low halves (input t), then its
+    // high halves (t + 1); an odd last input uses the low halves only.
+    constexpr int kSegRows = kSeg / 2;
+    const uint32_t* wt = w + static_cast<int64_t>(k0 / 2) * V::kLanes;
+    for (int t = 0; t < len; t += 2, xt += 2, wt += V::kLanes) {
+      T wv[SP][NV];
+#pragma GCC unroll 8
+      for (int s = 0; s < SP; ++s)
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v)
+          wv[s][v] = V::Even(wt + v * ps + s * kSegRows * V::kLanes);
+      step(xt, wv);
+      if (t + 1 == len) break;
+#pragma GCC unroll 8
+      for (int s = 0; s < SP; ++s)
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v)
+          wv[s][v] = V::Odd(wt + v * ps + s * kSegRows * V::kLanes);
+      step(xt + 1, wv);
     }
   }
 }
@@ -131,9 +187,9 @@ __attribute__((always_inline)) inline void FoldChains(
 
 // One tile: MR rows of x (stride xs) times NV panels (panel stride ps floats)
 // into y (stride ys), storing only the first `valid` outputs of the tile.
-template <class V, int MR, int NV>
-void Tile(const float* x, int64_t xs, const float* w, int64_t ps, int in,
-          float* y, int64_t ys, int valid) {
+template <class V, int MR, int NV, class W>
+void Tile(const float* x, int64_t xs, const W* w, int64_t ps, int in, float* y,
+          int64_t ys, int valid) {
   using T = typename V::T;
   constexpr int SP = SegmentsInFlight(MR, NV);
   const int full = in / kSeg;
@@ -147,18 +203,18 @@ void Tile(const float* x, int64_t xs, const float* w, int64_t ps, int in,
   if constexpr (SP > 1) {
     for (; s + SP <= full; s += SP) {
       T acc[SP][MR][NV];
-      RunChains<V, MR, NV, SP>(x, xs, w, ps, s * kSeg, kSeg, acc);
+      RunChains<V, MR, NV, SP, W>(x, xs, w, ps, s * kSeg, kSeg, acc);
       FoldChains<V, MR, NV, SP>(acc, s, tot);
     }
   }
   for (; s < full; ++s) {
     T acc[1][MR][NV];
-    RunChains<V, MR, NV, 1>(x, xs, w, ps, s * kSeg, kSeg, acc);
+    RunChains<V, MR, NV, 1, W>(x, xs, w, ps, s * kSeg, kSeg, acc);
     FoldChains<V, MR, NV, 1>(acc, s, tot);
   }
   if (rem > 0) {
     T acc[1][MR][NV];
-    RunChains<V, MR, NV, 1>(x, xs, w, ps, full * kSeg, rem, acc);
+    RunChains<V, MR, NV, 1, W>(x, xs, w, ps, full * kSeg, rem, acc);
     FoldChains<V, MR, NV, 1>(acc, full, tot);
   }
 #pragma GCC unroll 4
@@ -172,27 +228,56 @@ void Tile(const float* x, int64_t xs, const float* w, int64_t ps, int in,
   }
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, int,
-                        float*, int64_t, int);
+template <class W>
+using TileFn = void (*)(const float*, int64_t, const W*, int64_t, int, float*,
+                        int64_t, int);
 
-template <int... I>
-constexpr std::array<TileFn, sizeof...(I)> MakeTileTable(
+template <class W, int... I>
+constexpr std::array<TileFn<W>, sizeof...(I)> MakeTileTable(
     std::integer_sequence<int, I...>) {
-  return {&Tile<Zmm, I / kMaxVecs + 1, I % kMaxVecs + 1>...};
+  return {&Tile<Zmm, I / kMaxVecs + 1, I % kMaxVecs + 1, W>...};
 }
 
-template <int... I>
-constexpr std::array<TileFn, sizeof...(I)> MakeHalfTileTable(
+template <class W, int... I>
+constexpr std::array<TileFn<W>, sizeof...(I)> MakeHalfTileTable(
     std::integer_sequence<int, I...>) {
-  return {&Tile<Ymm, I + 1, 1>...};
+  return {&Tile<Ymm, I + 1, 1, W>...};
 }
 
-// kTiles[(rows - 1) * kMaxVecs + (vecs - 1)]: zmm tiles.
+// kTiles<W>[(rows - 1) * kMaxVecs + (vecs - 1)]: zmm tiles.
+template <class W>
 constexpr auto kTiles =
-    MakeTileTable(std::make_integer_sequence<int, kMaxRows * kMaxVecs>());
-// kHalfTiles[rows - 1]: the 8-wide last panel.
+    MakeTileTable<W>(std::make_integer_sequence<int, kMaxRows * kMaxVecs>());
+// kHalfTiles<W>[rows - 1]: the 8-wide last panel.
+template <class W>
 constexpr auto kHalfTiles =
-    MakeHalfTileTable(std::make_integer_sequence<int, kMaxRows>());
+    MakeHalfTileTable<W>(std::make_integer_sequence<int, kMaxRows>());
+
+uint32_t Bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+
+// Rows of a full panel: one per input index (fp32) or per pair (bf16).
+int64_t PanelSteps(int in, bool bf16) { return bf16 ? (in + 1) / 2 : in; }
+
+// Widens one packed bf16 panel of `width` (16 or 8) outputs into fp32
+// rows: `in` rows of `width` floats at dst (64-byte aligned).
+void WidenPanel(const uint32_t* src, int in, int width, float* dst) {
+  for (int t = 0; 2 * t < in; ++t) {
+    const uint32_t* s = src + static_cast<int64_t>(t) * width;
+    float* d = dst + static_cast<int64_t>(2 * t) * width;
+    const bool odd = 2 * t + 1 < in;
+    if (width == kPanel) {
+      _mm512_store_ps(d, Zmm::Even(s));
+      if (odd) _mm512_store_ps(d + width, Zmm::Odd(s));
+    } else {
+      _mm256_store_ps(d, Ymm::Even(s));
+      if (odd) _mm256_store_ps(d + width, Ymm::Odd(s));
+    }
+  }
+}
 
 // Panel geometry of a weight: `full` 16-wide panels, then one 8-wide panel
 // when the last outputs number 1 to 8.
@@ -208,23 +293,35 @@ struct Panels {
 
 }  // namespace
 
-LinearWeight::LinearWeight(const float* w, int out, int in)
+LinearWeight::LinearWeight(const float* w, int out, int in, Storage storage)
     : out_(std::max(out, 0)), in_(std::max(in, 0)) {
+  const size_t n = static_cast<size_t>(out_) * in_;
+  bf16_ =
+      storage == Storage::kAuto && n > 0 &&
+      std::all_of(w, w + n, [](float f) { return (Bits(f) & 0xFFFFu) == 0; });
   const Panels panels(out_);
-  // Full panels: `in` rows of 16 floats; the half panel: `in` rows of 8
-  // floats, i.e. ceil(in / 2) PackedRows.
-  const size_t rows = static_cast<size_t>(panels.full) * in_ +
-                      (panels.half ? (static_cast<size_t>(in_) + 1) / 2 : 0);
+  // A full panel has `steps` rows of 16 elements, the half panel `steps`
+  // rows of 8, i.e. ceil(steps / 2) PackedRows.
+  const int64_t steps = PanelSteps(in_, bf16_);
+  const size_t rows = static_cast<size_t>(panels.full) * steps +
+                      (panels.half ? (static_cast<size_t>(steps) + 1) / 2 : 0);
   packed_.assign(rows, PackedRow{});
-  float* base = packed_.empty() ? nullptr : packed_.data()->v;
+  uint32_t* base = packed_.empty() ? nullptr : packed_.data()->v;
   for (int p = 0; p < panels.full + (panels.half ? 1 : 0); ++p) {
     const int width = p < panels.full ? kPanel : kPanel / 2;
     const int outputs = std::min(width, out_ - p * kPanel);
-    float* dst = base + static_cast<int64_t>(p) * in_ * kPanel;
+    uint32_t* dst = base + static_cast<int64_t>(p) * steps * kPanel;
     for (int j = 0; j < outputs; ++j) {
       const float* src = w + static_cast<int64_t>(p * kPanel + j) * in_;
-      for (int i = 0; i < in_; ++i)
-        dst[static_cast<int64_t>(i) * width + j] = src[i];
+      for (int i = 0; i < in_; ++i) {
+        const uint32_t bits = Bits(src[i]);
+        if (bf16_) {
+          dst[static_cast<int64_t>(i / 2) * width + j] |=
+              i % 2 == 0 ? bits >> 16 : bits & 0xFFFF0000u;
+        } else {
+          dst[static_cast<int64_t>(i) * width + j] = bits;
+        }
+      }
     }
   }
 }
@@ -250,9 +347,9 @@ void LinearWeight::Apply(const float* x, int x_stride, int batch, float* y,
   const Panels panels(out_);
   const double flops = 2.0 * batch * out_ * in_;
   // For a GPU rank's timing model: the weights once, the rows in and out.
-  ChargeKernelCost(
-      sizeof(float) * (double(out_) * in_ + double(batch) * (in_ + out_)),
-      flops);
+  ChargeKernelCost((bf16_ ? 2.0 : 4.0) * double(out_) * in_ +
+                       sizeof(float) * double(batch) * (in_ + out_),
+                   flops);
   int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
   if (flops < kParallelMinFlops) threads = 1;
 
@@ -273,38 +370,95 @@ void LinearWeight::Apply(const float* x, int x_stride, int batch, float* y,
   const int64_t items = static_cast<int64_t>(full_groups + extra) * row_blocks;
   if (threads > items) threads = static_cast<int>(items);
 
-  const float* packed = packed_.data()->v;
-  const int64_t panel_floats = static_cast<int64_t>(in_) * kPanel;
+  const int64_t panel_elems = PanelSteps(in_, bf16_) * kPanel;
   const int out = out_;
   const int in = in_;
-  auto run_item = [&](int64_t item) {
-    // Panel-major order: consecutive items of one thread share a weight
-    // panel group, which stays in cache while the row blocks stream by.
-    const int g = static_cast<int>(item / row_blocks);
-    const int rb = static_cast<int>(item % row_blocks);
+  // Runs row block `rb` against panel group `g`, whose first panel is at
+  // `group` (the next ones `stride` elements apart): packed fp32 or bf16
+  // pairs, or a group widened to fp32.
+  auto run_tile = [&](const auto* group, int64_t stride, int g, int rb) {
+    using W = std::remove_const_t<std::remove_pointer_t<decltype(group)>>;
     const int row0 = rb * kMaxRows;
     const int rows = std::min(kMaxRows, batch - row0);
     const float* xr = x + static_cast<int64_t>(row0) * x_stride;
     float* yr = y + static_cast<int64_t>(row0) * y_stride;
     if (g == full_groups) {
       const int col0 = panels.full * kPanel;
-      kHalfTiles[rows - 1](xr, x_stride, packed + panels.full * panel_floats, 0,
-                           in, yr + col0, y_stride, out - col0);
+      kHalfTiles<W>[rows - 1](xr, x_stride, group, 0, in, yr + col0, y_stride,
+                              out - col0);
       return;
     }
     const int p0 = g * vecs;
     const int nv = std::min(vecs, panels.full - p0);
     const int col0 = p0 * kPanel;
-    kTiles[(rows - 1) * kMaxVecs + (nv - 1)](
-        xr, x_stride, packed + p0 * panel_floats, panel_floats, in, yr + col0,
-        y_stride, std::min(out - col0, nv * kPanel));
+    kTiles<W>[(rows - 1) * kMaxVecs + (nv - 1)](
+        xr, x_stride, group, stride, in, yr + col0, y_stride,
+        std::min(out - col0, nv * kPanel));
+  };
+  // Element offset of group g's first packed panel.
+  auto group_offset = [&](int g) {
+    return static_cast<int64_t>(g == full_groups ? panels.full : g * vecs) *
+           panel_elems;
+  };
+  // Items [begin, end) in turn. Panel-major order: consecutive items share
+  // a weight panel group, which stays in cache while the row blocks stream
+  // by. bf16 weights with more than one row block are widened to fp32 once
+  // per group (into this thread's scratch), and the fp32 tiles then run on
+  // that copy. Widening in the tiles instead, once per row block, made a
+  // compute-bound product (batch 64, weights in cache) 10-25% slower than
+  // fp32 storage; widening once per group, 5-15%. One row block (a decode
+  // step's small batch) widens in the tiles: there the weights' bytes, not
+  // the FMAs, set the pace, and bf16 is 1.1-1.2x faster even from cache.
+  auto run_items = [&](int64_t begin, int64_t end) {
+    const uint32_t* packed = packed_.data()->v;
+    if (!bf16_) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int g = static_cast<int>(item / row_blocks);
+        run_tile(reinterpret_cast<const float*>(packed) + group_offset(g),
+                 panel_elems, g, static_cast<int>(item % row_blocks));
+      }
+      return;
+    }
+    if (row_blocks == 1) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int g = static_cast<int>(item);
+        run_tile(packed + group_offset(g), panel_elems, g, 0);
+      }
+      return;
+    }
+    thread_local std::vector<PackedRow> scratch;
+    const int64_t wide_stride = static_cast<int64_t>(in) * kPanel;
+    int widened = -1;
+    for (int64_t item = begin; item < end; ++item) {
+      const int g = static_cast<int>(item / row_blocks);
+      if (g != widened) {
+        const bool half = g == full_groups;
+        const int nv = half ? 1 : std::min(vecs, panels.full - g * vecs);
+        const size_t need = static_cast<size_t>(nv) * in;
+        if (scratch.size() < need) scratch.resize(need);
+        for (int k = 0; k < nv; ++k) {
+          WidenPanel(
+              packed + group_offset(g) + k * panel_elems, in,
+              half ? kPanel / 2 : kPanel,
+              reinterpret_cast<float*>(scratch.data()->v) + k * wide_stride);
+        }
+        widened = g;
+      }
+      run_tile(reinterpret_cast<const float*>(scratch.data()->v), wide_stride,
+               g, static_cast<int>(item % row_blocks));
+    }
   };
   if (threads <= 1) {
-    for (int64_t item = 0; item < items; ++item) run_item(item);
+    run_items(0, items);
     return;
   }
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t item = 0; item < items; ++item) run_item(item);
+  // Each thread takes a contiguous run of items (as a static schedule
+  // would), so it widens each of its groups once.
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+    run_items(items * t / n, items * (t + 1) / n);
+  }
 }
 
 float LinearReferenceDot(const float* w_row, const float* x, int in) {

@@ -16,6 +16,7 @@
 // when a batch is too small to fill the vector registers on its own.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -29,13 +30,29 @@ inline constexpr int kLinearSegment = 64;
 // register-blocked kernel. Immutable after construction; Apply() is
 // thread-safe and may use OpenMP threads internally (splitting work by
 // output blocks, which keeps each element's order fixed).
+//
+// Storage. When every weight is exactly a bf16 value (the low 16 bits of
+// its fp32 pattern are zero, as for weights read from a bf16 checkpoint),
+// the packed copy keeps only the high halves: half the bytes for a
+// memory-bound product (a decode step reads each weight once per step).
+// The kernel widens them back in registers, which reproduces the fp32
+// values exactly, so Apply() returns the same bits either way.
 class LinearWeight {
  public:
+  enum class Storage {
+    kAuto,  // bf16 when that is exact, fp32 otherwise
+    kFp32,  // fp32 always
+  };
   LinearWeight() = default;
-  LinearWeight(const float* w, int out, int in);
+  LinearWeight(const float* w, int out, int in,
+               Storage storage = Storage::kAuto);
   int out() const { return out_; }
   int in() const { return in_; }
   bool empty() const { return out_ == 0; }
+  // Whether the packed copy holds bf16 (see Storage).
+  bool bf16() const { return bf16_; }
+  // Bytes of the packed copy.
+  size_t bytes() const { return packed_.size() * sizeof(PackedRow); }
 
   // x: [batch, in] (row stride `in`), y: [batch, out] (row stride `out`).
   void Apply(const float* x, int batch, float* y) const;
@@ -50,15 +67,21 @@ class LinearWeight {
              int num_threads) const;
 
  private:
-  // One 64-byte row of a packed panel: 16 consecutive output rows' weights
-  // for one input index. The alignment makes every panel load aligned.
+  // One 64-byte row of a packed panel. fp32: 16 consecutive output rows'
+  // weights for one input index. bf16: 16 output rows' weights for two
+  // consecutive input indices 2t, 2t + 1, one 32-bit word per output row
+  // (the high half of w[2t]'s fp32 bits in its low half, w[2t + 1]'s in its
+  // high half). The alignment makes every panel load aligned.
   struct alignas(64) PackedRow {
-    float v[16];
+    uint32_t v[16];
   };
 
   int out_ = 0;
   int in_ = 0;
-  // ceil(out / 16) panels, each `in` PackedRows (zero-padded past `out`).
+  bool bf16_ = false;
+  // ceil(out / 16) panels (the last one 8 wide when it holds at most 8
+  // outputs), zero-padded past `out`: fp32 `in` rows each, bf16
+  // ceil(in / 2).
   std::vector<PackedRow> packed_;
 };
 

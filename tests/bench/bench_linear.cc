@@ -4,6 +4,17 @@
 //
 //   karat-bench-linear [--quick]
 //
+// The weights are bf16 values, as a bf16 checkpoint's are, so the kernel
+// keeps them as bf16 (LinearWeight's storage); Eigen multiplies the same
+// values in fp32. "fp32/bf16" is the kernel's time with the weights kept as
+// fp32 (LinearWeight::Storage::kFp32) over its time with them as bf16: the
+// same results bit for bit, from twice the weight bytes.
+//
+// Then a decode pass: batch 1 through every matrix of dsa-tiny (all
+// layers, every expert: what a rank reads over a few decode steps), too
+// large to stay in the core caches, with the weights kept as fp32 and as
+// bf16, in stored GB/s.
+//
 // Threads: OMP_NUM_THREADS (default: all cores); Eigen gets the same count.
 
 // GCC 12 reports the deliberately undefined registers inside its own
@@ -105,6 +116,15 @@ PairTimes TimePerCall(const std::function<void()>& a,
   return best;
 }
 
+// The bf16 value nearest to v (ties to even), as a checkpoint holds it.
+float Bf16Value(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  std::memcpy(&v, &u, sizeof(v));
+  return v;
+}
+
 struct Shape {
   const char* name;
   int out;
@@ -148,18 +168,20 @@ int main(int argc, char** argv) {
   const std::vector<int> batches =
       quick ? std::vector<int>{1, 64} : std::vector<int>{1, 16, 64, 256};
 
-  std::printf("%-12s %10s %6s %10s %10s %7s %7s\n", "shape", "out x in",
-              "batch", "kernel", "Eigen", "ratio", "%peak");
-  std::printf("%-12s %10s %6s %10s %10s %7s %7s\n", "", "", "", "GFLOP/s",
-              "GFLOP/s", "k/E", "kernel");
+  std::printf("%-12s %10s %6s %10s %10s %7s %7s %9s\n", "shape", "out x in",
+              "batch", "kernel", "Eigen", "ratio", "%peak", "fp32/bf16");
+  std::printf("%-12s %10s %6s %10s %10s %7s %7s %9s\n", "", "", "", "GFLOP/s",
+              "GFLOP/s", "k/E", "kernel", "time");
   std::mt19937 rng(1);
   std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
   double worst_ratio = 1e30;
   double worst_big_peak = 1e30;
   for (const Shape& s : shapes) {
     std::vector<float> w(static_cast<size_t>(s.out) * s.in);
-    for (float& v : w) v = dist(rng);
+    for (float& v : w) v = Bf16Value(dist(rng));
     const karat::LinearWeight lw(w.data(), s.out, s.in);
+    const karat::LinearWeight lw32(w.data(), s.out, s.in,
+                                   karat::LinearWeight::Storage::kFp32);
     const Eigen::Map<const RowMatrix> wm(w.data(), s.out, s.in);
     for (int batch : batches) {
       std::vector<float> x(static_cast<size_t>(batch) * s.in);
@@ -175,6 +197,10 @@ int main(int argc, char** argv) {
                       budget_seconds);
       const double t_kernel = t.a;
       const double t_eigen = t.b;
+      const PairTimes st =
+          TimePerCall([&] { lw32.Apply(x.data(), batch, y.data()); },
+                      [&] { lw.Apply(x.data(), batch, y.data()); }, rep_seconds,
+                      budget_seconds);
       float max_diff = 0.0f;
       for (size_t i = 0; i < y.size(); ++i)
         max_diff = std::max(max_diff, std::fabs(y[i] - ye[i]));
@@ -184,9 +210,9 @@ int main(int argc, char** argv) {
       const double ge = flops / t_eigen * 1e-9;
       char dims[32];
       std::snprintf(dims, sizeof(dims), "%dx%d", s.out, s.in);
-      std::printf("%-12s %10s %6d %10.1f %10.1f %7.2f %6.1f%%%s\n", s.name,
-                  dims, batch, gk, ge, gk / ge, 100.0 * gk / peak,
-                  max_diff > 1e-3f ? "  MISMATCH vs Eigen" : "");
+      std::printf("%-12s %10s %6d %10.1f %10.1f %7.2f %6.1f%% %9.2f%s\n",
+                  s.name, dims, batch, gk, ge, gk / ge, 100.0 * gk / peak,
+                  st.a / st.b, max_diff > 1e-3f ? "  MISMATCH vs Eigen" : "");
       worst_ratio = std::min(worst_ratio, gk / ge);
       if (batch >= 64) worst_big_peak = std::min(worst_big_peak, gk / peak);
     }
@@ -195,5 +221,48 @@ int main(int argc, char** argv) {
       "\nworst kernel/Eigen ratio: %.2f; worst %% of peak at batch >= 64: "
       "%.1f%%\n",
       worst_ratio, 100.0 * worst_big_peak);
+
+  // The decode pass: dsa-tiny's matrices, layer by layer (layer 0's FFN
+  // dense, the others' 16 experts), batch 1.
+  std::vector<Shape> model;
+  for (int layer = 0; layer < 6; ++layer) {
+    for (int i = 0; i < 8; ++i) model.push_back(shapes[i]);
+    const int ffns = layer == 0 ? 1 : 17;  // 16 routed + 1 shared
+    for (int e = 0; e < ffns; ++e) {
+      const Shape& gate_up = layer == 0 ? shapes[8] : shapes[10];
+      const Shape& down = layer == 0 ? shapes[9] : shapes[11];
+      model.push_back(gate_up);
+      model.push_back(gate_up);
+      model.push_back(down);
+    }
+  }
+  model.push_back(shapes[12]);
+  std::vector<karat::LinearWeight> pass16, pass32;
+  double weights = 0;
+  int max_dim = 0;
+  for (const Shape& s : model) {
+    std::vector<float> w(static_cast<size_t>(s.out) * s.in);
+    for (float& v : w) v = Bf16Value(dist(rng));
+    pass16.emplace_back(w.data(), s.out, s.in);
+    pass32.emplace_back(w.data(), s.out, s.in,
+                        karat::LinearWeight::Storage::kFp32);
+    weights += double(s.out) * s.in;
+    max_dim = std::max({max_dim, s.out, s.in});
+  }
+  std::vector<float> x(static_cast<size_t>(max_dim)), y(x.size());
+  for (float& v : x) v = dist(rng);
+  auto pass = [&](const std::vector<karat::LinearWeight>& ws) {
+    for (const karat::LinearWeight& lw : ws) lw.Apply(x.data(), 1, y.data());
+  };
+  const PairTimes tp = TimePerCall([&] { pass(pass32); }, [&] { pass(pass16); },
+                                   0.0, quick ? 0.1 : 1.0);
+  std::printf(
+      "\ndecode pass, batch 1, %zu matrices, %.1f M weights:\n"
+      "  fp32 kept: %.1f MB in %.2f ms, %.1f GB/s\n"
+      "  bf16 kept: %.1f MB in %.2f ms, %.1f GB/s\n"
+      "  fp32 / bf16 time: %.2f\n",
+      model.size(), weights * 1e-6, weights * 4e-6, tp.a * 1e3,
+      weights * 4 / tp.a * 1e-9, weights * 2e-6, tp.b * 1e3,
+      weights * 2 / tp.b * 1e-9, tp.a / tp.b);
   return 0;
 }

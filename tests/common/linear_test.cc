@@ -24,14 +24,29 @@ uint32_t Bits(float f) {
   return u;
 }
 
+// Rounds every value to the nearest bf16 (ties to even), as a bf16
+// checkpoint holds it.
+std::vector<float> RoundToBf16(std::vector<float> v) {
+  for (float& f : v) {
+    uint32_t u = Bits(f);
+    u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+    std::memcpy(&f, &u, sizeof(f));
+  }
+  return v;
+}
+
 // Applies W to `batch` rows of x and checks every element bit for bit
-// against LinearReferenceDot.
-void CheckAgainstReference(int out, int in, int batch, uint32_t seed) {
-  const std::vector<float> w =
-      RandomVector(static_cast<size_t>(out) * in, seed);
+// against LinearReferenceDot. With `bf16` the weights are bf16 values, so
+// the packed copy keeps bf16 (and a kFp32 copy must agree with it).
+void CheckAgainstReference(int out, int in, int batch, uint32_t seed,
+                           bool bf16 = false) {
+  std::vector<float> w = RandomVector(static_cast<size_t>(out) * in, seed);
+  if (bf16) w = RoundToBf16(std::move(w));
   const std::vector<float> x =
       RandomVector(static_cast<size_t>(batch) * in, seed + 1);
   const LinearWeight lw(w.data(), out, in);
+  INFO("out=" << out << " in=" << in << " batch=" << batch << " bf16=" << bf16);
+  CHECK(lw.bf16() == bf16);
   std::vector<float> y(static_cast<size_t>(batch) * out, NAN);
   lw.Apply(x.data(), batch, y.data());
   int mismatches = 0;
@@ -42,8 +57,16 @@ void CheckAgainstReference(int out, int in, int batch, uint32_t seed) {
       if (Bits(y[static_cast<size_t>(b) * out + o]) != Bits(want)) ++mismatches;
     }
   }
-  INFO("out=" << out << " in=" << in << " batch=" << batch);
   CHECK(mismatches == 0);
+  if (bf16) {
+    const LinearWeight fp32(w.data(), out, in, LinearWeight::Storage::kFp32);
+    CHECK_FALSE(fp32.bf16());
+    // Half the bytes, up to a padding row per panel for an odd `in`.
+    CHECK(2 * lw.bytes() <= fp32.bytes() + 128 * size_t((out + 15) / 16 + 1));
+    std::vector<float> y32(y.size(), NAN);
+    fp32.Apply(x.data(), batch, y32.data());
+    CHECK(std::memcmp(y.data(), y32.data(), y.size() * sizeof(float)) == 0);
+  }
 }
 
 TEST_CASE("Linear matches the reference order bit for bit", "[linear]") {
@@ -57,6 +80,7 @@ TEST_CASE("Linear matches the reference order bit for bit", "[linear]") {
   for (const auto& s : shapes) {
     for (int batch : {1, 2, 5, 6, 7, 13, 33}) {
       CheckAgainstReference(s[0], s[1], batch, seed++);
+      CheckAgainstReference(s[0], s[1], batch, seed++, /*bf16=*/true);
     }
   }
 }
@@ -66,7 +90,9 @@ TEST_CASE("Linear matches the reference on random shapes", "[linear]") {
   std::uniform_int_distribution<int> dim(1, 300);
   std::uniform_int_distribution<int> rows(1, 40);
   for (int trial = 0; trial < 40; ++trial) {
-    CheckAgainstReference(dim(rng), dim(rng), rows(rng), 1000 + trial);
+    const int out = dim(rng), in = dim(rng), batch = rows(rng);
+    CheckAgainstReference(out, in, batch, 1000 + trial);
+    CheckAgainstReference(out, in, batch, 2000 + trial, /*bf16=*/true);
   }
 }
 
@@ -76,38 +102,45 @@ TEST_CASE("Linear is batch invariant", "[linear]") {
   std::vector<int> batches;
   for (int b = 1; b <= 70; ++b) batches.push_back(b);
   batches.push_back(256);
-  for (const auto& s : shapes) {
-    const int out = s[0];
-    const int in = s[1];
-    const std::vector<float> w = RandomVector(static_cast<size_t>(out) * in, 7);
-    const LinearWeight lw(w.data(), out, in);
-    const std::vector<float> x = RandomVector(static_cast<size_t>(256) * in, 8);
-    // Each row computed alone.
-    std::vector<float> alone(static_cast<size_t>(256) * out);
-    for (int b = 0; b < 256; ++b) {
-      lw.Apply(&x[static_cast<size_t>(b) * in], 1,
-               &alone[static_cast<size_t>(b) * out]);
+  for (bool bf16 : {false, true})
+    for (const auto& s : shapes) {
+      const int out = s[0];
+      const int in = s[1];
+      std::vector<float> w = RandomVector(static_cast<size_t>(out) * in, 7);
+      if (bf16) w = RoundToBf16(std::move(w));
+      const LinearWeight lw(w.data(), out, in);
+      REQUIRE(lw.bf16() == bf16);
+      const std::vector<float> x =
+          RandomVector(static_cast<size_t>(256) * in, 8);
+      // Each row computed alone.
+      std::vector<float> alone(static_cast<size_t>(256) * out);
+      for (int b = 0; b < 256; ++b) {
+        lw.Apply(&x[static_cast<size_t>(b) * in], 1,
+                 &alone[static_cast<size_t>(b) * out]);
+      }
+      for (int batch : batches) {
+        // Rows taken from varying places so that a row sits at different
+        // positions (and tile slots) in different batches.
+        const int first = (batch * 37) % (256 - batch + 1);
+        std::vector<float> y(static_cast<size_t>(batch) * out);
+        lw.Apply(&x[static_cast<size_t>(first) * in], batch, y.data());
+        const bool same =
+            std::memcmp(y.data(), &alone[static_cast<size_t>(first) * out],
+                        y.size() * sizeof(float)) == 0;
+        INFO("out=" << out << " in=" << in << " batch=" << batch
+                    << " bf16=" << bf16);
+        CHECK(same);
+      }
+      // And whatever the thread count.
+      for (int threads : {1, 2, 3}) {
+        std::vector<float> y(static_cast<size_t>(256) * out);
+        lw.Apply(x.data(), in, 256, y.data(), out, threads);
+        INFO("out=" << out << " in=" << in << " threads=" << threads
+                    << " bf16=" << bf16);
+        CHECK(std::memcmp(y.data(), alone.data(), y.size() * sizeof(float)) ==
+              0);
+      }
     }
-    for (int batch : batches) {
-      // Rows taken from varying places so that a row sits at different
-      // positions (and tile slots) in different batches.
-      const int first = (batch * 37) % (256 - batch + 1);
-      std::vector<float> y(static_cast<size_t>(batch) * out);
-      lw.Apply(&x[static_cast<size_t>(first) * in], batch, y.data());
-      const bool same =
-          std::memcmp(y.data(), &alone[static_cast<size_t>(first) * out],
-                      y.size() * sizeof(float)) == 0;
-      INFO("out=" << out << " in=" << in << " batch=" << batch);
-      CHECK(same);
-    }
-    // And whatever the thread count.
-    for (int threads : {1, 2, 3}) {
-      std::vector<float> y(static_cast<size_t>(256) * out);
-      lw.Apply(x.data(), in, 256, y.data(), out, threads);
-      INFO("out=" << out << " in=" << in << " threads=" << threads);
-      CHECK(std::memcmp(y.data(), alone.data(), y.size() * sizeof(float)) == 0);
-    }
-  }
 }
 
 TEST_CASE("Linear is close to a double-precision product", "[linear]") {
