@@ -347,9 +347,11 @@ void LinearWeight::Apply(const float* x, int x_stride, int batch, float* y,
   const Panels panels(out_);
   const double flops = 2.0 * batch * out_ * in_;
   // For a GPU rank's timing model: the weights once, the rows in and out.
-  ChargeKernelCost((bf16_ ? 2.0 : 4.0) * double(out_) * in_ +
-                       sizeof(float) * double(batch) * (in_ + out_),
-                   flops);
+  // The emulated GPU holds fp32 weights (as RankWeightBytes counts its
+  // memory), whichever form this host copy keeps.
+  ChargeKernelCost(
+      sizeof(float) * (double(out_) * in_ + double(batch) * (in_ + out_)),
+      flops);
   int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
   if (flops < kParallelMinFlops) threads = 1;
 

@@ -23,8 +23,9 @@ struct TensorSpec {
 // layer, then final norm, lm_head; `model.lsh_hyperplanes` for magicpig).
 std::vector<TensorSpec> ExpectedTensors(const ModelConfig& config);
 
-// Bytes of the weights GPU rank `rank` of `ranks` holds, as fp32 (how a GPU
-// node packs them): every tensor of ExpectedTensors() except the routed
+// Bytes of the weights GPU rank `rank` of `ranks` holds, as fp32 (the
+// emulated GPU's weights; the host copy keeps bf16-exact matrices in half
+// that, see LinearWeight): every tensor of ExpectedTensors() except the routed
 // experts' ("model.layers.L.mlp.experts.E."), plus the experts of the rank's
 // contiguous block [rank·E/ranks, (rank+1)·E/ranks). Expects ranks >= 1,
 // 0 <= rank < ranks and n_routed_experts divisible by ranks (callers check).
