@@ -29,6 +29,14 @@ constexpr int kSeg = kLinearSegment;  // reduction segment length
 constexpr int kMaxRows = 6;
 constexpr int kMaxVecs = 4;
 
+// Row blocks from which a product widens bf16 weights once per panel group
+// into an fp32 scratch instead of in the tiles. In the tiles the widening
+// costs ~5-15% against fp32 weights at any batch (weights in cache; from
+// memory the halved bytes pay it back); the scratch, which a whole group
+// passes through L2 to fill, costs 25-45% at 2-3 row blocks, ~10% at 11 and
+// ~0-5% at 43 (karat-bench-linear's batches 12-18, 64, 256).
+constexpr int kWidenRowBlocks = 16;
+
 // Below this many flops a product runs on the calling thread: waking the
 // OpenMP team costs more than it saves.
 constexpr double kParallelMinFlops = 1 << 19;
@@ -404,13 +412,9 @@ void LinearWeight::Apply(const float* x, int x_stride, int batch, float* y,
   };
   // Items [begin, end) in turn. Panel-major order: consecutive items share
   // a weight panel group, which stays in cache while the row blocks stream
-  // by. bf16 weights with more than one row block are widened to fp32 once
-  // per group (into this thread's scratch), and the fp32 tiles then run on
-  // that copy. Widening in the tiles instead, once per row block, made a
-  // compute-bound product (batch 64, weights in cache) 10-25% slower than
-  // fp32 storage; widening once per group, 5-15%. One row block (a decode
-  // step's small batch) widens in the tiles: there the weights' bytes, not
-  // the FMAs, set the pace, and bf16 is 1.1-1.2x faster even from cache.
+  // by. bf16 weights are widened in the tiles, once per row block, or, from
+  // kWidenRowBlocks row blocks on, once per group into this thread's fp32
+  // scratch, on which the fp32 tiles then run.
   auto run_items = [&](int64_t begin, int64_t end) {
     const uint32_t* packed = packed_.data()->v;
     if (!bf16_) {
@@ -421,10 +425,11 @@ void LinearWeight::Apply(const float* x, int x_stride, int batch, float* y,
       }
       return;
     }
-    if (row_blocks == 1) {
+    if (row_blocks < kWidenRowBlocks) {
       for (int64_t item = begin; item < end; ++item) {
-        const int g = static_cast<int>(item);
-        run_tile(packed + group_offset(g), panel_elems, g, 0);
+        const int g = static_cast<int>(item / row_blocks);
+        run_tile(packed + group_offset(g), panel_elems, g,
+                 static_cast<int>(item % row_blocks));
       }
       return;
     }
