@@ -35,8 +35,9 @@ inline constexpr int kLinearSegment = 64;
 // its fp32 pattern are zero, as for weights read from a bf16 checkpoint),
 // the packed copy keeps only the high halves: half the bytes for a
 // memory-bound product (a decode step reads each weight once per step).
-// The kernel widens them back in registers, which reproduces the fp32
-// values exactly, so Apply() returns the same bits either way.
+// The kernel widens them back (in registers, or for a large batch once per
+// panel group into an fp32 scratch), which reproduces the fp32 values
+// exactly, so Apply() returns the same bits either way.
 class LinearWeight {
  public:
   enum class Storage {
