@@ -100,6 +100,15 @@ absl::Status RunAttention(const AttnShapes& shapes, int layer, int pos_start,
 void IndexerScore(const LayerView& view, int n, const uint8_t* q_codes,
                   const float* q_scales, const float* weights, int heads,
                   int dim, float* scores, CorePool* pool = nullptr);
+// IndexerScore for `nq` queries at once, as a prefill segment scans
+// (RunIndexer): query i (codes at q_codes + i * heads * dim, its scales and
+// weights at + i * heads) scores keys [0, limit[i]) into out[i]; each key
+// block is decoded once for every query whose prefix holds it. Every score
+// has the same bits as IndexerScore gives the query alone.
+void IndexerScoreQueries(const LayerView& view, int nq, const uint8_t* q_codes,
+                         const float* q_scales, const float* weights, int heads,
+                         int dim, const int* limit, float* const* out,
+                         CorePool* pool = nullptr);
 // Whether IndexerScore runs on the matrix tile unit (decided once per
 // process).
 bool IndexerUsesTileUnit();

@@ -634,6 +634,86 @@ TEST_CASE(
   }
 }
 
+TEST_CASE(
+    "indexer: several queries at once score as each alone, any shape, "
+    "limits and core count",
+    "[attention][core_pool]") {
+  // The row path's paired queries (8 and 5 heads, 32 and 64 dims; an odd
+  // count leaves a query unpaired), the general paths (16 heads, 128
+  // dims), limits of a prefill segment (consecutive) and arbitrary ones,
+  // pages of 64 and 5 keys, keys with every code (NaN, zero, subnormal).
+  struct Case {
+    int heads, dim, nq;
+    bool causal;
+  };
+  const int kN = 32 * 9 + 7;
+  for (const Case& c :
+       {Case{8, 32, 64, true}, Case{8, 32, 7, false}, Case{5, 64, 9, true},
+        Case{8, 64, 2, false}, Case{16, 32, 6, true}, Case{8, 128, 3, false},
+        Case{8, 32, 1, false}}) {
+    CAPTURE(c.heads, c.dim, c.nq, c.causal);
+    std::mt19937 rng(c.heads * 100 + c.dim + c.nq);
+    std::vector<uint8_t> codes(size_t(kN) * c.dim);
+    for (size_t i = 0; i < codes.size(); ++i) {
+      codes[i] = i < size_t(c.dim) * 40 ? uint8_t(i % 256) : uint8_t(rng());
+    }
+    std::vector<uint8_t> qc(size_t(c.nq) * c.heads * c.dim);
+    std::vector<float> qs(size_t(c.nq) * c.heads), w(qs.size());
+    for (size_t i = 0; i < qs.size(); ++i) {
+      std::vector<float> q(c.dim);
+      for (auto& v : q) v = std::normal_distribution<float>()(rng);
+      qs[i] = QuantizeFp8(q.data(), c.dim, &qc[i * c.dim]);
+      w[i] = std::normal_distribution<float>()(rng);
+    }
+    std::vector<int> limit(c.nq);
+    for (int i = 0; i < c.nq; ++i) {
+      limit[i] = c.causal ? kN - c.nq + i + 1 : 1 + int(rng() % kN);
+    }
+    for (const int tpp : {64, 5}) {
+      Store st(8, c.dim, tpp);
+      REQUIRE(st.cache->Reserve(kN).ok());
+      for (int s = 0; s < kN; ++s) {
+        REQUIRE(st.cache
+                    ->WriteIndexKey(0, s, &codes[size_t(s) * c.dim],
+                                    0.01f * float(1 + s % 7))
+                    .ok());
+      }
+      const LayerView view = st.cache->View(0);
+      // Each query alone.
+      std::vector<std::vector<float>> want(c.nq);
+      for (int i = 0; i < c.nq; ++i) {
+        want[i].resize(limit[i]);
+        IndexerScore(view, limit[i], &qc[size_t(i) * c.heads * c.dim],
+                     &qs[size_t(i) * c.heads], &w[size_t(i) * c.heads], c.heads,
+                     c.dim, want[i].data());
+      }
+      for (const int cores : {0, 2}) {
+        CAPTURE(tpp, cores);
+        std::unique_ptr<CorePool> pool;
+        if (cores > 0) pool = std::make_unique<CorePool>(cores, 0);
+        std::vector<std::vector<float>> got(c.nq);
+        std::vector<float*> out(c.nq);
+        for (int i = 0; i < c.nq; ++i) {
+          got[i].assign(size_t(limit[i]) + 32, -7.0f);
+          out[i] = got[i].data();
+        }
+        IndexerScoreQueries(view, c.nq, qc.data(), qs.data(), w.data(), c.heads,
+                            c.dim, limit.data(), out.data(), pool.get());
+        int differ = 0, beyond = 0;
+        for (int i = 0; i < c.nq; ++i) {
+          differ += std::memcmp(got[i].data(), want[i].data(),
+                                size_t(limit[i]) * 4) != 0;
+          for (size_t s = limit[i]; s < got[i].size(); ++s) {
+            beyond += got[i][s] != -7.0f;
+          }
+        }
+        CHECK(differ == 0);
+        CHECK(beyond == 0);  // nothing written past a query's limit
+      }
+    }
+  }
+}
+
 TEST_CASE("top-k: sampled threshold and exact cut equal brute force",
           "[attention]") {
   std::mt19937 rng(5);
