@@ -228,7 +228,7 @@ inline int RowDim(int i) { return i < 16 ? 2 * i : 2 * (i - 16) + 1; }
 struct IndexQuery {
   int heads = 0;
   int pairs = 0;            // padded dim / 2
-  std::vector<uint32_t> q;  // heads (padded to 16) x pairs
+  std::vector<uint32_t> q;  // heads (padded to 16) x pairs; not key-row
   std::vector<float> coef;  // heads
   // Key-row path only: per 32-dim chunk two B tiles of 16 pair rows x 16
   // columns x 2 bf16, the heads in columns 0-7 of the first ([Q | 0]) and
@@ -238,30 +238,24 @@ struct IndexQuery {
   alignas(64) float coef16[16] = {};
 };
 
+bool UseTileUnit();
+
+// Builds what the scan's path reads: the key-row path (the tile unit and a
+// KeyRowShape) only qb and coef16, the other paths q and coef.
 void PrepareIndexQuery(const uint8_t* q_codes, const float* q_scales,
                        const float* weights, int heads, int dim,
                        IndexQuery* out) {
   const int dp = PaddedIndexDim(dim);
   out->heads = heads;
   out->pairs = dp / 2;
-  // Rows up to a multiple of 16 heads stay zero: the tile path reads whole
-  // 16-row query tiles.
-  out->q.assign(size_t((heads + 15) / 16 * 16) * out->pairs, 0);
   out->coef.resize(heads);
   const float dim_scale = 1.0f / std::sqrt(float(dim));
-  alignas(64) uint16_t row[64];
   for (int h = 0; h < heads; ++h) {
-    uint16_t* dst =
-        reinterpret_cast<uint16_t*>(&out->q[size_t(h) * out->pairs]);
-    for (int d0 = 0; d0 < dp; d0 += 64) {
-      DecodeCodes64(q_codes + size_t(h) * dim + d0,
-                    std::max(0, std::min(64, dim - d0)), row);
-      std::memcpy(dst + d0, row, size_t(std::min(64, dp - d0)) * 2);
-    }
     out->coef[h] = (weights[h] * dim_scale) * q_scales[h];
   }
   out->qb.clear();
-  if (KeyRowShape(heads, dim)) {
+  if (UseTileUnit() && KeyRowShape(heads, dim)) {
+    out->q.clear();
     const int chunks = dim / 32;
     // bf16 of every code's value times 256 (exact: a power-of-two
     // multiple of an fp8 value).
@@ -273,21 +267,39 @@ void PrepareIndexQuery(const uint8_t* q_codes, const float* q_scales,
         }
       }
     } times256;
+    // Pair row m of chunk k holds dims RowDim(2 m), RowDim(2 m + 1) as one
+    // 32-bit word: head h's goes to column h of the [Q | 0] tile and
+    // column 8 + h of the [0 | Q] tile.
     out->qb.assign(size_t(chunks) * 2 * 16 * 32, 0);
     for (int k = 0; k < chunks; ++k) {
-      for (int half = 0; half < 2; ++half) {
-        uint16_t* tile = &out->qb[size_t(2 * k + half) * 16 * 32];
-        for (int h = 0; h < heads; ++h) {
-          const uint8_t* codes = q_codes + size_t(h) * dim + 32 * k;
-          for (int i = 0; i < 32; ++i) {
-            tile[(i / 2) * 32 + (8 * half + h) * 2 + i % 2] =
-                times256.v[codes[RowDim(i)]];
-          }
+      uint16_t* lo = &out->qb[size_t(2 * k) * 16 * 32];
+      uint16_t* hi = lo + 16 * 32;
+      for (int h = 0; h < heads; ++h) {
+        const uint8_t* codes = q_codes + size_t(h) * dim + 32 * k;
+        for (int m = 0; m < 16; ++m) {
+          const uint16_t pair[2] = {times256.v[codes[RowDim(2 * m)]],
+                                    times256.v[codes[RowDim(2 * m + 1)]]};
+          std::memcpy(lo + (m * 16 + h) * 2, pair, sizeof(pair));
+          std::memcpy(hi + (m * 16 + 8 + h) * 2, pair, sizeof(pair));
         }
       }
     }
     for (int l = 0; l < 16; ++l) {
       out->coef16[l] = l % 8 < heads ? out->coef[l % 8] : 0.0f;
+    }
+    return;
+  }
+  // Rows up to a multiple of 16 heads stay zero: the tile path reads whole
+  // 16-row query tiles.
+  out->q.assign(size_t((heads + 15) / 16 * 16) * out->pairs, 0);
+  alignas(64) uint16_t row[64];
+  for (int h = 0; h < heads; ++h) {
+    uint16_t* dst =
+        reinterpret_cast<uint16_t*>(&out->q[size_t(h) * out->pairs]);
+    for (int d0 = 0; d0 < dp; d0 += 64) {
+      DecodeCodes64(q_codes + size_t(h) * dim + d0,
+                    std::max(0, std::min(64, dim - d0)), row);
+      std::memcpy(dst + d0, row, size_t(std::min(64, dp - d0)) * 2);
     }
   }
 }
