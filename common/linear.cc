@@ -417,20 +417,20 @@ void LinearWeight::Apply(const float* x, int x_stride, int batch, float* y,
   // scratch, on which the fp32 tiles then run.
   auto run_items = [&](int64_t begin, int64_t end) {
     const uint32_t* packed = packed_.data()->v;
-    if (!bf16_) {
+    // The tiles on the packed panels themselves (fp32, or bf16 pairs).
+    auto direct = [&](const auto* base) {
       for (int64_t item = begin; item < end; ++item) {
         const int g = static_cast<int>(item / row_blocks);
-        run_tile(reinterpret_cast<const float*>(packed) + group_offset(g),
-                 panel_elems, g, static_cast<int>(item % row_blocks));
+        run_tile(base + group_offset(g), panel_elems, g,
+                 static_cast<int>(item % row_blocks));
       }
+    };
+    if (!bf16_) {
+      direct(reinterpret_cast<const float*>(packed));
       return;
     }
     if (row_blocks < kWidenRowBlocks) {
-      for (int64_t item = begin; item < end; ++item) {
-        const int g = static_cast<int>(item / row_blocks);
-        run_tile(packed + group_offset(g), panel_elems, g,
-                 static_cast<int>(item % row_blocks));
-      }
+      direct(packed);
       return;
     }
     thread_local std::vector<PackedRow> scratch;
