@@ -205,8 +205,12 @@ struct FabricOptions {
   // After traffic, the progress thread and a waiting sender poll the
   // completion queue without sleeping for this long (plus the expected
   // transfer time of a message in flight) before backing off to sleeps; an
-  // idle endpoint costs no CPU. 0 disables spinning.
-  int spin_us = 200;
+  // idle endpoint costs no CPU. 0 disables spinning. 1 ms covers the gap
+  // between a decode step's per-layer messages on the small models (a GPU
+  // rank computes ~0.25 ms a layer at batch 1): with 200 us the KARAT
+  // node's progress thread was asleep when the next layer's request came,
+  // and a single session's GPU rank stalled ~100 us a layer instead of ~60.
+  int spin_us = 1000;
   // Bulk transfers by RMA write (fi_write into a landing zone the receiver
   // registered), where the provider offers FI_RMA: a message of at least
   // rma_threshold bytes is written straight into the receiver's zone and
