@@ -209,7 +209,7 @@ struct FabricOptions {
   // between a decode step's per-layer messages on the small models (a GPU
   // rank computes ~0.25 ms a layer at batch 1): with 200 us the KARAT
   // node's progress thread was asleep when the next layer's request came,
-  // and a single session's GPU rank stalled ~100 us a layer instead of ~60.
+  // and a single session's GPU rank stalled 90-140 us a layer, not ~65.
   int spin_us = 1000;
   // Bulk transfers by RMA write (fi_write into a landing zone the receiver
   // registered), where the provider offers FI_RMA: a message of at least
