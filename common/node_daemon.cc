@@ -35,6 +35,15 @@ int NodeFlagParser::PositiveInt(const std::string& flag,
   return v;
 }
 
+int NodeFlagParser::NonNegativeInt(const std::string& flag,
+                                   const std::string& value) const {
+  int v = 0;
+  if (!absl::SimpleAtoi(value, &v) || v < 0) {
+    BadFlag(flag, "expected a non-negative integer, got '" + value + "'");
+  }
+  return v;
+}
+
 double NodeFlagParser::NonNegativeDouble(const std::string& flag,
                                          const std::string& value) const {
   double v = 0;
@@ -66,6 +75,8 @@ bool NodeFlagParser::ParseCommonFlag(const std::string& flag,
     *common.fabric_node = value;
   } else if (flag == "--send-timeout-ms") {
     *common.send_timeout_ms = PositiveInt(flag, value);
+  } else if (flag == "--spin-us") {
+    *common.spin_us = NonNegativeInt(flag, value);
   } else if (flag == "--port-file") {
     *common.port_file = value;
   } else if (flag == "--log-level") {
@@ -146,11 +157,12 @@ void LogStartFailure(const char* log_module, const absl::Status& status) {
 
 absl::StatusOr<std::unique_ptr<LinkEmulator>> OpenDataPlane(
     const std::string& provider, const std::string& fabric_node,
-    int send_timeout_ms, const std::string& local_name) {
+    int send_timeout_ms, int spin_us, const std::string& local_name) {
   FabricOptions fabric;
   fabric.provider = provider;
   fabric.node = fabric_node;
   fabric.send_timeout_ms = send_timeout_ms;
+  fabric.spin_us = spin_us;
   fabric.use_rma = RmaPays(provider);
   absl::StatusOr<std::unique_ptr<Transport>> transport =
       OpenFabricTransport(fabric);

@@ -29,14 +29,15 @@ struct NodeFlags {
   std::string* fabric_node;  // --fabric-node ADDR
   std::string* port_file;    // --port-file PATH
   int* send_timeout_ms;      // --send-timeout-ms N (> 0)
+  int* spin_us;              // --spin-us N (>= 0)
 };
 
 // Binds NodeFlags to the same-named fields of a daemon's Options.
 template <typename Options>
 NodeFlags NodeFlagsOf(Options* o) {
-  return NodeFlags{&o->coordinator, &o->listen,         &o->name,
-                   &o->model_dir,   &o->provider,       &o->fabric_node,
-                   &o->port_file,   &o->send_timeout_ms};
+  return NodeFlags{&o->coordinator, &o->listen,          &o->name,
+                   &o->model_dir,   &o->provider,        &o->fabric_node,
+                   &o->port_file,   &o->send_timeout_ms, &o->spin_us};
 }
 
 // Command-line parsing for a node daemon. Flags take their value either as
@@ -64,6 +65,8 @@ class NodeFlagParser {
 
   // `value` as an integer > 0, or BadFlag.
   int PositiveInt(const std::string& flag, const std::string& value) const;
+  // `value` as an integer >= 0, or BadFlag.
+  int NonNegativeInt(const std::string& flag, const std::string& value) const;
   // `value` as a number in [0, 1e12] (a rate of a timing model), or BadFlag.
   double NonNegativeDouble(const std::string& flag,
                            const std::string& value) const;
@@ -90,11 +93,12 @@ int RunUntilSignal(
 
 // Opens the data plane of a node: a libfabric transport on `provider`
 // (bound to `fabric_node` when non-empty) whose sends time out after
-// `send_timeout_ms`, wrapped in a LinkEmulator that names this node
+// `send_timeout_ms` and which polls for `spin_us` after traffic
+// (FabricOptions), wrapped in a LinkEmulator that names this node
 // `local_name`. An error names the provider.
 absl::StatusOr<std::unique_ptr<LinkEmulator>> OpenDataPlane(
     const std::string& provider, const std::string& fabric_node,
-    int send_timeout_ms, const std::string& local_name);
+    int send_timeout_ms, int spin_us, const std::string& local_name);
 
 // A started gRPC server and the address it listens on.
 struct NodeGrpcServer {

@@ -177,6 +177,9 @@ class ReceivedBytes {
 // default of FabricOptions::zero_copy_threshold.
 constexpr size_t kSharedSendMinBytes = 16 << 10;
 
+// FabricOptions::spin_us's default (see there); the node daemons' --spin-us.
+inline constexpr int kDefaultSpinUs = 1000;
+
 struct FabricOptions {
   // libfabric provider: "shm" (one host), "tcp" (uses ofi_rxm), "verbs".
   std::string provider = "shm";
@@ -210,7 +213,7 @@ struct FabricOptions {
   // rank computes ~0.25 ms a layer at batch 1): with 200 us the KARAT
   // node's progress thread was asleep when the next layer's request came,
   // and a single session's GPU rank stalled 90-140 us a layer, not ~65.
-  int spin_us = 1000;
+  int spin_us = kDefaultSpinUs;
   // Bulk transfers by RMA write (fi_write into a landing zone the receiver
   // registered), where the provider offers FI_RMA: a message of at least
   // rma_threshold bytes is written straight into the receiver's zone and

@@ -441,6 +441,9 @@ absl::StatusOr<std::unique_ptr<GpuNodeDaemon>> GpuNodeDaemon::Start(
     return absl::InvalidArgumentError(absl::StrCat(
         "--tflops must be a finite number >= 0, got ", options.tflops));
   }
+  if (options.spin_us < 0) {
+    return absl::InvalidArgumentError("--spin-us must be >= 0");
+  }
   std::unique_ptr<GpuNodeDaemon> daemon(new GpuNodeDaemon());
   daemon->impl_ = std::make_unique<Impl>();
   Impl* impl = daemon->impl_.get();
@@ -479,9 +482,10 @@ absl::StatusOr<std::unique_ptr<GpuNodeDaemon>> GpuNodeDaemon::Start(
                          << ", " << impl->runner->config().num_hidden_layers
                          << " layers, fingerprint " << impl->fingerprint << ")";
 
-  ASSIGN_OR_RETURN(std::unique_ptr<LinkEmulator> links,
-                   OpenDataPlane(options.provider, options.fabric_node,
-                                 options.send_timeout_ms, options.name));
+  ASSIGN_OR_RETURN(
+      std::unique_ptr<LinkEmulator> links,
+      OpenDataPlane(options.provider, options.fabric_node,
+                    options.send_timeout_ms, options.spin_us, options.name));
   impl->links = links.get();
   impl->transport = std::move(links);
   StepBackend* step_backend = nullptr;

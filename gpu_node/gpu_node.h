@@ -12,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/transport.h"
 #include "common/weights.h"
 
 namespace karat {
@@ -36,6 +37,9 @@ struct GpuNodeOptions {
   absl::Duration attention_timeout = absl::Seconds(30);
   // A data-plane send fails with UNAVAILABLE after this long.
   int send_timeout_ms = 10000;
+  // The data plane polls without sleeping this long after traffic
+  // (FabricOptions::spin_us; 0: never).
+  int spin_us = kDefaultSpinUs;
   absl::Duration heartbeat_interval = absl::Seconds(1);
   // Rank among the GPU nodes (ClusterConfig.gpu_nodes order) and their
   // count: the rank holds the routed experts [rank*E/G, (rank+1)*E/G), plus

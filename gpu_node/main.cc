@@ -18,7 +18,8 @@ constexpr char kUsage[] =
     "  [--rank R --ranks G] [--mode karat|gpu_only] [--hbm-bytes N]\n"
     "  [--micro-batches 1|2] [--schedule ofms|scms]\n"
     "  [--hbm-bandwidth-gbps GBPS] [--tflops TFLOPS]\n"
-    "  [--port-file PATH]\n"
+    "  [--port-file PATH] [--spin-us N] (data plane: poll this long after\n"
+    "  traffic before sleeping; default 1000, 0 never)\n"
     "  [--log-level debug|info|warning|error]\n";
 
 karat::GpuNodeOptions ParseFlags(int argc, char** argv) {

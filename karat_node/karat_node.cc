@@ -217,15 +217,19 @@ absl::StatusOr<std::unique_ptr<KaratNodeDaemon>> KaratNodeDaemon::Start(
   if (options.send_timeout_ms <= 0) {
     return absl::InvalidArgumentError("--send-timeout-ms must be > 0");
   }
+  if (options.spin_us < 0) {
+    return absl::InvalidArgumentError("--spin-us must be >= 0");
+  }
   std::unique_ptr<KaratNodeDaemon> daemon(new KaratNodeDaemon());
   daemon->impl_ = std::make_unique<Impl>();
   Impl* impl = daemon->impl_.get();
   impl->options = options;
   ASSIGN_OR_RETURN(impl->config, LoadModelConfig(options.model_dir));
 
-  ASSIGN_OR_RETURN(std::unique_ptr<LinkEmulator> links,
-                   OpenDataPlane(options.provider, options.fabric_node,
-                                 options.send_timeout_ms, options.name));
+  ASSIGN_OR_RETURN(
+      std::unique_ptr<LinkEmulator> links,
+      OpenDataPlane(options.provider, options.fabric_node,
+                    options.send_timeout_ms, options.spin_us, options.name));
   impl->links = links.get();
   impl->transport = std::move(links);
 

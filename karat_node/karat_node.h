@@ -18,6 +18,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/transport.h"
 
 namespace karat {
 
@@ -34,6 +35,9 @@ struct KaratNodeOptions {
   std::string fabric_node;
   // A data-plane send fails with UNAVAILABLE after this long.
   int send_timeout_ms = 10000;
+  // The data plane polls without sleeping this long after traffic
+  // (FabricOptions::spin_us; 0: never).
+  int spin_us = kDefaultSpinUs;
   int devices = 1;
   size_t device_capacity_bytes = size_t(1) << 30;
   int cores = 1;

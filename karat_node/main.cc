@@ -15,7 +15,9 @@ constexpr char kUsage[] =
     "  [--cores N] [--tokens-per-page N] [--port-file PATH]\n"
     "  [--device-bandwidth-gbps GBPS] [--device-tflops TFLOPS]\n"
     "  [--spill on|off] (pages spill to other devices when the home is full)\n"
-    "  [--send-timeout-ms N] [--log-level debug|info|warning|error]\n";
+    "  [--send-timeout-ms N] [--spin-us N] (data plane: poll this long after\n"
+    "  traffic before sleeping; default 1000, 0 never)\n"
+    "  [--log-level debug|info|warning|error]\n";
 
 karat::KaratNodeOptions ParseFlags(int argc, char** argv) {
   const karat::NodeFlagParser parser("karat-node", kUsage);

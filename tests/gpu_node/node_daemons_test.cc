@@ -126,6 +126,15 @@ TEST_CASE("node daemons serve a turn over gRPC and libfabric",
   ko.device_capacity_bytes = size_t(4) << 20;
   ko.tokens_per_page = 16;
   ko.port_file = dir + "/karat.addr";
+  // A negative poll time is refused; 0 (never poll after traffic, only the
+  // sleeps) still serves the turn below.
+  {
+    KaratNodeOptions bad = ko;
+    bad.spin_us = -1;
+    CHECK(KaratNodeDaemon::Start(bad).status().code() ==
+          absl::StatusCode::kInvalidArgument);
+  }
+  ko.spin_us = 0;
   auto karat = KaratNodeDaemon::Start(ko);
   if (!karat.ok() && absl::IsUnavailable(karat.status())) {
     WARN("skipped: " << karat.status());
@@ -142,6 +151,12 @@ TEST_CASE("node daemons serve a turn over gRPC and libfabric",
   go.max_step_tokens = 8;
   go.threads = 1;
   go.attention_timeout = absl::Seconds(10);
+  {
+    GpuNodeOptions bad = go;
+    bad.spin_us = -1;
+    CHECK(GpuNodeDaemon::Start(bad).status().code() ==
+          absl::StatusCode::kInvalidArgument);
+  }
   auto gpu = GpuNodeDaemon::Start(go);
   REQUIRE(gpu.ok());
 
