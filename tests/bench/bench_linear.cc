@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "common/linear.h"
+#include "common/numeric.h"
 
 namespace {
 
@@ -116,15 +117,6 @@ PairTimes TimePerCall(const std::function<void()>& a,
   return best;
 }
 
-// The bf16 value nearest to v (ties to even), as a checkpoint holds it.
-float Bf16Value(float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, sizeof(u));
-  u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-  std::memcpy(&v, &u, sizeof(v));
-  return v;
-}
-
 struct Shape {
   const char* name;
   int out;
@@ -178,7 +170,8 @@ int main(int argc, char** argv) {
   double worst_big_peak = 1e30;
   for (const Shape& s : shapes) {
     std::vector<float> w(static_cast<size_t>(s.out) * s.in);
-    for (float& v : w) v = Bf16Value(dist(rng));
+    for (float& v : w) v = dist(rng);
+    karat::RoundThroughBf16(w.data(), w.size());
     const karat::LinearWeight lw(w.data(), s.out, s.in);
     const karat::LinearWeight lw32(w.data(), s.out, s.in,
                                    karat::LinearWeight::Storage::kFp32);
@@ -242,7 +235,8 @@ int main(int argc, char** argv) {
   int max_dim = 0;
   for (const Shape& s : model) {
     std::vector<float> w(static_cast<size_t>(s.out) * s.in);
-    for (float& v : w) v = Bf16Value(dist(rng));
+    for (float& v : w) v = dist(rng);
+    karat::RoundThroughBf16(w.data(), w.size());
     pass16.emplace_back(w.data(), s.out, s.in);
     pass32.emplace_back(w.data(), s.out, s.in,
                         karat::LinearWeight::Storage::kFp32);

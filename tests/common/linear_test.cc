@@ -7,6 +7,8 @@
 #include <random>
 #include <vector>
 
+#include "common/numeric.h"
+
 namespace karat {
 namespace {
 
@@ -24,24 +26,13 @@ uint32_t Bits(float f) {
   return u;
 }
 
-// Rounds every value to the nearest bf16 (ties to even), as a bf16
-// checkpoint holds it.
-std::vector<float> RoundToBf16(std::vector<float> v) {
-  for (float& f : v) {
-    uint32_t u = Bits(f);
-    u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-    std::memcpy(&f, &u, sizeof(f));
-  }
-  return v;
-}
-
 // Applies W to `batch` rows of x and checks every element bit for bit
 // against LinearReferenceDot. With `bf16` the weights are bf16 values, so
 // the packed copy keeps bf16 (and a kFp32 copy must agree with it).
 void CheckAgainstReference(int out, int in, int batch, uint32_t seed,
                            bool bf16 = false) {
   std::vector<float> w = RandomVector(static_cast<size_t>(out) * in, seed);
-  if (bf16) w = RoundToBf16(std::move(w));
+  if (bf16) RoundThroughBf16(w.data(), w.size());
   const std::vector<float> x =
       RandomVector(static_cast<size_t>(batch) * in, seed + 1);
   const LinearWeight lw(w.data(), out, in);
@@ -109,7 +100,7 @@ TEST_CASE("Linear is batch invariant", "[linear]") {
       const int out = s[0];
       const int in = s[1];
       std::vector<float> w = RandomVector(static_cast<size_t>(out) * in, 7);
-      if (bf16) w = RoundToBf16(std::move(w));
+      if (bf16) RoundThroughBf16(w.data(), w.size());
       const LinearWeight lw(w.data(), out, in);
       REQUIRE(lw.bf16() == bf16);
       const std::vector<float> x =
