@@ -123,6 +123,16 @@ struct Shape {
   int in;
 };
 
+// Uniform weights in [-1, 1) of shape `s`, rounded to bf16 as a bf16
+// checkpoint holds them (so LinearWeight keeps them as bf16).
+std::vector<float> RandomBf16Weights(const Shape& s, std::mt19937& rng) {
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<float> w(static_cast<size_t>(s.out) * s.in);
+  for (float& v : w) v = dist(rng);
+  karat::RoundThroughBf16(w.data(), w.size());
+  return w;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -169,9 +179,7 @@ int main(int argc, char** argv) {
   double worst_ratio = 1e30;
   double worst_big_peak = 1e30;
   for (const Shape& s : shapes) {
-    std::vector<float> w(static_cast<size_t>(s.out) * s.in);
-    for (float& v : w) v = dist(rng);
-    karat::RoundThroughBf16(w.data(), w.size());
+    const std::vector<float> w = RandomBf16Weights(s, rng);
     const karat::LinearWeight lw(w.data(), s.out, s.in);
     const karat::LinearWeight lw32(w.data(), s.out, s.in,
                                    karat::LinearWeight::Storage::kFp32);
@@ -234,9 +242,7 @@ int main(int argc, char** argv) {
   double weights = 0;
   int max_dim = 0;
   for (const Shape& s : model) {
-    std::vector<float> w(static_cast<size_t>(s.out) * s.in);
-    for (float& v : w) v = dist(rng);
-    karat::RoundThroughBf16(w.data(), w.size());
+    const std::vector<float> w = RandomBf16Weights(s, rng);
     pass16.emplace_back(w.data(), s.out, s.in);
     pass32.emplace_back(w.data(), s.out, s.in,
                         karat::LinearWeight::Storage::kFp32);
