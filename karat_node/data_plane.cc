@@ -24,6 +24,12 @@ absl::StatusOr<std::unique_ptr<DataPlaneHandler>> DataPlaneHandler::Create(
   }
   std::unique_ptr<DataPlaneHandler> handler(
       new DataPlaneHandler(config, transport));
+  if (options.inline_max_context < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("inline_max_context is ", options.inline_max_context,
+                     "; must be >= 0 (0: never run frames inline)"));
+  }
+  handler->inline_max_context_ = options.inline_max_context;
   // One attention method for every device (the GQA forms; mla_dsa runs
   // RunIndexer/RunAttention).
   std::shared_ptr<const SparseAttention> method;
@@ -120,6 +126,7 @@ std::vector<cluster::DeviceInfo> DataPlaneHandler::Devices() const {
 std::map<std::string, double> DataPlaneHandler::Counters() const {
   std::map<std::string, double> c;
   c["frames_received"] = double(frames_received_.load());
+  c["frames_inline"] = double(frames_inline_.load());
   c["frames_invalid"] = double(frames_invalid_.load());
   c["errors"] = double(errors_.load() + reply_failures_->load());
   c["kv_bytes_ingested"] = double(kv_bytes_ingested_.load());
@@ -182,6 +189,15 @@ void DataPlaneHandler::OnMessage(PeerId from, std::string_view message) {
         return;
       }
       KaratDevice* device = devices_[h.device].get();
+      // A decode step's frame of a short context: run at once here when
+      // the device is idle (DataPlaneOptions::inline_max_context).
+      if (h.n_tokens <= uint32_t(kInlineMaxTokens) &&
+          uint64_t(h.pos_start) + h.n_tokens <= uint64_t(inline_max_context_) &&
+          !device->paced() &&
+          device->TryRunInline([&] { HandleData(device, from, message); })) {
+        frames_inline_.fetch_add(1);
+        return;
+      }
       // A prefill's frames are large: the device reads them in the
       // transport's receive buffer while the next one arrives.
       device->Post(

@@ -1,7 +1,9 @@
 // The KARAT node's data plane (DESIGN.md §2 steps 2-4): frames from GPU
 // nodes arrive on a Transport, are validated and routed to the device they
-// name; each device's worker appends the new entries, runs Score -> Select
-// -> Gather -> Attend and sends the attention output back to the sender.
+// name; each device's worker (or, for a short frame that finds it idle, the
+// receive handler: DataPlaneOptions::inline_max_context) appends the new
+// entries, runs Score -> Select -> Gather -> Attend and sends the attention
+// output back to the sender.
 //
 //   kHello     sections[0] = the sender's address: the sender becomes a peer
 //              known by its src_node; answered with kHelloAck (echoing
@@ -49,16 +51,31 @@
 
 namespace karat {
 
+// DataPlaneOptions::inline_max_context's default and the most tokens of an
+// inlined frame (decode segments).
+inline constexpr int kDefaultInlineMaxContext = 4096;
+inline constexpr int kInlineMaxTokens = 4;
+
 struct DataPlaneOptions {
   int tokens_per_page = 64;
   // The model directory, read only for the weights an attention method
   // needs (MagicPIG's hyperplanes); may be empty for other methods.
   std::string model_dir;
   std::vector<DeviceOptions> devices;
+  // Short frames run on the transport's thread (README "Short frames
+  // inline"): a kIndexQK or kAttnQKV frame of at most kInlineMaxTokens
+  // tokens whose segment ends at or before this position, for a device
+  // whose worker is idle and whose timing model is off, runs in the receive
+  // handler instead of waking the device's worker, which saves the wake-up
+  // (8-30 us here) twice a layer of a decode step. Longer work still goes
+  // to the worker, so that one device's scan does not hold up the frames of
+  // the others. 0: every frame goes to the worker.
+  int inline_max_context = kDefaultInlineMaxContext;
 };
 
 // Thread safety: every public method may be called from any thread. The
-// transport's receive handler only decodes and hands work to a worker.
+// transport's receive handler decodes and hands work to a worker, or runs a
+// short frame itself while its device's worker is idle.
 class DataPlaneHandler {
  public:
   // Creates the devices and installs the receive handler on `transport`
@@ -89,8 +106,9 @@ class DataPlaneHandler {
   int num_devices() const { return static_cast<int>(devices_.size()); }
   KaratDevice* device(int i) const { return devices_[i].get(); }
   std::vector<cluster::DeviceInfo> Devices() const;
-  // frames_received, frames_invalid, frames_invalid.<peer> (per sender
-  // name), errors, kv_bytes_ingested, sessions, used_bytes, capacity_bytes.
+  // frames_received, frames_inline (of those, run in the receive handler),
+  // frames_invalid, frames_invalid.<peer> (per sender name), errors,
+  // kv_bytes_ingested, sessions, used_bytes, capacity_bytes.
   std::map<std::string, double> Counters() const;
 
   // Stops accepting frames and joins the workers after their queued work.
@@ -112,11 +130,13 @@ class DataPlaneHandler {
 
   const ModelConfig config_;
   Transport* const transport_;
+  int inline_max_context_ = 0;
   std::vector<std::unique_ptr<KaratDevice>> devices_;
   std::atomic<uint32_t> node_id_{0};
   std::atomic<bool> stopped_{false};
 
   std::atomic<uint64_t> frames_received_{0};
+  std::atomic<uint64_t> frames_inline_{0};
   std::atomic<uint64_t> frames_invalid_{0};
   std::atomic<uint64_t> errors_{0};
   // Replies whose asynchronous send failed after it was posted (counted in

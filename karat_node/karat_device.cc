@@ -38,20 +38,36 @@ void SerialWorker::Stop() {
   if (thread_.joinable()) thread_.join();
 }
 
+bool SerialWorker::TryRunInline(absl::FunctionRef<void()> work) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_ || busy_ || !queue_.empty()) return false;
+    busy_ = true;
+  }
+  work();
+  absl::MutexLock lock(&mu_);
+  busy_ = false;
+  return true;
+}
+
 void SerialWorker::Run() {
   for (;;) {
     absl::AnyInvocable<void()> work;
     {
       absl::MutexLock lock(&mu_);
+      // An item running inline holds back the queue, and Stop().
       auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-        return stopping_ || !queue_.empty();
+        return !busy_ && (stopping_ || !queue_.empty());
       };
       mu_.Await(absl::Condition(&ready));
       if (queue_.empty()) return;  // stopping, and nothing left to run
       work = std::move(queue_.front());
       queue_.pop_front();
+      busy_ = true;
     }
     work();
+    absl::MutexLock lock(&mu_);
+    busy_ = false;
   }
 }
 

@@ -19,6 +19,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/functional/any_invocable.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -46,6 +47,13 @@ class SerialWorker {
   ~SerialWorker();  // Stop()s
   // Work posted after Stop() is dropped.
   void Post(absl::AnyInvocable<void()> work);
+  // Runs `work` on the calling thread, at once, when the worker is idle
+  // (nothing queued, nothing running, not stopping) and returns true; work
+  // posted meanwhile waits for it as for a posted item, and so does Stop().
+  // Otherwise runs nothing and returns false. Saves the worker's wake-up
+  // (8-30 us here) for short work that finds the worker idle; `work` must
+  // not call Stop() on this worker.
+  bool TryRunInline(absl::FunctionRef<void()> work);
   // Runs the work already queued, then joins. Idempotent.
   void Stop();
   size_t queued() const;
@@ -56,6 +64,8 @@ class SerialWorker {
   mutable absl::Mutex mu_;
   std::deque<absl::AnyInvocable<void()>> queue_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // An item runs (on the worker or inline).
+  bool busy_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };
 
@@ -187,6 +197,16 @@ class KaratDevice {
 
   // Runs `work` on the device's worker thread, after the work posted before.
   void Post(absl::AnyInvocable<void()> work) { worker_.Post(std::move(work)); }
+  // Runs `work` on the calling thread instead when the worker is idle
+  // (SerialWorker::TryRunInline); false, running nothing, otherwise.
+  bool TryRunInline(absl::FunctionRef<void()> work) {
+    return worker_.TryRunInline(work);
+  }
+  // Whether the timing model is on (a kernel may sleep to last its
+  // roofline time).
+  bool paced() const {
+    return options_.bandwidth_gbps > 0 || options_.tflops > 0;
+  }
   // Stops the worker after the queued work.
   void Stop() { worker_.Stop(); }
 

@@ -220,6 +220,9 @@ absl::StatusOr<std::unique_ptr<KaratNodeDaemon>> KaratNodeDaemon::Start(
   if (options.spin_us < 0) {
     return absl::InvalidArgumentError("--spin-us must be >= 0");
   }
+  if (options.inline_max_context < 0) {
+    return absl::InvalidArgumentError("--inline-max-context must be >= 0");
+  }
   std::unique_ptr<KaratNodeDaemon> daemon(new KaratNodeDaemon());
   daemon->impl_ = std::make_unique<Impl>();
   Impl* impl = daemon->impl_.get();
@@ -235,6 +238,7 @@ absl::StatusOr<std::unique_ptr<KaratNodeDaemon>> KaratNodeDaemon::Start(
 
   DataPlaneOptions plane;
   plane.tokens_per_page = options.tokens_per_page;
+  plane.inline_max_context = options.inline_max_context;
   plane.model_dir = options.model_dir;  // MagicPIG reads its hyperplanes
   // One memory for the node's devices: a full home device spills to the
   // others (DESIGN.md §3 "Placement").

@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/transport.h"
+#include "karat_node/data_plane.h"
 
 namespace karat {
 
@@ -46,6 +47,10 @@ struct KaratNodeOptions {
   double device_bandwidth_gbps = 0;
   double device_tflops = 0;
   int tokens_per_page = 64;
+  // Decode frames of contexts up to this many tokens run on the data
+  // plane's receive thread when their device is idle, instead of waking the
+  // device's worker (DataPlaneOptions::inline_max_context; 0: never).
+  int inline_max_context = kDefaultInlineMaxContext;
   // Whether a session's pages spill to the node's other devices when its
   // home device is full (DESIGN.md §3); off, a full home device refuses.
   bool spill = true;

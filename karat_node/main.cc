@@ -17,6 +17,9 @@ constexpr char kUsage[] =
     "  [--spill on|off] (pages spill to other devices when the home is full)\n"
     "  [--send-timeout-ms N] [--spin-us N] (data plane: poll this long after\n"
     "  traffic before sleeping; default 1000, 0 never)\n"
+    "  [--inline-max-context N] (decode frames of contexts up to N tokens\n"
+    "  run on the receive thread when their device is idle; default 4096,\n"
+    "  0 never)\n"
     "  [--log-level debug|info|warning|error]\n";
 
 karat::KaratNodeOptions ParseFlags(int argc, char** argv) {
@@ -45,6 +48,8 @@ karat::KaratNodeOptions ParseFlags(int argc, char** argv) {
             parser.BadFlag(flag, "expected on or off, got '" + value + "'");
           }
           o.spill = value == "on";
+        } else if (flag == "--inline-max-context") {
+          o.inline_max_context = parser.NonNegativeInt(flag, value);
         } else if (flag == "--tokens-per-page") {
           o.tokens_per_page = parser.PositiveInt(flag, value);
         } else {

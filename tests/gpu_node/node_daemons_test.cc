@@ -126,15 +126,17 @@ TEST_CASE("node daemons serve a turn over gRPC and libfabric",
   ko.device_capacity_bytes = size_t(4) << 20;
   ko.tokens_per_page = 16;
   ko.port_file = dir + "/karat.addr";
-  // A negative poll time is refused; 0 (never poll after traffic, only the
-  // sleeps) still serves the turn below.
-  {
+  // A negative poll time or inline bound is refused; 0 (never poll after
+  // traffic, only the sleeps; every frame on a device worker) still serves
+  // the turn below. The cluster tests run the defaults.
+  for (int which = 0; which < 2; ++which) {
     KaratNodeOptions bad = ko;
-    bad.spin_us = -1;
+    (which == 0 ? bad.spin_us : bad.inline_max_context) = -1;
     CHECK(KaratNodeDaemon::Start(bad).status().code() ==
           absl::StatusCode::kInvalidArgument);
   }
   ko.spin_us = 0;
+  ko.inline_max_context = 0;
   auto karat = KaratNodeDaemon::Start(ko);
   if (!karat.ok() && absl::IsUnavailable(karat.status())) {
     WARN("skipped: " << karat.status());

@@ -124,7 +124,7 @@ std::string_view Bytes(const void* p, size_t n) {
 }
 
 struct Fixture {
-  Fixture() {
+  explicit Fixture(int inline_max_context = kDefaultInlineMaxContext) {
     auto c = PresetConfig("dsa-small");
     REQUIRE(c.ok());
     config = *c;
@@ -132,6 +132,7 @@ struct Fixture {
     karat_ep = fabric.NewEndpoint("karat");
     DataPlaneOptions options;
     options.tokens_per_page = 16;
+    options.inline_max_context = inline_max_context;
     options.devices = {DeviceOptions{size_t(8) << 20, 2},
                        DeviceOptions{size_t(8) << 20, 2}};
     auto h = DataPlaneHandler::Create(config, options, karat_ep.get());
@@ -181,7 +182,12 @@ struct Fixture {
 };
 
 TEST_CASE("KARAT data plane reproduces LocalAttentionBackend", "[karat_node]") {
-  Fixture fx;
+  // Decode frames run in the receive handler when their device is idle
+  // (the default), or always on the device's worker (0).
+  const int inline_max_context =
+      GENERATE(Catch::Generators::as<int>{}, kDefaultInlineMaxContext, 0);
+  INFO("inline_max_context " << inline_max_context);
+  Fixture fx(inline_max_context);
   ModelFiles files;
   files.config = fx.config;
   files.tensors = GenerateWeights(fx.config, 1);
@@ -236,6 +242,17 @@ TEST_CASE("KARAT data plane reproduces LocalAttentionBackend", "[karat_node]") {
   CHECK(c.at("errors") == 0);
   CHECK(c.at("frames_invalid") == 0);
   CHECK(c.at("sessions") == 2);
+  // The decode steps' frames (3 segments a layer, each kIndexQK +
+  // kAttnQKV) may run inline: each waits for the previous reply, so the
+  // device is idle unless its worker is still leaving the frame before.
+  // The prefill segments (41 and 10 tokens) never do.
+  const double decode_frames = 3.0 * 2 * fx.config.num_hidden_layers;
+  if (inline_max_context == 0) {
+    CHECK(c.at("frames_inline") == 0);
+  } else {
+    CHECK(c.at("frames_inline") > 0);
+    CHECK(c.at("frames_inline") <= decode_frames);
+  }
   const size_t tokens = (p1.size() + 2) + (p2.size() + 1);
   const size_t per_token =
       fx.config.num_hidden_layers *
@@ -347,6 +364,19 @@ TEST_CASE("KARAT data plane answers bad frames with kError", "[karat_node]") {
   }
   CHECK(fx.handler->Counters().at("errors") >= 1);
   CHECK(fx.gpu->pending() == 0);
+}
+
+TEST_CASE("a negative inline_max_context is refused, naming the field",
+          "[karat_node]") {
+  auto c = PresetConfig("dsa-small");
+  REQUIRE(c.ok());
+  DataPlaneOptions options;
+  options.devices = {DeviceOptions{size_t(8) << 20, 1}};
+  options.inline_max_context = -1;
+  auto h = DataPlaneHandler::Create(*c, options, nullptr);
+  REQUIRE(h.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(h.status().message()),
+             Catch::Contains("inline_max_context"));
 }
 
 TEST_CASE("Reserve is all or nothing", "[karat_node]") {

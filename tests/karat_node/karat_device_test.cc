@@ -1,7 +1,16 @@
-// The device timing model as pure functions (no clocks, no sleeps).
-#include <catch2/catch.hpp>
-
+// The device timing model as pure functions (no clocks, no sleeps), and
+// the device worker's inline runs.
 #include "karat_node/karat_device.h"
+
+#include <atomic>
+#include <catch2/catch.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 
 namespace karat {
 namespace {
@@ -31,6 +40,89 @@ TEST_CASE("pacing waits only for what the kernel did not take",
   CHECK(PacingDelay(cost, 100, 0, absl::Milliseconds(25)) ==
         absl::ZeroDuration());
   CHECK(PacingDelay(cost, 0, 0, absl::ZeroDuration()) == absl::ZeroDuration());
+}
+
+// Runs TryRunInline until it finds the worker idle (the worker may still be
+// finishing an item); false after 10 s.
+bool RunInlineWhenIdle(SerialWorker* worker, absl::FunctionRef<void()> work) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (absl::Now() < deadline) {
+    if (worker->TryRunInline(work)) return true;
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  return false;
+}
+
+TEST_CASE("a worker runs work inline only when idle, in posting order",
+          "[karat_device]") {
+  SerialWorker worker("test");
+  absl::Mutex mu;
+  std::vector<std::string> order;
+  auto note = [&](const std::string& what) {
+    absl::MutexLock lock(&mu);
+    order.push_back(what);
+  };
+
+  // Idle: the work runs on this thread, before TryRunInline returns.
+  const std::thread::id me = std::this_thread::get_id();
+  std::thread::id ran_on;
+  REQUIRE(worker.TryRunInline([&] { ran_on = std::this_thread::get_id(); }));
+  CHECK(ran_on == me);
+
+  // An item running on the worker: nothing runs inline, not even once the
+  // queue behind it is empty.
+  absl::Notification release, started;
+  worker.Post([&] {
+    started.Notify();
+    release.WaitForNotification();
+    note("posted 1");
+  });
+  started.WaitForNotification();
+  bool ran = false;
+  CHECK_FALSE(worker.TryRunInline([&] { ran = true; }));
+  // An item queued behind it: still refused.
+  worker.Post([&] { note("posted 2"); });
+  CHECK_FALSE(worker.TryRunInline([&] { ran = true; }));
+  CHECK_FALSE(ran);
+  release.Notify();
+
+  // Work posted while an inline item runs waits for it.
+  REQUIRE(RunInlineWhenIdle(&worker, [&] {
+    worker.Post([&] { note("posted during inline"); });
+    absl::SleepFor(absl::Milliseconds(20));  // time for the worker to jump
+    note("inline");
+  }));
+  worker.Stop();
+  absl::MutexLock lock(&mu);
+  CHECK(order == std::vector<std::string>{"posted 1", "posted 2", "inline",
+                                          "posted during inline"});
+}
+
+TEST_CASE("Stop() waits for an inline item, and none runs after it",
+          "[karat_device]") {
+  SerialWorker worker("test");
+  absl::Notification inside, release;
+  std::atomic<bool> stopped{false};
+  std::thread runner([&] {
+    REQUIRE(worker.TryRunInline([&] {
+      inside.Notify();
+      release.WaitForNotification();
+    }));
+  });
+  inside.WaitForNotification();
+  std::thread stopper([&] {
+    worker.Stop();
+    stopped.store(true);
+  });
+  absl::SleepFor(absl::Milliseconds(50));
+  CHECK_FALSE(stopped.load());  // the inline item still runs
+  release.Notify();
+  stopper.join();
+  runner.join();
+  CHECK(stopped.load());
+  bool ran = false;
+  CHECK_FALSE(worker.TryRunInline([&] { ran = true; }));
+  CHECK_FALSE(ran);
 }
 
 }  // namespace
