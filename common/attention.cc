@@ -1539,31 +1539,71 @@ inline __m512i OrderKey16(__m512 x) {
 }
 
 // The k-th highest of vals[0, n) (0 < k <= n, no NaN), exactly: the
-// largest key K with at least k keys >= K, built bit by bit from the top,
-// each bit one counting pass. Branch-free, where nth_element on scores in
-// no particular order mispredicts about every other comparison.
+// largest key K with at least k keys >= K, built bit by bit from the top.
+// Branch-free counting, where nth_element on scores in no particular order
+// mispredicts about every other comparison. Only the keys that share K's
+// bits decided so far can still decide the next bit: each pass counts
+// those with the next bit set (the ones above them already count for K),
+// and whenever they are at most a quarter of the buffer they are
+// compressed into the other one, so on spread-out scores the passes
+// shrink geometrically instead of each reading all n (32 passes); on
+// scores that are mostly equal they stay as long as before.
 float KthHighest(const float* vals, int n, int k) {
   const int nv = (n + 15) / 16;
-  // The pad lanes hold the lowest key, which counts only for K = 0.
-  thread_local AlignedVector<uint32_t> keys;
-  keys.resize(size_t(nv) * 16);
+  // Two buffers: the keys, then the narrowed ones. Pad lanes hold key 0,
+  // below every score's key (-inf's is 0x007FFFFF): they never count.
+  thread_local AlignedVector<uint32_t> buf[2];
+  buf[0].resize(size_t(nv) * 16 + 16);
+  buf[1].resize(size_t(nv) * 16 + 16);
   for (int i = 0; i < nv; ++i) {
     const __mmask16 m = FirstLanes16(n - 16 * i);
     _mm512_store_si512(
-        keys.data() + 16 * i,
+        buf[0].data() + 16 * i,
         _mm512_maskz_mov_epi32(
             m, OrderKey16(_mm512_maskz_loadu_ps(m, vals + 16 * i))));
   }
-  uint32_t key = 0;
+  const uint32_t* cur = buf[0].data();
+  int len = nv * 16;  // keys in cur (a multiple of 16)
+  int live = n;       // keys of scores in cur that share key's decided bits
+  int rank = k;       // K is the rank-th highest of those
+  uint32_t key = 0, decided = 0;
   for (int bit = 31; bit >= 0; --bit) {
-    const uint32_t want = key | (1u << bit);
-    const __m512i w = _mm512_set1_epi32(int(want));
+    const __m512i d = _mm512_set1_epi32(int(decided));
+    const __m512i p = _mm512_set1_epi32(int(key));
+    const __m512i b = _mm512_set1_epi32(int(1u << bit));
     int count = 0;
-    for (int i = 0; i < nv; ++i) {
-      count += __builtin_popcount(
-          _mm512_cmpge_epu32_mask(_mm512_load_si512(keys.data() + 16 * i), w));
+    for (int i = 0; i < len; i += 16) {
+      const __m512i x = _mm512_load_si512(cur + i);
+      const __mmask16 same = _mm512_cmpeq_epi32_mask(_mm512_and_si512(x, d), p);
+      count += __builtin_popcount(_mm512_mask_test_epi32_mask(same, x, b));
     }
-    if (count >= k) key = want;
+    if (count >= rank) {
+      key |= 1u << bit;
+      live = count;
+    } else {
+      rank -= count;
+      live -= count;
+    }
+    decided |= 1u << bit;
+    if (bit > 0 && live * 4 <= len && len > 16) {
+      // Keep only the keys that still share the decided bits.
+      uint32_t* next = buf[cur == buf[0].data() ? 1 : 0].data();
+      const __m512i d2 = _mm512_set1_epi32(int(decided));
+      const __m512i p2 = _mm512_set1_epi32(int(key));
+      int out = 0;
+      for (int i = 0; i < len; i += 16) {
+        const __m512i x = _mm512_load_si512(cur + i);
+        const __mmask16 keep =
+            _mm512_cmpeq_epi32_mask(_mm512_and_si512(x, d2), p2);
+        _mm512_mask_compressstoreu_epi32(next + out, keep, x);
+        out += __builtin_popcount(keep);
+      }
+      // Pad to whole vectors with key 0: it shares the decided bits only
+      // while they are all 0, and never has the next bit set.
+      _mm512_storeu_si512(next + out, _mm512_setzero_si512());
+      len = (out + 15) / 16 * 16;
+      cur = next;
+    }
   }
   // Back from the key to the value.
   const uint32_t bits = (key & 0x80000000u) ? key ^ 0x80000000u : ~key;
