@@ -102,14 +102,17 @@ TEST_CASE("Stop() waits for an inline item, and none runs after it",
           "[karat_device]") {
   SerialWorker worker("test");
   absl::Notification inside, release;
-  std::atomic<bool> stopped{false};
+  std::atomic<bool> stopped{false}, ran_inline{false};
   std::thread runner([&] {
-    REQUIRE(worker.TryRunInline([&] {
+    ran_inline = worker.TryRunInline([&] {
       inside.Notify();
       release.WaitForNotification();
-    }));
+    });
   });
-  inside.WaitForNotification();
+  if (!inside.WaitForNotificationWithTimeout(absl::Seconds(10))) {
+    runner.join();  // it ran nothing
+    FAIL("an idle worker refused to run work inline");
+  }
   std::thread stopper([&] {
     worker.Stop();
     stopped.store(true);
@@ -119,6 +122,7 @@ TEST_CASE("Stop() waits for an inline item, and none runs after it",
   release.Notify();
   stopper.join();
   runner.join();
+  CHECK(ran_inline.load());
   CHECK(stopped.load());
   bool ran = false;
   CHECK_FALSE(worker.TryRunInline([&] { ran = true; }));
