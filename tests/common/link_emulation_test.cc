@@ -75,6 +75,16 @@ struct Pair {
   absl::Status Send(const std::string& m) {
     return a->Send(peer, m.data(), m.size());
   }
+  // A delayed link counts a message after its send returned, which may be
+  // after the receiver got it: waits (up to 60 s) until `n` are counted to
+  // "b" and returns the count.
+  uint64_t AwaitSent(uint64_t n) {
+    const absl::Time bound = absl::Now() + absl::Seconds(60);
+    while (a->stats()->Snapshot().at("b").messages < n && absl::Now() < bound) {
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    return a->stats()->Snapshot().at("b").messages;
+  }
 
   Inbox inbox;  // outlives the endpoints
   FakeFabric fabric;
@@ -144,8 +154,8 @@ TEST_CASE("added latency delays delivery and keeps the order", "[link]") {
     CHECK(messages[i] == absl::StrCat(i));
     CHECK(times[i] - sent[i] >= absl::Microseconds(s.latency_us));
   }
+  CHECK(p.AwaitSent(kN) == kN);
   const auto links = p.a->stats()->Snapshot();
-  CHECK(links.at("b").messages == kN);
   CHECK(LinkLatencyQuantileUs(links.at("b"), 0.5) >= 20000);
 }
 
@@ -162,14 +172,7 @@ TEST_CASE("SendShared passes through plain and delayed links", "[link]") {
     REQUIRE(p.Send("m").ok());
     REQUIRE(p.inbox.WaitFor(3));
     CHECK(p.inbox.Messages() == std::vector<std::string>{*large, "s", "m"});
-    // A delayed link counts a message after its send returned, which may be
-    // after the receiver got it.
-    const absl::Time bound = absl::Now() + absl::Seconds(60);
-    while (p.a->stats()->Snapshot().at("b").messages < 3 &&
-           absl::Now() < bound) {
-      absl::SleepFor(absl::Milliseconds(1));
-    }
-    CHECK(p.a->stats()->Snapshot().at("b").messages == 3);
+    CHECK(p.AwaitSent(3) == 3);
     CHECK(absl::IsInvalidArgument(p.a->SendShared(p.peer, nullptr)));
   }
 }
@@ -297,12 +300,7 @@ TEST_CASE("asynchronous sends pass plain and delayed links, in order",
       CHECK(outcomes.calls(i) == 1);
       CHECK(outcomes.status(i).ok());
     }
-    const absl::Time bound = absl::Now() + absl::Seconds(60);
-    while (p.a->stats()->Snapshot().at("b").messages < want.size() &&
-           absl::Now() < bound) {
-      absl::SleepFor(absl::Milliseconds(1));
-    }
-    CHECK(p.a->stats()->Snapshot().at("b").messages == want.size());
+    CHECK(p.AwaitSent(want.size()) == want.size());
     CHECK(absl::IsInvalidArgument(
         p.a->SendSharedAsync(p.peer, nullptr, outcomes.Callback(async))));
   }
