@@ -212,6 +212,9 @@ inline void Transpose16(__m512i r[16]) {
 // and dimensions that are whole 32-dim chunks, at most kRowMaxChunks.
 constexpr int kRowHeads = 8;
 constexpr int kRowMaxChunks = 2;
+// From this many queries on, the row path scores a segment with the keys as
+// the tile unit's B operand (see ScoreKeyRows).
+constexpr int kKeysAsBMinQueries = 8;
 bool KeyRowShape(int heads, int dim) {
   return heads <= kRowHeads && dim % 32 == 0 && dim <= 32 * kRowMaxChunks;
 }
@@ -1003,6 +1006,22 @@ inline void HeadSums16(const float* dots, __m512 c, __m512* x, __m512* y) {
   *y = _mm512_shuffle_f32x4(f[0], f[1], 0xDD);
 }
 
+// The head sums of 16 keys from 8 rows of dots (row h: head h's dots of
+// the 16 keys, 16 floats apart) and the heads' coefficients c[0..7]: per
+// key, with t[h] = c[h] * max(dot[h], 0), ((t0 + t1) + (t2 + t3)) +
+// ((t4 + t5) + (t6 + t7)), as HeadSums16 forms it across lanes.
+inline __m512 HeadRowSums(const float* rows, const float* c) {
+  const __m512 zero = _mm512_setzero_ps();
+  __m512 t[8];
+  for (int h = 0; h < 8; ++h) {
+    t[h] = _mm512_mul_ps(_mm512_set1_ps(c[h]),
+                         _mm512_max_ps(_mm512_load_ps(rows + 16 * h), zero));
+  }
+  return _mm512_add_ps(
+      _mm512_add_ps(_mm512_add_ps(t[0], t[1]), _mm512_add_ps(t[2], t[3])),
+      _mm512_add_ps(_mm512_add_ps(t[4], t[5]), _mm512_add_ps(t[6], t[7])));
+}
+
 // Writes the first b of a block's 32 head sums (keys 0-15 in lo, 16-31
 // in hi) times the keys' scales to out.
 inline void StoreScores(__m512 lo, __m512 hi, const float* scale, int b,
@@ -1053,7 +1072,14 @@ inline void ScoreSolo(const KeyRows& a, const IndexQuery& iq, int dim, int b,
 // queries (a prefill segment's) each block is widened once and scored for
 // two queries per tile product (below): against one query per product, a
 // 6000-token dsa-tiny prefill's share of samples in this function went from
-// 7.3% to 3.4%.
+// 7.3% to 3.4%. From kKeysAsBMinQueries queries on, the keys are the B
+// operand and a query's head terms add up lane by lane; with one 32-dim
+// chunk two sets of A and C tiles keep a pair's products queued while the
+// last pair's dots are stored and reduced. 64 queries of 8 heads x 32 over
+// 4096 keys, one core: 0.82-0.86 ns per (query, key), against 1.07-1.11
+// with the keys as the A operand (0.97-1.04 without the second set); in a
+// 6000-token dsa-tiny prefill (reference engine) this function's samples
+// fell from 670-882 to 228-435 (three runs each).
 void ScoreKeyRows(const LayerView& view, int dim, int k_begin, int stop,
                   const IndexQuery* queries, int nq, const int* limit,
                   float* const* out) {
@@ -1169,42 +1195,170 @@ void ScoreKeyRows(const LayerView& view, int dim, int k_begin, int stop,
             l < 8 ? qi.coef16[l] : (qj != nullptr ? qj->coef16[l] : 0.0f);
       }
     }
-    const size_t stride = size_t(dim) * 2;
-    for (int blk = 0; blk < nblocks; ++blk) {
-      const int s0 = k_begin + blk * kKeyBlock, b = block_keys(blk);
-      load(blk);
-      const KeyRows& kb = ring[blk % kRing];
-      // The block's keys: chunk 0 in tiles 2 (keys 0-15) and 3 (16-31),
-      // chunk 1 in 6 and 7; the pair's B tiles in 4 and 5.
-      _tile_loadd(2, kb.rows, stride);
-      _tile_loadd(3, kb.rows + size_t(16) * dim, stride);
-      if (chunks > 1) {
-        _tile_loadd(6, kb.rows + 32, stride);
-        _tile_loadd(7, kb.rows + size_t(16) * dim + 32, stride);
+    if (nq >= kKeysAsBMinQueries) {
+      // Keys as the B operand: each pair's tiles transposed once into A
+      // tiles (row h: head h of query 2p for h < 8, of 2p + 1 for h >= 8,
+      // its pairs of codes in the key rows' order), and each block's key
+      // rows transposed into B tiles (row q: pair q of 16 keys). C row h
+      // then holds one head's dots of 16 keys, and a query's head terms
+      // add up lane by lane, with no shuffles: about a third fewer vector
+      // instructions per pair and block than the head sums across lanes
+      // below, for two transposes per block and chunk. Each dot comes
+      // from the same A row and B column with the roles swapped, which
+      // TDPBF16PS computes to the same bits (products commute; a check of
+      // 5.1 M elements of random, tiny and huge values found no
+      // difference, and the tests compare every score with IndexerScore).
+      for (int p = 0; p < npairs * chunks; ++p) {
+        uint16_t* t = &pair_tiles[size_t(p) * kTile];
+        __m512i r[16];
+        for (int q = 0; q < 16; ++q) r[q] = _mm512_load_si512(t + 32 * q);
+        Transpose16(r);
+        for (int q = 0; q < 16; ++q) _mm512_store_si512(t + 32 * q, r[q]);
       }
-      for (int p = 0; p < npairs; ++p) {
-        const int i = 2 * p, j = 2 * p + 1;
+      // Per chunk, keys 0-15 then 16-31.
+      alignas(64) uint16_t key_tiles[kRowMaxChunks][2][kTile];
+      struct PendingPair {
+        int blk = -1, p = 0, slot = 0;
+      } pending;
+      int slot = 0;
+      auto reduce = [&](const PendingPair& r) {
+        const int s0 = k_begin + r.blk * kKeyBlock, b = block_keys(r.blk);
+        const int i = 2 * r.p, j = 2 * r.p + 1;
         const int b_i = std::min(b, limit[i] - s0);
         const int b_j = j < nq ? std::min(b, limit[j] - s0) : 0;
-        if (b_i <= 0 && b_j <= 0) continue;
-        const uint16_t* tiles = &pair_tiles[size_t(p) * chunks * kTile];
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_loadd(4, tiles, 64);
-        _tile_dpbf16ps(0, 2, 4);
-        _tile_dpbf16ps(1, 3, 4);
-        if (chunks > 1) {
-          _tile_loadd(5, tiles + kTile, 64);
-          _tile_dpbf16ps(0, 6, 5);
-          _tile_dpbf16ps(1, 7, 5);
+        const KeyRows& kb = ring[r.blk % kRing];
+        const float* d = dots[r.slot];
+        const float* coef = &pair_coef[size_t(r.p) * 16];
+        if (b_i > 0) {
+          StoreScores(HeadRowSums(d, coef), HeadRowSums(d + 16 * 16, coef),
+                      kb.scale, b_i, out[i] + s0);
         }
-        StorePairDots(dots[0]);
-        const __m512 c = _mm512_load_ps(&pair_coef[size_t(p) * 16]);
-        __m512 i_lo, j_lo, i_hi, j_hi;
-        HeadSums16(dots[0], c, &i_lo, &j_lo);
-        HeadSums16(dots[0] + 16 * 16, c, &i_hi, &j_hi);
-        StoreScores(i_lo, i_hi, kb.scale, b_i, out[i] + s0);
-        if (b_j > 0) StoreScores(j_lo, j_hi, kb.scale, b_j, out[j] + s0);
+        if (b_j > 0) {
+          StoreScores(HeadRowSums(d + 8 * 16, coef + 8),
+                      HeadRowSums(d + 16 * 16 + 8 * 16, coef + 8), kb.scale,
+                      b_j, out[j] + s0);
+        }
+      };
+      // One chunk: a pending pair's results are still in its set's C tiles.
+      auto store_reduce = [&](const PendingPair& r) {
+        if (r.slot == 0) {
+          StorePairDots(dots[0]);
+        } else {
+          _tile_stored(5, dots[1], 64);
+          _tile_stored(6, dots[1] + 16 * 16, 64);
+        }
+        reduce(r);
+      };
+      for (int blk = 0; blk < nblocks; ++blk) {
+        const int s0 = k_begin + blk * kKeyBlock, b = block_keys(blk);
+        load(blk);
+        const KeyRows& kb = ring[blk % kRing];
+        for (int k = 0; k < chunks; ++k) {
+          for (int half = 0; half < 2; ++half) {
+            __m512i r[16];
+            for (int q = 0; q < 16; ++q) {
+              r[q] = _mm512_load_si512(kb.rows + size_t(16 * half + q) * dim +
+                                       32 * k);
+            }
+            Transpose16(r);
+            for (int q = 0; q < 16; ++q) {
+              _mm512_store_si512(&key_tiles[k][half][32 * q], r[q]);
+            }
+          }
+        }
+        // B: chunk 0's keys in tiles 2 (0-15) and 3 (16-31), chunk 1's in
+        // 6 and 7; A: the pair's chunks in 4 and 5.
+        _tile_loadd(2, key_tiles[0][0], 64);
+        _tile_loadd(3, key_tiles[0][1], 64);
+        if (chunks > 1) {
+          _tile_loadd(6, key_tiles[1][0], 64);
+          _tile_loadd(7, key_tiles[1][1], 64);
+        }
+        for (int p = 0; p < npairs; ++p) {
+          const int i = 2 * p, j = 2 * p + 1;
+          const int b_i = std::min(b, limit[i] - s0);
+          const int b_j = j < nq ? std::min(b, limit[j] - s0) : 0;
+          if (b_i <= 0 && b_j <= 0) continue;
+          const uint16_t* tiles = &pair_tiles[size_t(p) * chunks * kTile];
+          if (chunks == 1) {
+            // Two sets of A and C tiles (4 -> 0, 1 and 7 -> 5, 6), so
+            // that this pair's products are queued before the last
+            // pair's results are stored.
+            if (slot == 0) {
+              _tile_zero(0);
+              _tile_zero(1);
+              _tile_loadd(4, tiles, 64);
+              _tile_dpbf16ps(0, 4, 2);
+              _tile_dpbf16ps(1, 4, 3);
+            } else {
+              _tile_zero(5);
+              _tile_zero(6);
+              _tile_loadd(7, tiles, 64);
+              _tile_dpbf16ps(5, 7, 2);
+              _tile_dpbf16ps(6, 7, 3);
+            }
+            if (pending.blk >= 0) store_reduce(pending);
+          } else {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_loadd(4, tiles, 64);
+            _tile_dpbf16ps(0, 4, 2);
+            _tile_dpbf16ps(1, 4, 3);
+            _tile_loadd(5, tiles + kTile, 64);
+            _tile_dpbf16ps(0, 5, 6);
+            _tile_dpbf16ps(1, 5, 7);
+            if (pending.blk >= 0) reduce(pending);
+            StorePairDots(dots[slot]);
+          }
+          pending = PendingPair{blk, p, slot};
+          slot ^= 1;
+        }
+      }
+      if (pending.blk >= 0) {
+        if (chunks == 1) {
+          store_reduce(pending);
+        } else {
+          reduce(pending);
+        }
+      }
+    } else {
+      const size_t stride = size_t(dim) * 2;
+      for (int blk = 0; blk < nblocks; ++blk) {
+        const int s0 = k_begin + blk * kKeyBlock, b = block_keys(blk);
+        load(blk);
+        const KeyRows& kb = ring[blk % kRing];
+        // The block's keys: chunk 0 in tiles 2 (keys 0-15) and 3 (16-31),
+        // chunk 1 in 6 and 7; the pair's B tiles in 4 and 5.
+        _tile_loadd(2, kb.rows, stride);
+        _tile_loadd(3, kb.rows + size_t(16) * dim, stride);
+        if (chunks > 1) {
+          _tile_loadd(6, kb.rows + 32, stride);
+          _tile_loadd(7, kb.rows + size_t(16) * dim + 32, stride);
+        }
+        for (int p = 0; p < npairs; ++p) {
+          const int i = 2 * p, j = 2 * p + 1;
+          const int b_i = std::min(b, limit[i] - s0);
+          const int b_j = j < nq ? std::min(b, limit[j] - s0) : 0;
+          if (b_i <= 0 && b_j <= 0) continue;
+          const uint16_t* tiles = &pair_tiles[size_t(p) * chunks * kTile];
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_loadd(4, tiles, 64);
+          _tile_dpbf16ps(0, 2, 4);
+          _tile_dpbf16ps(1, 3, 4);
+          if (chunks > 1) {
+            _tile_loadd(5, tiles + kTile, 64);
+            _tile_dpbf16ps(0, 6, 5);
+            _tile_dpbf16ps(1, 7, 5);
+          }
+          StorePairDots(dots[0]);
+          const __m512 c = _mm512_load_ps(&pair_coef[size_t(p) * 16]);
+          __m512 i_lo, j_lo, i_hi, j_hi;
+          HeadSums16(dots[0], c, &i_lo, &j_lo);
+          HeadSums16(dots[0] + 16 * 16, c, &i_hi, &j_hi);
+          StoreScores(i_lo, i_hi, kb.scale, b_i, out[i] + s0);
+          if (b_j > 0) StoreScores(j_lo, j_hi, kb.scale, b_j, out[j] + s0);
+        }
       }
     }
   }

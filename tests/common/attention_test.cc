@@ -639,7 +639,8 @@ TEST_CASE(
     "limits and core count",
     "[attention][core_pool]") {
   // The row path's paired queries (8 and 5 heads, 32 and 64 dims; an odd
-  // count leaves a query unpaired), the general paths (16 heads, 128
+  // count leaves a query unpaired; from 8 queries on the keys are the B
+  // operand, below they are the A operand), the general paths (16 heads, 128
   // dims), limits of a prefill segment (consecutive) and arbitrary ones,
   // pages of 64 and 5 keys, keys with every code (NaN, zero, subnormal).
   struct Case {
@@ -650,7 +651,7 @@ TEST_CASE(
   for (const Case& c :
        {Case{8, 32, 64, true}, Case{8, 32, 7, false}, Case{5, 64, 9, true},
         Case{8, 64, 2, false}, Case{16, 32, 6, true}, Case{8, 128, 3, false},
-        Case{8, 32, 1, false}}) {
+        Case{8, 32, 1, false}, Case{5, 32, 17, false}, Case{8, 64, 8, false}}) {
     CAPTURE(c.heads, c.dim, c.nq, c.causal);
     std::mt19937 rng(c.heads * 100 + c.dim + c.nq);
     std::vector<uint8_t> codes(size_t(kN) * c.dim);
