@@ -11,6 +11,7 @@
 #include <functional>
 #include <new>
 #include <numeric>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/numeric.h"
@@ -1195,6 +1196,13 @@ void ScoreKeyRows(const LayerView& view, int dim, int k_begin, int stop,
             l < 8 ? qi.coef16[l] : (qj != nullptr ? qj->coef16[l] : 0.0f);
       }
     }
+    // The keys of a block (from s0, b of them) that queries 2p and 2p + 1
+    // score (<= 0: none).
+    auto pair_keys = [&](int p, int s0, int b) {
+      const int j = 2 * p + 1;
+      return std::pair<int, int>(std::min(b, limit[2 * p] - s0),
+                                 j < nq ? std::min(b, limit[j] - s0) : 0);
+    };
     if (nq >= kKeysAsBMinQueries) {
       // Keys as the B operand: each pair's tiles transposed once into A
       // tiles (row h: head h of query 2p for h < 8, of 2p + 1 for h >= 8,
@@ -1222,10 +1230,9 @@ void ScoreKeyRows(const LayerView& view, int dim, int k_begin, int stop,
       } pending;
       int slot = 0;
       auto reduce = [&](const PendingPair& r) {
-        const int s0 = k_begin + r.blk * kKeyBlock, b = block_keys(r.blk);
+        const int s0 = k_begin + r.blk * kKeyBlock;
         const int i = 2 * r.p, j = 2 * r.p + 1;
-        const int b_i = std::min(b, limit[i] - s0);
-        const int b_j = j < nq ? std::min(b, limit[j] - s0) : 0;
+        const auto [b_i, b_j] = pair_keys(r.p, s0, block_keys(r.blk));
         const KeyRows& kb = ring[r.blk % kRing];
         const float* d = dots[r.slot];
         const float* coef = &pair_coef[size_t(r.p) * 16];
@@ -1275,15 +1282,15 @@ void ScoreKeyRows(const LayerView& view, int dim, int k_begin, int stop,
           _tile_loadd(7, key_tiles[1][1], 64);
         }
         for (int p = 0; p < npairs; ++p) {
-          const int i = 2 * p, j = 2 * p + 1;
-          const int b_i = std::min(b, limit[i] - s0);
-          const int b_j = j < nq ? std::min(b, limit[j] - s0) : 0;
+          const auto [b_i, b_j] = pair_keys(p, s0, b);
           if (b_i <= 0 && b_j <= 0) continue;
           const uint16_t* tiles = &pair_tiles[size_t(p) * chunks * kTile];
           if (chunks == 1) {
             // Two sets of A and C tiles (4 -> 0, 1 and 7 -> 5, 6), so
             // that this pair's products are queued before the last
             // pair's results are stored.
+            // (GCC's tile intrinsics paste their tile numbers into the
+            // instruction text, so each set is written out.)
             if (slot == 0) {
               _tile_zero(0);
               _tile_zero(1);
@@ -1337,8 +1344,7 @@ void ScoreKeyRows(const LayerView& view, int dim, int k_begin, int stop,
         }
         for (int p = 0; p < npairs; ++p) {
           const int i = 2 * p, j = 2 * p + 1;
-          const int b_i = std::min(b, limit[i] - s0);
-          const int b_j = j < nq ? std::min(b, limit[j] - s0) : 0;
+          const auto [b_i, b_j] = pair_keys(p, s0, b);
           if (b_i <= 0 && b_j <= 0) continue;
           const uint16_t* tiles = &pair_tiles[size_t(p) * chunks * kTile];
           _tile_zero(0);
