@@ -194,7 +194,7 @@ void DataPlaneHandler::OnMessage(PeerId from, std::string_view message) {
       if (h.n_tokens <= uint32_t(kInlineMaxTokens) &&
           uint64_t(h.pos_start) + h.n_tokens <= uint64_t(inline_max_context_) &&
           !device->paced() &&
-          device->TryRunInline([&] { HandleData(device, from, message); })) {
+          device->TryRunInline([&] { HandleData(device, from, *frame); })) {
         frames_inline_.fetch_add(1);
         return;
       }
@@ -202,7 +202,9 @@ void DataPlaneHandler::OnMessage(PeerId from, std::string_view message) {
       // transport's receive buffer while the next one arrives.
       device->Post(
           [this, device, from, m = ReceivedBytes(transport_, message)] {
-            HandleData(device, from, m.view());
+            // Validated on arrival; decoded again over the held bytes.
+            absl::StatusOr<FrameView> held = DecodeFrame(m.view());
+            if (held.ok()) HandleData(device, from, *held);
           });
       return;
     }
@@ -248,13 +250,11 @@ void DataPlaneHandler::HandleHello(const std::string& message) {
 }
 
 void DataPlaneHandler::HandleData(KaratDevice* device, PeerId from,
-                                  std::string_view message) {
-  absl::StatusOr<FrameView> frame = DecodeFrame(message);
-  if (!frame.ok()) return;  // validated on arrival
-  const FrameHeader& h = frame->header;
+                                  const FrameView& frame) {
+  const FrameHeader& h = frame.header;
   std::vector<float> out;
   uint64_t ingested = 0;
-  absl::Status status = device->Process(*frame, &out, &ingested);
+  absl::Status status = device->Process(frame, &out, &ingested);
   kv_bytes_ingested_.fetch_add(ingested);
   if (!status.ok()) {
     ReplyError(h, status, from);

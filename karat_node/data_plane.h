@@ -118,7 +118,7 @@ class DataPlaneHandler {
   DataPlaneHandler(const ModelConfig& config, Transport* transport);
   void OnMessage(PeerId from, std::string_view message);
   void HandleHello(const std::string& message);
-  void HandleData(KaratDevice* device, PeerId from, std::string_view message);
+  void HandleData(KaratDevice* device, PeerId from, const FrameView& frame);
   // Replies to the frame's sender; counts and logs when that fails.
   void Reply(const FrameHeader& request, FrameType type,
              const std::vector<std::string_view>& sections,
