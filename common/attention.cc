@@ -543,6 +543,15 @@ inline void ScoreHeads(const uint32_t* kt, int pairs, const uint32_t* q,
   }
 }
 
+// A prefetch the compiler keeps: GCC treats _mm_prefetch as free of side
+// effects and deletes a loop that does nothing else.
+inline void PrefetchLine(const void* p) {
+  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+}
+inline void PrefetchLineL2(const void* p) {
+  asm volatile("prefetcht2 %0" : : "m"(*static_cast<const char*>(p)));
+}
+
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
 // The tile path (AMX-BF16). TDPBF16PS computes, for a tile of 16 heads x
 // 16 keys, C += Q K over 32 dims (16 code pairs) in one instruction; its
@@ -774,15 +783,6 @@ struct KeyPos {
 // about 10%.)
 constexpr int kRowPrefetchAhead = 2 * kKeyBlock;
 constexpr int kRowFarAhead = 16 * kKeyBlock;
-
-// A prefetch the compiler keeps: GCC treats _mm_prefetch as free of side
-// effects and deletes a loop that does nothing else.
-inline void PrefetchLine(const void* p) {
-  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
-}
-inline void PrefetchLineL2(const void* p) {
-  asm volatile("prefetcht2 %0" : : "m"(*static_cast<const char*>(p)));
-}
 
 // Prefetches the codes and scales of the n keys from `p`: every line into
 // L1, or (kL2) one line in four into L2.
@@ -1386,6 +1386,7 @@ const bool g_tile_unit = false;
 
 bool UseTileUnit() { return kHaveTileUnit && g_tile_unit; }
 
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
 // Head terms of the 32 keys of `kb` from their dots (dots[h * 32 + j],
 // from TileDots), times the keys' scales; writes the first `b` to out.
 void FinishKeyBlock(const KeyBlock& kb, const IndexQuery& iq, int b, float* out,
@@ -1410,6 +1411,7 @@ void FinishKeyBlock(const KeyBlock& kb, const IndexQuery& iq, int b, float* out,
     _mm512_mask_storeu_ps(out + 16, m1, s1);
   }
 }
+#endif
 
 // The vector path: scores the 32 keys of `kb` for query `iq` with
 // vdpbf16ps; writes the first `b` to out.
