@@ -22,13 +22,13 @@ absl::StatusOr<std::unique_ptr<DataPlaneHandler>> DataPlaneHandler::Create(
   if (options.devices.empty()) {
     return absl::InvalidArgumentError("a KARAT node needs at least 1 device");
   }
-  std::unique_ptr<DataPlaneHandler> handler(
-      new DataPlaneHandler(config, transport));
   if (options.inline_max_context < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("inline_max_context is ", options.inline_max_context,
                      "; must be >= 0 (0: never run frames inline)"));
   }
+  std::unique_ptr<DataPlaneHandler> handler(
+      new DataPlaneHandler(config, transport));
   handler->inline_max_context_ = options.inline_max_context;
   // One attention method for every device (the GQA forms; mla_dsa runs
   // RunIndexer/RunAttention).
