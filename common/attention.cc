@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -77,12 +78,19 @@ AttnShapes MakeAttnShapes(const ModelConfig& c) {
 //   max(amax, 1e-4) / 448), so this equals MODEL.md's
 //   sum_h w[h] Di^-0.5 ReLU(q_scale q . k_scale k) up to rounding.
 //
-// That is the vector path. Where the kernel grants the matrix tile unit
-// (AMX), the dots come from TDPBF16PS instead, whose own internal
-// accumulation replaces the chain above. On this hardware the tile unit is
-// an order of magnitude faster than vdpbf16ps, which itself issues at well
-// under the FMA rate. The tile unit runs one of two paths, chosen by the
-// shape alone (KeyRowShape), never by block, split or batch:
+// That is the vector path. It has two forms with the same bits
+// (IndexerDots): vdpbf16ps on the code pairs, or fp32 FMAs on the codes
+// widened to fp32 (the odd dim's product first, one rounding each; no
+// partial sum is ever subnormal, so vdpbf16ps's flushing never applies).
+// vdpbf16ps does two products per lane and instruction; it issues at the
+// FMA's rate on AMD Zen 4/5 but at a quarter of it on Sapphire Rapids, so
+// each process measures both once and takes the faster.
+//
+// Where the kernel grants the matrix tile unit (AMX), the dots come from
+// TDPBF16PS instead, whose own internal accumulation replaces the chain
+// above. On Sapphire Rapids the tile unit is an order of magnitude faster
+// than either vector form. The tile unit runs one of two paths, chosen by
+// the shape alone (KeyRowShape), never by block, split or batch:
 //   * up to 8 heads and Di a multiple of 32 (at most 64), the key-row path
 //     (ScoreKeyRows): the dots come from TDPBF16PS over 32-dim chunks in
 //     increasing order, each chunk's dims in RowDim order, and then, per
@@ -99,11 +107,12 @@ AttnShapes MakeAttnShapes(const ModelConfig& c) {
 // multiple of 32 has its codes transposed in registers and then widened
 // with a byte table lookup (vpermi2b; DecodeTransposed32); other blocks
 // are widened to bf16 rows in an L1 scratch and transposed there. The
-// vector path keeps 2 x kHeadBlock accumulators in registers over all
-// pairs. Every key block is decoded once for all queries of a segment
-// (prefill). The key-row path instead keeps keys in their natural layout
-// (one 64-byte tile row per 32-dim chunk) and needs no transpose; see its
-// section below.
+// vector path keeps 2 x kHeadBlock accumulators (vdpbf16ps) or 2 x
+// kFmaHeadBlock (FMA; the block's pairs widened once into an fp32 scratch,
+// WidenKeyBlock) in registers over all pairs. Every key block is decoded once
+// for all queries of a segment (prefill). The key-row path instead keeps keys
+// in their natural layout (one 64-byte tile row per 32-dim chunk) and needs no
+// transpose; see its section below.
 
 namespace {
 
@@ -132,6 +141,7 @@ CorePool* PoolFor(CorePool* pool, double work) {
   return pool != nullptr && work >= pool->min_parallel_work() ? pool : nullptr;
 }
 constexpr int kHeadBlock = 8;
+constexpr int kFmaHeadBlock = 12;
 
 // Pads Di to whole 16-pair tiles of the transpose.
 int PaddedIndexDim(int dim) { return (dim + 31) / 32 * 32; }
@@ -229,11 +239,17 @@ inline int RowDim(int i) { return i < 16 ? 2 * i : 2 * (i - 16) + 1; }
 // the per-head coefficients c[h]; for the key-row path also its codes
 // times 256 in the tile unit's pair-interleaved B layout, and c[h] twice
 // over 16 lanes.
+// Which of the scan's paths a query is prepared for (CurrentIndexPath).
+enum class IndexPath { kTiles, kBf16, kFma };
+
 struct IndexQuery {
+  IndexPath path = IndexPath::kBf16;
   int heads = 0;
   int pairs = 0;            // padded dim / 2
   std::vector<uint32_t> q;  // heads (padded to 16) x pairs; not key-row
   std::vector<float> coef;  // heads
+  // kFma only: heads x pairs x {odd, even} dims as fp32.
+  AlignedVector<float> qf;
   // Key-row path only: per 32-dim chunk two B tiles of 16 pair rows x 16
   // columns x 2 bf16, the heads in columns 0-7 of the first ([Q | 0]) and
   // 8-15 of the second ([0 | Q]), zero elsewhere and for absent heads; and
@@ -243,13 +259,16 @@ struct IndexQuery {
 };
 
 bool UseTileUnit();
+IndexPath CurrentIndexPath();
 
-// Builds what the scan's path reads: the key-row path (the tile unit and a
-// KeyRowShape) only qb and coef16, the other paths q and coef.
+// Builds what the scan's `path` reads: the key-row path (the tile unit and
+// a KeyRowShape) only qb and coef16, the other paths q and coef, and the
+// FMA form also qf.
 void PrepareIndexQuery(const uint8_t* q_codes, const float* q_scales,
-                       const float* weights, int heads, int dim,
+                       const float* weights, int heads, int dim, IndexPath path,
                        IndexQuery* out) {
   const int dp = PaddedIndexDim(dim);
+  out->path = path;
   out->heads = heads;
   out->pairs = dp / 2;
   out->coef.resize(heads);
@@ -258,7 +277,8 @@ void PrepareIndexQuery(const uint8_t* q_codes, const float* q_scales,
     out->coef[h] = (weights[h] * dim_scale) * q_scales[h];
   }
   out->qb.clear();
-  if (UseTileUnit() && KeyRowShape(heads, dim)) {
+  out->qf.clear();
+  if (path == IndexPath::kTiles && KeyRowShape(heads, dim)) {
     out->q.clear();
     const int chunks = dim / 32;
     // bf16 of every code's value times 256 (exact: a power-of-two
@@ -306,16 +326,32 @@ void PrepareIndexQuery(const uint8_t* q_codes, const float* q_scales,
       std::memcpy(dst + d0, row, size_t(std::min(64, dp - d0)) * 2);
     }
   }
+  if (path == IndexPath::kFma) {
+    // A bf16 pair word widens to fp32 by bit moves: the odd dim is its
+    // high half, the even dim its low half shifted up.
+    out->qf.resize(size_t(heads) * dp);
+    for (size_t i = 0; i < size_t(heads) * out->pairs; ++i) {
+      const uint32_t w = out->q[i];
+      const uint32_t odd = w & 0xFFFF0000u, even = w << 16;
+      std::memcpy(&out->qf[2 * i], &odd, 4);
+      std::memcpy(&out->qf[2 * i + 1], &even, 4);
+    }
+  }
 }
 
 // Decoded, transposed keys of one block: pair p of key j at kt[p * 32 + j],
-// and the keys' scales.
+// and the keys' scales; for the FMA form also the pairs widened to fp32
+// (WidenKeyBlock).
 struct KeyBlock {
   AlignedVector<uint16_t> rows;  // 32 x padded dim, bf16
   AlignedVector<uint32_t> kt;    // pairs x 32
+  // Pair p at kf[p * 64 ..]: the odd dim of keys 0-31, then the even dim.
+  AlignedVector<float> kf;
   alignas(64) float scale[kKeyBlock];
-  explicit KeyBlock(int dp)
-      : rows(size_t(kKeyBlock) * dp + 64), kt(size_t(dp / 2) * kKeyBlock) {}
+  KeyBlock(int dp, bool fp32 = false)
+      : rows(size_t(kKeyBlock) * dp + 64),
+        kt(size_t(dp / 2) * kKeyBlock),
+        kf(fp32 ? size_t(dp) * kKeyBlock : 0) {}
 };
 
 // Keys this many positions ahead of the block being decoded are
@@ -533,6 +569,48 @@ inline void ScoreHeads(const uint32_t* kt, int pairs, const uint32_t* q,
           (__m512bh)_mm512_set1_epi32(int(q[size_t(h) * pairs + p]));
       a0[h] = _mm512_dpbf16_ps(a0[h], qb, k0);
       a1[h] = _mm512_dpbf16_ps(a1[h], qb, k1);
+    }
+  }
+  const __m512 zero = _mm512_setzero_ps();
+  for (int h = 0; h < HB; ++h) {
+    const __m512 c = _mm512_set1_ps(coef[h]);
+    *s0 = _mm512_fmadd_ps(c, _mm512_max_ps(a0[h], zero), *s0);
+    *s1 = _mm512_fmadd_ps(c, _mm512_max_ps(a1[h], zero), *s1);
+  }
+}
+
+// The FMA form: the block's pairs widened to fp32 (kb->kf), by bit moves.
+void WidenKeyBlock(int pairs, KeyBlock* kb) {
+  const __m512i high = _mm512_set1_epi32(int(0xFFFF0000u));
+  for (int p = 0; p < pairs; ++p) {
+    const uint32_t* src = kb->kt.data() + size_t(p) * kKeyBlock;
+    float* dst = kb->kf.data() + size_t(p) * 2 * kKeyBlock;
+    for (int half = 0; half < 2; ++half) {
+      const __m512i w = _mm512_load_si512(src + 16 * half);
+      _mm512_store_si512(dst + 16 * half, _mm512_and_si512(w, high));
+      _mm512_store_si512(dst + 32 + 16 * half, _mm512_slli_epi32(w, 16));
+    }
+  }
+}
+
+// ScoreHeads in the FMA form: per pair the odd dim's product is added
+// before the even one's, each with one rounding, as vdpbf16ps does.
+template <int HB>
+inline void ScoreHeadsFma(const float* kf, int pairs, const float* qf,
+                          const float* coef, __m512* s0, __m512* s1) {
+  __m512 a0[HB], a1[HB];
+  for (int h = 0; h < HB; ++h) a0[h] = a1[h] = _mm512_setzero_ps();
+  for (int p = 0; p < pairs; ++p) {
+    const float* k = kf + size_t(p) * 2 * kKeyBlock;
+    const __m512 ko0 = _mm512_load_ps(k), ko1 = _mm512_load_ps(k + 16);
+    const __m512 ke0 = _mm512_load_ps(k + 32), ke1 = _mm512_load_ps(k + 48);
+    for (int h = 0; h < HB; ++h) {
+      const float* q = qf + (size_t(h) * pairs + p) * 2;
+      const __m512 qo = _mm512_set1_ps(q[0]), qe = _mm512_set1_ps(q[1]);
+      a0[h] = _mm512_fmadd_ps(qo, ko0, a0[h]);
+      a1[h] = _mm512_fmadd_ps(qo, ko1, a1[h]);
+      a0[h] = _mm512_fmadd_ps(qe, ke0, a0[h]);
+      a1[h] = _mm512_fmadd_ps(qe, ke1, a1[h]);
     }
   }
   const __m512 zero = _mm512_setzero_ps();
@@ -1386,6 +1464,62 @@ const bool g_tile_unit = false;
 
 bool UseTileUnit() { return kHaveTileUnit && g_tile_unit; }
 
+// One thread's rate of `op` (instructions per second) over 24 independent
+// accumulators, timed over `rounds` rounds; the accumulators stay in
+// registers (the unrolled loop).
+template <typename Op>
+double InstructionRate(Op op, int rounds) {
+  __m512 acc[24];
+  for (int i = 0; i < 24; ++i) acc[i] = _mm512_set1_ps(float(i));
+  const auto start = std::chrono::steady_clock::now();
+  for (int r = 0; r < rounds; ++r) {
+#pragma GCC unroll 24
+    for (int i = 0; i < 24; ++i) acc[i] = op(acc[i]);
+  }
+  const double s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+          .count();
+  __m512 sum = acc[0];
+  for (int i = 1; i < 24; ++i) sum = _mm512_add_ps(sum, acc[i]);
+  volatile float sink = _mm512_reduce_add_ps(sum);
+  (void)sink;
+  return s > 0 ? 24.0 * rounds / s : 0.0;
+}
+
+IndexerDotsChoice MeasureIndexerDots() {
+  // Operands that keep every accumulator normal and finite.
+  const __m512bh a = (__m512bh)_mm512_set1_epi32(0x3A803A80);  // 2^-10 twice
+  const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
+  auto bf16 = [&](__m512 x) { return _mm512_dpbf16_ps(x, a, a); };
+  auto fma = [&](__m512 x) { return _mm512_fmadd_ps(x, half, one); };
+  IndexerDotsChoice c;
+  // A warm-up first: a core runs its first wide instructions slowly while
+  // its clock and voltage settle. Then alternated, so that a change of
+  // clock or load affects both alike; about a millisecond in all.
+  InstructionRate(fma, 4000);
+  for (int i = 0; i < 3; ++i) {
+    c.bf16_per_s = std::max(c.bf16_per_s, InstructionRate(bf16, 4000));
+    c.fma_per_s = std::max(c.fma_per_s, InstructionRate(fma, 8000));
+  }
+  c.dots = c.fma_per_s > 2.4 * c.bf16_per_s ? IndexerDots::kFp32Fma
+                                            : IndexerDots::kBf16Pairs;
+  return c;
+}
+
+// -1: the process's own choice; else a forced IndexerDots (vector path).
+std::atomic<int> g_forced_dots{-1};
+
+IndexPath CurrentIndexPath() {
+  const int forced = g_forced_dots.load(std::memory_order_relaxed);
+  if (forced >= 0) {
+    return IndexerDots(forced) == IndexerDots::kFp32Fma ? IndexPath::kFma
+                                                        : IndexPath::kBf16;
+  }
+  if (UseTileUnit()) return IndexPath::kTiles;
+  return IndexerDotsMeasured().dots == IndexerDots::kFp32Fma ? IndexPath::kFma
+                                                             : IndexPath::kBf16;
+}
+
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
 // Head terms of the 32 keys of `kb` from their dots (dots[h * 32 + j],
 // from TileDots), times the keys' scales; writes the first `b` to out.
@@ -1414,23 +1548,33 @@ void FinishKeyBlock(const KeyBlock& kb, const IndexQuery& iq, int b, float* out,
 #endif
 
 // The vector path: scores the 32 keys of `kb` for query `iq` with
-// vdpbf16ps; writes the first `b` to out.
+// vdpbf16ps or, in the FMA form, with fp32 FMAs; writes the first `b` to
+// out.
 void ScoreKeyBlock(const KeyBlock& kb, const IndexQuery& iq, int b,
                    float* out) {
   __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
-  const uint32_t* kt = kb.kt.data();
   const int pairs = iq.pairs;
+  auto heads = [&](auto hb, int h) {
+    constexpr int HB = decltype(hb)::value;
+    if (iq.path == IndexPath::kFma) {
+      ScoreHeadsFma<HB>(kb.kf.data(), pairs, &iq.qf[size_t(h) * 2 * pairs],
+                        &iq.coef[h], &s0, &s1);
+    } else {
+      ScoreHeads<HB>(kb.kt.data(), pairs, &iq.q[size_t(h) * pairs], &iq.coef[h],
+                     &s0, &s1);
+    }
+  };
   int h = 0;
+  if (iq.path == IndexPath::kFma) {
+    for (; h + kFmaHeadBlock <= iq.heads; h += kFmaHeadBlock) {
+      heads(std::integral_constant<int, kFmaHeadBlock>(), h);
+    }
+  }
   for (; h + kHeadBlock <= iq.heads; h += kHeadBlock) {
-    ScoreHeads<kHeadBlock>(kt, pairs, &iq.q[size_t(h) * pairs], &iq.coef[h],
-                           &s0, &s1);
+    heads(std::integral_constant<int, kHeadBlock>(), h);
   }
-  for (; h + 4 <= iq.heads; h += 4) {
-    ScoreHeads<4>(kt, pairs, &iq.q[size_t(h) * pairs], &iq.coef[h], &s0, &s1);
-  }
-  for (; h < iq.heads; ++h) {
-    ScoreHeads<1>(kt, pairs, &iq.q[size_t(h) * pairs], &iq.coef[h], &s0, &s1);
-  }
+  for (; h + 4 <= iq.heads; h += 4) heads(std::integral_constant<int, 4>(), h);
+  for (; h < iq.heads; ++h) heads(std::integral_constant<int, 1>(), h);
   s0 = _mm512_mul_ps(s0, _mm512_load_ps(kb.scale));
   s1 = _mm512_mul_ps(s1, _mm512_load_ps(kb.scale + 16));
   if (b == kKeyBlock) {
@@ -1468,11 +1612,14 @@ void ScoreKeyRange(const LayerView& view, int dim, int k_begin, int k_end,
   auto block_keys = [&](int blk) {
     return std::min(kKeyBlock, stop - (k_begin + blk * kKeyBlock));
   };
-  if (!UseTileUnit()) {
-    KeyBlock kb(dp);
+  const IndexPath path = queries[0].path;
+  if (path != IndexPath::kTiles) {
+    const bool fma = path == IndexPath::kFma;
+    KeyBlock kb(dp, fma);
     for (int blk = 0; blk < nblocks; ++blk) {
       const int s0 = k_begin + blk * kKeyBlock, b = block_keys(blk);
       LoadKeyBlock(view, s0, b, stop, dim, &kb);
+      if (fma) WidenKeyBlock(dp / 2, &kb);
       for (int i = 0; i < nq; ++i) {
         if (limit[i] <= s0) continue;
         ScoreKeyBlock(kb, queries[i], std::min(b, limit[i] - s0), out[i] + s0);
@@ -1525,7 +1672,20 @@ void ScoreKeyRange(const LayerView& view, int dim, int k_begin, int k_end,
 
 }  // namespace
 
-bool IndexerUsesTileUnit() { return UseTileUnit(); }
+bool IndexerUsesTileUnit() { return CurrentIndexPath() == IndexPath::kTiles; }
+
+IndexerDots IndexerVectorDots() { return IndexerDotsMeasured().dots; }
+
+const IndexerDotsChoice& IndexerDotsMeasured() {
+  static const IndexerDotsChoice choice = MeasureIndexerDots();
+  return choice;
+}
+
+void ForceIndexerVectorPath(IndexerDots dots) {
+  g_forced_dots.store(int(dots), std::memory_order_relaxed);
+}
+
+void ResetIndexerPath() { g_forced_dots.store(-1, std::memory_order_relaxed); }
 
 void IndexerScoreQueries(const LayerView& view, int nq, const uint8_t* q_codes,
                          const float* q_scales, const float* weights, int heads,
@@ -1535,10 +1695,11 @@ void IndexerScoreQueries(const LayerView& view, int nq, const uint8_t* q_codes,
   std::vector<IndexQuery> queries(nq);
   int max_limit = 0;
   double work = 0;
+  const IndexPath path = CurrentIndexPath();
   for (int i = 0; i < nq; ++i) {
     PrepareIndexQuery(q_codes + size_t(i) * heads * dim,
                       q_scales + size_t(i) * heads, weights + size_t(i) * heads,
-                      heads, dim, &queries[i]);
+                      heads, dim, path, &queries[i]);
     max_limit = std::max(max_limit, limit[i]);
     work += double(limit[i]) * heads * dim;
   }
@@ -1553,7 +1714,8 @@ void IndexerScore(const LayerView& view, int n, const uint8_t* q_codes,
                   const float* q_scales, const float* weights, int heads,
                   int dim, float* scores, CorePool* pool) {
   IndexQuery iq;
-  PrepareIndexQuery(q_codes, q_scales, weights, heads, dim, &iq);
+  PrepareIndexQuery(q_codes, q_scales, weights, heads, dim, CurrentIndexPath(),
+                    &iq);
   float* out[1] = {scores};
   const int limit[1] = {n};
   ParallelFor(PoolFor(pool, double(n) * heads * dim), n, kKeyBlock,

@@ -110,8 +110,33 @@ void IndexerScoreQueries(const LayerView& view, int nq, const uint8_t* q_codes,
                          int dim, const int* limit, float* const* out,
                          CorePool* pool = nullptr);
 // Whether IndexerScore runs on the matrix tile unit (decided once per
-// process).
+// process; false while ForceIndexerVectorPath holds).
 bool IndexerUsesTileUnit();
+// How the vector path (no tile unit) forms the dots above: vdpbf16ps on bf16
+// code pairs, or fp32 FMAs on codes widened to fp32, odd dim then even. Both
+// give the same bits: the products of fp8 values are exact in fp32 and
+// every nonzero partial sum is a multiple of 2^-18, so neither
+// vdpbf16ps's flushing of denormals nor anything else can tell them apart.
+// Which is faster depends on the core (vdpbf16ps issues at the FMA's rate
+// on some, at a quarter of it on others), so the process measures both
+// once, on first use, and takes the faster (IndexerDotsChoice).
+enum class IndexerDots { kBf16Pairs, kFp32Fma };
+IndexerDots IndexerVectorDots();
+// The measurement behind IndexerVectorDots(): vdpbf16ps's and the FMA's
+// instruction rates on this core (per second, one thread, 24 independent
+// accumulators); kFp32Fma when the FMA issues more than 2.4 times as fast
+// (it needs two instructions where vdpbf16ps needs one, plus the widening).
+struct IndexerDotsChoice {
+  double bf16_per_s = 0;
+  double fma_per_s = 0;
+  IndexerDots dots = IndexerDots::kBf16Pairs;
+};
+const IndexerDotsChoice& IndexerDotsMeasured();
+// Tests and benchmarks: makes the indexer run its vector path with `dots`
+// even where the tile unit is granted; ResetIndexerPath() returns to the
+// process's own choice. Takes effect for calls that start afterwards.
+void ForceIndexerVectorPath(IndexerDots dots);
+void ResetIndexerPath();
 // Positions of the min(k, n) highest scores, ties to the lower position,
 // -0.0 == +0.0; returned in increasing position order.
 void SelectTopK(const float* scores, int n, int k, std::vector<int32_t>* out);

@@ -12,9 +12,12 @@
 //     vdpbf16ps counts 64 FLOP per instruction; how fast it issues depends
 //     on the core (the ratio to the FMA's is printed): on Sapphire Rapids a
 //     quarter of the FMA's rate, so about half the fp32 FMA FLOP rate, and
-//     the indexer uses the tile unit there; on the AMD EPYC cores without
-//     a tile unit seen here, the FMA's rate: twice its FLOP rate. Without
-//     the tile unit the indexer scores with vdpbf16ps.
+//     the indexer uses the tile unit there where the kernel grants it; on
+//     the AMD EPYC cores seen here, the FMA's rate: twice its FLOP rate.
+//     Without the tile unit the indexer scores with vdpbf16ps or with fp32
+//     FMAs, whichever the process measured faster (IndexerDotsMeasured,
+//     printed; --indexer-dots forces one), and its rows are against that
+//     instruction's peak.
 // Attend rows whose FLOPs alone, at the fp32 FMA peak, take more than twice
 // the time to read their entries say so: the "<= 2x the read time" goal is
 // out of reach for them. Where Attend runs on the tile unit (three bf16
@@ -351,7 +354,11 @@ struct Row {
   double warm_seconds = 0;    // kAttend: the same call, entries cached
 };
 
-void PrintRow(const Row& r, const Limits& lim, bool tiles) {
+// What the indexer's scan runs on: the tile unit, or the vector path in
+// one of its two forms (IndexerDots).
+enum class ScoreOn { kTiles, kBf16, kFma };
+
+void PrintRow(const Row& r, const Limits& lim, ScoreOn score_on) {
   const double gbps = r.bytes / r.seconds / 1e9;
   char note[256];
   if (r.kind == Kind::kSelect) {  // against bandwidth alone
@@ -375,8 +382,11 @@ void PrintRow(const Row& r, const Limits& lim, bool tiles) {
   double peak;
   if (r.kind == Kind::kScore) {
     // The indexer runs on the tile unit where the kernel grants it, else on
-    // the vector unit's bf16 dot products: the roofline uses that peak.
-    peak = tiles ? lim.tile_gflops : lim.bf16_gflops;
+    // the vector unit's bf16 dot products or fp32 FMAs: the roofline uses
+    // that peak.
+    peak = score_on == ScoreOn::kTiles  ? lim.tile_gflops
+           : score_on == ScoreOn::kBf16 ? lim.bf16_gflops
+                                        : lim.fp32_gflops;
     std::snprintf(note, sizeof note, "%.2fx fp32 FMA peak",
                   gflops / lim.fp32_gflops);
   } else {
@@ -590,12 +600,18 @@ int main(int argc, char** argv) {
   // them (earlier versions of this table), not cold.
   // --only NAME: just the rows of one shape (tiny, dsv32) or of the
   // metadata scoring (meta), for quicker comparisons while tuning a kernel.
+  // --indexer-dots bf16|fma: the indexer's vector path in that form, even
+  // where the tile unit is granted (to compare the forms on one core).
   bool warm = false;
-  std::string only;
+  std::string only, dots;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--warm") {
       warm = true;
+    } else if (arg == "--indexer-dots" && i + 1 < argc &&
+               (std::string(argv[i + 1]) == "bf16" ||
+                std::string(argv[i + 1]) == "fma")) {
+      dots = argv[++i];
     } else if (arg == "--only" && i + 1 < argc &&
                (std::string(argv[i + 1]) == "tiny" ||
                 std::string(argv[i + 1]) == "dsv32" ||
@@ -604,18 +620,39 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: karat-bench-kernels [--warm] "
-                   "[--only tiny|dsv32|meta]\n");
+                   "[--only tiny|dsv32|meta] [--indexer-dots bf16|fma]\n");
       return 2;
     }
   }
   CorePool pool(kCores);
+  // Whether the kernel grants the tile unit, whatever --indexer-dots says.
   const bool tiles = IndexerUsesTileUnit();
+  if (!dots.empty()) {
+    ForceIndexerVectorPath(dots == "fma" ? IndexerDots::kFp32Fma
+                                         : IndexerDots::kBf16Pairs);
+  }
+  const IndexerDotsChoice& measured = IndexerDotsMeasured();
+  const ScoreOn score_on =
+      IndexerUsesTileUnit() ? ScoreOn::kTiles
+      : dots.empty() ? (measured.dots == IndexerDots::kFp32Fma ? ScoreOn::kFma
+                                                               : ScoreOn::kBf16)
+                     : (dots == "fma" ? ScoreOn::kFma : ScoreOn::kBf16);
   std::printf(
-      "karat-bench-kernels: %d cores; the indexer scores on the %s; Attend "
+      "karat-bench-kernels: %d cores; the indexer scores on the %s%s; Attend "
       "runs on the %s\n",
-      kCores, tiles ? "tile unit (AMX)" : "vector unit",
+      kCores,
+      score_on == ScoreOn::kTiles  ? "tile unit (AMX)"
+      : score_on == ScoreOn::kBf16 ? "vector unit with vdpbf16ps"
+                                   : "vector unit with fp32 FMAs",
+      dots.empty() ? "" : " (--indexer-dots)",
       MlaAttendUsesTileUnit() ? "tile unit (AMX, 3 bf16 parts)"
                               : "vector unit");
+  std::printf(
+      "  the process's own choice of the vector form, measured on one core: "
+      "vdpbf16ps %.2f G/s, FMA %.2f G/s (%.2fx) -> %s\n",
+      measured.bf16_per_s / 1e9, measured.fma_per_s / 1e9,
+      measured.fma_per_s / measured.bf16_per_s,
+      measured.dots == IndexerDots::kFp32Fma ? "fp32 FMAs" : "vdpbf16ps");
   // Limits before and after the kernels; the higher of each counts, so a
   // burst of other load during one measurement does not flatter the ratios.
   CorePool one_core(1);
@@ -800,18 +837,16 @@ int main(int argc, char** argv) {
       "  vdpbf16ps issues at %.2fx the FMA's instruction rate here (%.2fx its "
       "FLOP rate): %s\n\n",
       lim.bf16_gflops / 64.0 / (lim.fp32_gflops / 32.0), bf16_vs_fma,
-      tiles ? "the indexer scores on the tile unit"
+      score_on == ScoreOn::kTiles ? "the indexer scores on the tile unit"
       : bf16_vs_fma >= 1.5
-          ? "bf16 dot products outrun fp32 FMA on this core, and the indexer "
-            "scores with them"
+          ? "bf16 dot products outrun fp32 FMA on this core"
           : "the vector unit's bf16 dot products are no faster than fp32 FMA "
-            "on this core, and without the tile unit the indexer scores "
-            "with them nonetheless");
+            "on this core");
   std::printf("%-8s %-10s %7s %10s %12s %8s %9s %8s %7s\n", "kernel", "shape",
               "context", "time_us", "tokens/s", "GB/s", "GFLOP/s", "bound",
               "%bound");
   for (size_t i = 0; i < rows.size(); ++i) {
-    PrintRow(rows[i], lim, tiles);
+    PrintRow(rows[i], lim, score_on);
     if (i + 1 == rows.size() || rows[i + 1].shape != rows[i].shape) {
       for (const auto& line : summaries) {
         if (line.rfind(rows[i].shape, 0) == 0)

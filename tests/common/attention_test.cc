@@ -233,6 +233,20 @@ void CheckIndexScores(const float* got, int n, const uint8_t* q_codes,
   }
 }
 
+// The indexer's paths a test runs in: the process's own (the tile unit where
+// granted, else the measured vector form) and each vector form, forced.
+// Restores the process's choice when it goes out of scope.
+class IndexerPathScope {
+ public:
+  explicit IndexerPathScope(int path) {
+    if (path == 1) ForceIndexerVectorPath(IndexerDots::kBf16Pairs);
+    if (path == 2) ForceIndexerVectorPath(IndexerDots::kFp32Fma);
+  }
+  ~IndexerPathScope() { ResetIndexerPath(); }
+  IndexerPathScope(const IndexerPathScope&) = delete;
+  IndexerPathScope& operator=(const IndexerPathScope&) = delete;
+};
+
 TEST_CASE("DSA indexer: the ReLU changes the top-k", "[attention]") {
   // Two heads with signed weights +1 and -1. Without the ReLU key A would
   // score 1 - (-4) = 5 and win; with it, A scores 1 and B 2 - 0.5 = 1.5.
@@ -529,6 +543,9 @@ TEST_CASE("attend: several chunks, odd heads and widths, any core count",
 
 TEST_CASE("indexer: odd shapes and page sizes keep the defined arithmetic",
           "[attention]") {
+  const int path = GENERATE(0, 1, 2);
+  CAPTURE(path);
+  IndexerPathScope scope(path);
   struct Shape {
     int heads, dim, tpp, n;
   };
@@ -575,6 +592,9 @@ TEST_CASE(
     "indexer: every fp8 code scores the same in whole and partial "
     "blocks",
     "[attention]") {
+  const int path = GENERATE(0, 1, 2);
+  CAPTURE(path);
+  IndexerPathScope scope(path);
   // Whole 32-key blocks widen normal codes by bit moves and fall back to
   // the byte tables for zero, subnormal and NaN codes; a key scored alone
   // (a partial block) always goes through the tables. Keys here hold every
@@ -638,6 +658,9 @@ TEST_CASE(
     "indexer: several queries at once score as each alone, any shape, "
     "limits and core count",
     "[attention][core_pool]") {
+  const int path = GENERATE(0, 1, 2);
+  CAPTURE(path);
+  IndexerPathScope scope(path);
   // The row path's paired queries (8 and 5 heads, 32 and 64 dims; an odd
   // count leaves a query unpaired; from 8 queries on the keys are the B
   // operand, below they are the A operand), the general paths (16 heads, 128
@@ -711,6 +734,69 @@ TEST_CASE(
         CHECK(differ == 0);
         CHECK(beyond == 0);  // nothing written past a query's limit
       }
+    }
+  }
+}
+
+TEST_CASE("indexer: the vdpbf16ps and FMA forms give the same bits",
+          "[attention]") {
+  // Every code (NaN, zero and subnormal ones included) in keys and
+  // queries, whole and partial blocks, the real shape and odd ones; one
+  // query and a prefill segment. The process's own choice must be one of
+  // the two.
+  const IndexerDotsChoice& m = IndexerDotsMeasured();
+  INFO("vdpbf16ps " << m.bf16_per_s << "/s, FMA " << m.fma_per_s << "/s");
+  CHECK(m.bf16_per_s > 0);
+  CHECK(m.fma_per_s > 0);
+  CHECK(IndexerVectorDots() == m.dots);
+  struct Shape {
+    int heads, dim, tpp, n;
+  };
+  for (const Shape sh : {Shape{64, 128, 64, 32 * 5 + 9}, Shape{8, 32, 16, 300},
+                         Shape{13, 20, 7, 100}, Shape{4, 64, 5, 70}}) {
+    CAPTURE(sh.heads, sh.dim, sh.tpp);
+    std::mt19937 rng(sh.heads + sh.dim);
+    Store st(8, sh.dim, sh.tpp);
+    REQUIRE(st.cache->Reserve(sh.n).ok());
+    for (int s = 0; s < sh.n; ++s) {
+      std::vector<uint8_t> codes(sh.dim);
+      for (int d = 0; d < sh.dim; ++d) {
+        codes[d] = s < 32 ? uint8_t((s * sh.dim + d) % 256) : uint8_t(rng());
+      }
+      REQUIRE(st.cache->WriteIndexKey(0, s, codes.data(), 0.02f * (1 + s % 3))
+                  .ok());
+    }
+    const int nq = 3;
+    std::vector<uint8_t> qc(size_t(nq) * sh.heads * sh.dim);
+    for (size_t i = 0; i < qc.size(); ++i) {
+      qc[i] = i < 256 ? uint8_t(255 - i) : uint8_t(rng());
+    }
+    std::vector<float> qs(size_t(nq) * sh.heads), w(qs.size());
+    for (size_t i = 0; i < qs.size(); ++i) {
+      qs[i] = 0.01f * float(1 + i % 5);
+      w[i] = std::normal_distribution<float>()(rng);
+    }
+    const int limit[nq] = {sh.n - 2, sh.n - 1, sh.n};
+    std::vector<float> got[2][nq];
+    for (int form = 0; form < 2; ++form) {
+      IndexerPathScope scope(1 + form);
+      std::vector<float*> out(nq);
+      for (int i = 0; i < nq; ++i) {
+        got[form][i].assign(limit[i], -7.0f);
+        out[i] = got[form][i].data();
+      }
+      IndexerScoreQueries(st.cache->View(0), nq, qc.data(), qs.data(), w.data(),
+                          sh.heads, sh.dim, limit, out.data());
+      std::vector<float> one(sh.n);
+      IndexerScore(st.cache->View(0), sh.n, qc.data() + 2 * sh.heads * sh.dim,
+                   qs.data() + 2 * sh.heads, w.data() + 2 * sh.heads, sh.heads,
+                   sh.dim, one.data());
+      CHECK(std::memcmp(one.data(), got[form][2].data(), 4 * size_t(sh.n)) ==
+            0);
+    }
+    for (int i = 0; i < nq; ++i) {
+      CHECK(std::memcmp(got[0][i].data(), got[1][i].data(),
+                        4 * size_t(limit[i])) == 0);
     }
   }
 }
