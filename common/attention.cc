@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/numeric.h"
 #include "common/simd_reduce.h"
 #include "common/status_macros.h"
@@ -1679,6 +1680,28 @@ IndexerDots IndexerVectorDots() { return IndexerDotsMeasured().dots; }
 const IndexerDotsChoice& IndexerDotsMeasured() {
   static const IndexerDotsChoice choice = MeasureIndexerDots();
   return choice;
+}
+
+std::string KernelUnitsDescription() {
+  std::string s = "indexer on the ";
+  if (IndexerUsesTileUnit()) {
+    s += "tile unit (AMX)";
+  } else {
+    const IndexerDotsChoice& m = IndexerDotsMeasured();
+    const double ratio = m.bf16_per_s > 0 ? m.fma_per_s / m.bf16_per_s : 0;
+    s += m.dots == IndexerDots::kFp32Fma
+             ? absl::StrFormat(
+                   "vector unit with fp32 FMAs (they issue %.1fx "
+                   "as fast as vdpbf16ps here)",
+                   ratio)
+             : absl::StrFormat(
+                   "vector unit with vdpbf16ps (the FMA issues "
+                   "only %.1fx as fast here)",
+                   ratio);
+  }
+  s += MlaAttendUsesTileUnit() ? "; attend on the tile unit (AMX)"
+                               : "; attend on the vector unit";
+  return s;
 }
 
 void ForceIndexerVectorPath(IndexerDots dots) {

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -132,6 +133,11 @@ struct IndexerDotsChoice {
   IndexerDots dots = IndexerDots::kBf16Pairs;
 };
 const IndexerDotsChoice& IndexerDotsMeasured();
+// What the indexer's scan and MLA's Attend run on in this process, in
+// words, for a daemon's start-up log: e.g. "indexer on the vector unit with
+// fp32 FMAs (they issue 4.0x as fast as vdpbf16ps here); attend on the
+// vector unit".
+std::string KernelUnitsDescription();
 // Tests and benchmarks: makes the indexer run its vector path with `dots`
 // even where the tile unit is granted; ResetIndexerPath() returns to the
 // process's own choice. Takes effect for calls that start afterwards.

@@ -15,6 +15,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "cluster.grpc.pb.h"
+#include "common/attention.h"
 #include "common/link_emulation.h"
 #include "common/log.h"
 #include "common/membership.h"
@@ -267,6 +268,7 @@ absl::StatusOr<std::unique_ptr<KaratNodeDaemon>> KaratNodeDaemon::Start(
                            << options.tokens_per_page << " tokens per page"
                            << (options.spill ? ""
                                              : ", no spill across devices");
+  KLOG(Info, "karat_node") << "kernels: " << KernelUnitsDescription();
 
   RegistrarOptions reg;
   reg.coordinator = options.coordinator;
