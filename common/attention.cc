@@ -2246,6 +2246,47 @@ void WeightedSum(const uint16_t* const* entries, int nsel, const float* p,
   }
 }
 
+// Dims [d0, d0 + 32) of entries [0, n), widened from bf16 once into
+// wide[j * 32 ..], for WeightedSumWide.
+void WidenEntryChunk(const uint16_t* const* entries, int n, int d0,
+                     float* wide) {
+  for (int j = 0; j < n; ++j) {
+    const uint16_t* e = entries[j] + d0;
+    for (int i = 0; i < 2; ++i) {
+      _mm512_store_si512(
+          wide + size_t(j) * 32 + 16 * i,
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                reinterpret_cast<const __m256i*>(e + 16 * i))),
+                            16));
+    }
+  }
+}
+
+// WeightedSum<2, 8> over a chunk WidenEntryChunk left in `wide`: the same
+// fma chains, with the entries widened once for every head group.
+void WeightedSumWide(const float* wide, int nsel, const float* p,
+                     size_t p_stride, float* o, size_t o_stride) {
+  constexpr int HB = 8;
+  __m512 acc[HB][2];
+#pragma GCC unroll 8
+  for (int h = 0; h < HB; ++h) acc[h][0] = acc[h][1] = _mm512_setzero_ps();
+  for (int j = 0; j < nsel; ++j) {
+    const __m512 v0 = _mm512_load_ps(wide + size_t(j) * 32);
+    const __m512 v1 = _mm512_load_ps(wide + size_t(j) * 32 + 16);
+#pragma GCC unroll 8
+    for (int h = 0; h < HB; ++h) {
+      const __m512 ph = _mm512_set1_ps(p[h * p_stride + j]);
+      acc[h][0] = _mm512_fmadd_ps(ph, v0, acc[h][0]);
+      acc[h][1] = _mm512_fmadd_ps(ph, v1, acc[h][1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int h = 0; h < HB; ++h) {
+    _mm512_storeu_ps(o + h * o_stride, acc[h][0]);
+    _mm512_storeu_ps(o + h * o_stride + 16, acc[h][1]);
+  }
+}
+
 // Dims [from, lora) of heads [h, h + HB): whole vectors, then a scalar
 // tail (the same fma chains).
 template <int HB>
@@ -2340,10 +2381,10 @@ inline void PrefetchEntryLines(const void* e, size_t bytes) {
 // every head: scores, the chunk's max m[h], p = KernelExp(s - m[h]), the
 // 16-lane denominator z[h] and the unnormalised sums o[h][0, lora) (stride
 // lora). `ahead` entries from ent[0] may be prefetched. s: heads x kAttendChunk
-// scratch; tile: the transposed entry tile.
+// scratch; tile: the transposed entry tile; wide: kAttendChunk x 32 floats.
 void AttendChunk(const uint16_t* const* ent, int n, int ahead, const float* q,
-                 const AttnShapes& shapes, float* s, float* tile, float* m,
-                 float* z, float* o) {
+                 const AttnShapes& shapes, float* s, float* tile, float* wide,
+                 float* m, float* z, float* o) {
   const int heads = shapes.heads, kv_dim = shapes.kv_dim;
   const size_t s_stride = kAttendChunk;
   // Scores, 32 entries (two 16-entry blocks) per tile.
@@ -2396,13 +2437,22 @@ void AttendChunk(const uint16_t* const* ent, int n, int ahead, const float* q,
     m[h] = mh;
     z[h] = LaneTreeSum(vz);
   }
-  // Weighted sums: each loaded entry vector feeds 8 heads.
+  // Weighted sums: each loaded entry vector feeds 8 heads. With several
+  // groups of 8, each 32-dim slice of the entries is widened once, into
+  // `wide`, for all of them; with one, as it is read.
   const int lora = shapes.kv_lora;
   const size_t os = size_t(lora);
   const int full_groups = heads / 8;
   const int chunks = lora / 32;
+  for (int c = 0; c < chunks && full_groups > 1; ++c) {
+    WidenEntryChunk(ent, n, c * 32, wide);
+    for (int g = 0; g < full_groups; ++g) {
+      WeightedSumWide(wide, n, s + size_t(g) * 8 * s_stride, s_stride,
+                      o + size_t(g) * 8 * os + c * 32, os);
+    }
+  }
   for (int g = 0; g < full_groups; ++g) {
-    for (int c = 0; c < chunks; ++c) {
+    for (int c = 0; c < chunks && full_groups == 1; ++c) {
       WeightedSum<2, 8>(ent, n, s + size_t(g) * 8 * s_stride, s_stride, c * 32,
                         32, o + size_t(g) * 8 * os + c * 32, os);
     }
@@ -2981,9 +3031,10 @@ void MlaAttend(const LayerView& view, const int32_t* sel, int nsel,
 #endif
   } else {
     ParallelFor(pool, parts, 1, [&](int64_t, int64_t) {
-      thread_local AlignedVector<float> tile, scratch;
+      thread_local AlignedVector<float> tile, scratch, wide;
       tile.resize(tile_size);
       scratch.resize(s_size);
+      wide.resize(size_t(kAttendChunk) * 32);
       // A chunk's entry addresses once (a page-table lookup each), each
       // entry's lines requested into L2 right away: the
       // entries are scattered over the pages, and asking for all of them
@@ -3007,7 +3058,7 @@ void MlaAttend(const LayerView& view, const int32_t* sel, int nsel,
         const int j0 = c * kAttendChunk;
         const int n = std::min(kAttendChunk, nsel - j0);
         AttendChunk(ent + j0, n, n, q, shapes, scratch.data(), tile.data(),
-                    mx + c * heads, zs + c * heads,
+                    wide.data(), mx + c * heads, zs + c * heads,
                     part + size_t(c) * heads * lora);
         c = c_next;
       }

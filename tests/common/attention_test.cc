@@ -485,9 +485,12 @@ TEST_CASE("blocked kernels equal the one-position-at-a-time arithmetic",
 
 TEST_CASE("attend: several chunks, odd heads and widths, any core count",
           "[attention][core_pool]") {
-  // 9 heads (a group of 8 and one more), lora 40 (a 32-wide slice and a
-  // tail), 1100 selected entries (four whole chunks and a short one), on
-  // pages of 7 entries.
+  // 9 heads (a group of 8 and one more) or 19 (two groups, whose entry
+  // slices are widened once for both, and three more), lora 40 (a 32-wide
+  // slice and a tail), 1100 selected entries (four whole chunks and a short
+  // one), on pages of 7 entries.
+  const int heads = GENERATE(9, 19);
+  CAPTURE(heads);
   const int kLora = 40, kRope = 8, kN = 1200;
   Store st(kLora + kRope, 32, 7);
   REQUIRE(st.cache->Reserve(kN).ok());
@@ -502,7 +505,7 @@ TEST_CASE("attend: several chunks, odd heads and widths, any core count",
   }
   st.cache->SetLength(0, kN);
   AttnShapes sh;
-  sh.heads = 9;
+  sh.heads = heads;
   sh.kv_lora = kLora;
   sh.rope = kRope;
   sh.kv_dim = sh.q_dim = kLora + kRope;
