@@ -106,8 +106,9 @@ AttnShapes MakeAttnShapes(const ModelConfig& c) {
 // pairs against it, and it is exactly the pair-interleaved (VNNI) layout
 // the tile unit takes as its B operand. A whole block whose Di is a
 // multiple of 32 has its codes transposed in registers and then widened
-// with a byte table lookup (vpermi2b; DecodeTransposed32); other blocks
-// are widened to bf16 rows in an L1 scratch and transposed there. The
+// by bit moves or byte table lookups (vpermi2b), whichever the process
+// measured faster (CodeWidening; DecodeTransposed32); other blocks are
+// widened to bf16 rows in an L1 scratch and transposed there. The
 // vector path keeps 2 x kHeadBlock accumulators (vdpbf16ps) or 2 x
 // kFmaHeadBlock (FMA; the block's pairs widened once into an fp32 scratch,
 // WidenKeyBlock) in registers over all pairs. Every key block is decoded once
@@ -368,11 +369,16 @@ constexpr int kPrefetchAhead = 3 * kKeyBlock;
 // key, 16-byte halves of the keys are loaded into the 128-bit lanes of 16
 // registers, an 8 x 8 transpose of 16-bit pairs within each lane (three
 // levels of in-lane unpacks, one cycle each) leaves one register per pair
-// holding that pair's codes of all 32 keys, and the byte tables then widen
-// each into the pair's 128-byte row. Register i (< 8) takes, in lane L, the
-// first half of key kLaneKey[8 L + i] (the second half goes to register
-// 8 + i): the order in which the widening's byte interleave (also in-lane)
-// leaves the keys in natural order.
+// holding that pair's codes of all 32 keys, and each is then widened into
+// the pair's 128-byte row. Register i (< 8) takes, in lane L, the first half
+// of key kLaneKey[8 L + i] (the second half goes to register 8 + i): the
+// order in which the widening's byte interleave (also in-lane) leaves the
+// keys in natural order.
+//
+// The widening (CodeWidening): by bit moves, with the byte tables for the
+// 64 codes of a register that hold a zero, subnormal or NaN code; or
+// kByteTables, by the tables alone. Same bits.
+template <bool kByteTables>
 inline void DecodeTransposed32(const uint8_t* const* key, int dim,
                                uint32_t* kt) {
   // Slot 8 L + r of a transposed register: key 4 L + r (r < 4), else
@@ -443,7 +449,8 @@ inline void DecodeTransposed32(const uint8_t* const* key, int dim,
         // bit moves do not cover (0-7 and 127).
         const __m512i u = _mm512_add_epi8(_mm512_and_si512(cd, low7), bias);
         __m512i lo, hi;
-        if (__builtin_expect(_mm512_cmplt_epu8_mask(u, first_normal) == 0, 1)) {
+        if (!kByteTables &&
+            __builtin_expect(_mm512_cmplt_epu8_mask(u, first_normal) == 0, 1)) {
           lo = _mm512_gf2p8affine_epi64_epi8(cd, affine_lo, 0);
           hi = _mm512_add_epi8(_mm512_gf2p8affine_epi64_epi8(cd, affine_hi, 0),
                                exp_bias);
@@ -462,9 +469,10 @@ inline void DecodeTransposed32(const uint8_t* const* key, int dim,
 
 // Decodes keys [s0, s0 + b) (b <= 32; the rest of the block is zero), and
 // prefetches the codes of the block kPrefetchAhead ahead when it is below
-// `end`.
+// `end`. A whole block whose dim is a multiple of 32 is widened by the byte
+// tables alone when `byte_tables` (CodeWidening::kByteTables).
 void LoadKeyBlock(const LayerView& view, int s0, int b, int end, int dim,
-                  KeyBlock* kb) {
+                  bool byte_tables, KeyBlock* kb) {
   const int dp = PaddedIndexDim(dim);
   const int pairs = dp / 2;
   const int tpp = view.layout->tokens_per_page;
@@ -485,7 +493,11 @@ void LoadKeyBlock(const LayerView& view, int s0, int b, int end, int dim,
       for (int k = 0; k < run; ++k) keys[i + k] = base + size_t(k) * dim;
       i += run;
     }
-    DecodeTransposed32(keys, dim, kb->kt.data());
+    if (byte_tables) {
+      DecodeTransposed32<true>(keys, dim, kb->kt.data());
+    } else {
+      DecodeTransposed32<false>(keys, dim, kb->kt.data());
+    }
     for (int i = 0; i < kKeyBlock;) {
       const int s = s0 + i;
       const int run = std::min(kKeyBlock - i, tpp - s % tpp);
@@ -1510,6 +1522,54 @@ IndexerDotsChoice MeasureIndexerDots() {
 // -1: the process's own choice; else a forced IndexerDots (vector path).
 std::atomic<int> g_forced_dots{-1};
 
+// The time of one DecodeTransposed32 of 32 keys x 128 normal codes in L1,
+// each way; the byte tables are taken when they are at least 5% faster
+// (the bit moves spare the shuffle unit, which the transpose and the tile
+// path's loads keep busy on some cores).
+CodeWideningChoice MeasureCodeWidening() {
+  constexpr int kDim = 128, kRounds = 400;
+  AlignedVector<uint8_t> codes(size_t(kKeyBlock) * kDim);
+  for (size_t i = 0; i < codes.size(); ++i) {
+    // Exponent field 1-15, not NaN: 8 <= code & 0x7F <= 126.
+    codes[i] = uint8_t(8 + (i * 37) % 119) | uint8_t((i * 13) & 0x80);
+  }
+  const uint8_t* keys[kKeyBlock];
+  for (int j = 0; j < kKeyBlock; ++j) keys[j] = &codes[size_t(j) * kDim];
+  AlignedVector<uint32_t> kt(size_t(kDim / 2) * kKeyBlock);
+  auto time = [&](auto byte_tables) {
+    const auto start = std::chrono::steady_clock::now();
+    for (int r = 0; r < kRounds; ++r) {
+      DecodeTransposed32<decltype(byte_tables)::value>(keys, kDim, kt.data());
+      asm volatile("" : : "r"(kt.data()) : "memory");
+    }
+    return std::chrono::duration<double, std::nano>(
+               std::chrono::steady_clock::now() - start)
+               .count() /
+           kRounds;
+  };
+  CodeWideningChoice c;
+  time(std::false_type());  // warm-up: clock, caches, the tables' page
+  time(std::true_type());
+  c.bit_moves_ns = c.byte_tables_ns = 1e30;
+  for (int i = 0; i < 3; ++i) {
+    c.bit_moves_ns = std::min(c.bit_moves_ns, time(std::false_type()));
+    c.byte_tables_ns = std::min(c.byte_tables_ns, time(std::true_type()));
+  }
+  c.widening = c.byte_tables_ns < 0.95 * c.bit_moves_ns
+                   ? CodeWidening::kByteTables
+                   : CodeWidening::kBitMoves;
+  return c;
+}
+
+// -1: the process's own choice; else a forced CodeWidening.
+std::atomic<int> g_forced_widening{-1};
+
+CodeWidening CurrentCodeWidening() {
+  const int forced = g_forced_widening.load(std::memory_order_relaxed);
+  if (forced >= 0) return CodeWidening(forced);
+  return CodeWideningMeasured().widening;
+}
+
 IndexPath CurrentIndexPath() {
   const int forced = g_forced_dots.load(std::memory_order_relaxed);
   if (forced >= 0) {
@@ -1614,12 +1674,13 @@ void ScoreKeyRange(const LayerView& view, int dim, int k_begin, int k_end,
     return std::min(kKeyBlock, stop - (k_begin + blk * kKeyBlock));
   };
   const IndexPath path = queries[0].path;
+  const bool tables = CurrentCodeWidening() == CodeWidening::kByteTables;
   if (path != IndexPath::kTiles) {
     const bool fma = path == IndexPath::kFma;
     KeyBlock kb(dp, fma);
     for (int blk = 0; blk < nblocks; ++blk) {
       const int s0 = k_begin + blk * kKeyBlock, b = block_keys(blk);
-      LoadKeyBlock(view, s0, b, stop, dim, &kb);
+      LoadKeyBlock(view, s0, b, stop, dim, tables, &kb);
       if (fma) WidenKeyBlock(dp / 2, &kb);
       for (int i = 0; i < nq; ++i) {
         if (limit[i] <= s0) continue;
@@ -1644,7 +1705,7 @@ void ScoreKeyRange(const LayerView& view, int dim, int k_begin, int k_end,
   const bool defer = max_heads <= 32;
   auto load = [&](int blk) {
     LoadKeyBlock(view, k_begin + blk * kKeyBlock, block_keys(blk), stop, dim,
-                 &ring[blk % kRing]);
+                 tables, &ring[blk % kRing]);
   };
   for (int blk = 0; blk < std::min(kRing - 1, nblocks); ++blk) load(blk);
   for (int blk = 0; blk < nblocks; ++blk) {
@@ -1699,6 +1760,14 @@ std::string KernelUnitsDescription() {
                    "only %.1fx as fast here)",
                    ratio);
   }
+  const CodeWideningChoice& w = CodeWideningMeasured();
+  s += absl::StrFormat(
+      "; fp8 codes widened by %s (%.0f ns a block of 32 x 128, against %.0f)",
+      w.widening == CodeWidening::kByteTables ? "byte tables" : "bit moves",
+      w.widening == CodeWidening::kByteTables ? w.byte_tables_ns
+                                              : w.bit_moves_ns,
+      w.widening == CodeWidening::kByteTables ? w.bit_moves_ns
+                                              : w.byte_tables_ns);
   s += MlaAttendUsesTileUnit() ? "; attend on the tile unit (AMX)"
                                : "; attend on the vector unit";
   return s;
@@ -1709,6 +1778,19 @@ void ForceIndexerVectorPath(IndexerDots dots) {
 }
 
 void ResetIndexerPath() { g_forced_dots.store(-1, std::memory_order_relaxed); }
+
+const CodeWideningChoice& CodeWideningMeasured() {
+  static const CodeWideningChoice choice = MeasureCodeWidening();
+  return choice;
+}
+
+void ForceCodeWidening(CodeWidening widening) {
+  g_forced_widening.store(int(widening), std::memory_order_relaxed);
+}
+
+void ResetCodeWidening() {
+  g_forced_widening.store(-1, std::memory_order_relaxed);
+}
 
 void IndexerScoreQueries(const LayerView& view, int nq, const uint8_t* q_codes,
                          const float* q_scales, const float* weights, int heads,

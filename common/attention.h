@@ -133,16 +133,35 @@ struct IndexerDotsChoice {
   IndexerDots dots = IndexerDots::kBf16Pairs;
 };
 const IndexerDotsChoice& IndexerDotsMeasured();
+// How the scan widens the fp8 codes of a whole key block whose dim is a
+// multiple of 32 to bf16: by bit moves (two GF(2) affine maps and a byte
+// add; the 64 codes of a register that hold a zero, subnormal or NaN code
+// take the byte tables) or by byte table lookups (vpermi2b) alone. Same
+// bits; which is faster depends on the core (the tables are quicker where
+// byte permutes are cheap), so the process times both once, on first use,
+// over one block of 32 keys x 128 dims in L1, and takes the tables when
+// they are at least 5% faster.
+enum class CodeWidening { kBitMoves, kByteTables };
+struct CodeWideningChoice {
+  double bit_moves_ns = 0;  // one block, best of three
+  double byte_tables_ns = 0;
+  CodeWidening widening = CodeWidening::kBitMoves;
+};
+const CodeWideningChoice& CodeWideningMeasured();
 // What the indexer's scan and MLA's Attend run on in this process, in
 // words, for a daemon's start-up log: e.g. "indexer on the vector unit with
-// fp32 FMAs (they issue 4.0x as fast as vdpbf16ps here); attend on the
-// vector unit".
+// fp32 FMAs (they issue 4.0x as fast as vdpbf16ps here); fp8 codes widened
+// by bit moves (...); attend on the vector unit".
 std::string KernelUnitsDescription();
 // Tests and benchmarks: makes the indexer run its vector path with `dots`
 // even where the tile unit is granted; ResetIndexerPath() returns to the
 // process's own choice. Takes effect for calls that start afterwards.
 void ForceIndexerVectorPath(IndexerDots dots);
 void ResetIndexerPath();
+// Tests and benchmarks: makes the scan widen codes the given way;
+// ResetCodeWidening() returns to the process's own choice.
+void ForceCodeWidening(CodeWidening widening);
+void ResetCodeWidening();
 // Positions of the min(k, n) highest scores, ties to the lower position,
 // -0.0 == +0.0; returned in increasing position order.
 void SelectTopK(const float* scores, int n, int k, std::vector<int32_t>* out);

@@ -17,7 +17,9 @@
 //     Without the tile unit the indexer scores with vdpbf16ps or with fp32
 //     FMAs, whichever the process measured faster (IndexerDotsMeasured,
 //     printed; --indexer-dots forces one), and its rows are against that
-//     instruction's peak.
+//     instruction's peak. How whole key blocks' fp8 codes are widened (bit
+//     moves or byte tables, CodeWideningMeasured) is printed too;
+//     --widening forces one.
 // Attend rows whose FLOPs alone, at the fp32 FMA peak, take more than twice
 // the time to read their entries say so: the "<= 2x the read time" goal is
 // out of reach for them. Where Attend runs on the tile unit (three bf16
@@ -602,8 +604,10 @@ int main(int argc, char** argv) {
   // metadata scoring (meta), for quicker comparisons while tuning a kernel.
   // --indexer-dots bf16|fma: the indexer's vector path in that form, even
   // where the tile unit is granted (to compare the forms on one core).
+  // --widening bits|tables: the indexer widens whole key blocks' codes that
+  // way (CodeWidening), whatever the process measured.
   bool warm = false;
-  std::string only, dots;
+  std::string only, dots, widening;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--warm") {
@@ -612,6 +616,10 @@ int main(int argc, char** argv) {
                (std::string(argv[i + 1]) == "bf16" ||
                 std::string(argv[i + 1]) == "fma")) {
       dots = argv[++i];
+    } else if (arg == "--widening" && i + 1 < argc &&
+               (std::string(argv[i + 1]) == "bits" ||
+                std::string(argv[i + 1]) == "tables")) {
+      widening = argv[++i];
     } else if (arg == "--only" && i + 1 < argc &&
                (std::string(argv[i + 1]) == "tiny" ||
                 std::string(argv[i + 1]) == "dsv32" ||
@@ -620,7 +628,8 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: karat-bench-kernels [--warm] "
-                   "[--only tiny|dsv32|meta] [--indexer-dots bf16|fma]\n");
+                   "[--only tiny|dsv32|meta] [--indexer-dots bf16|fma] "
+                   "[--widening bits|tables]\n");
       return 2;
     }
   }
@@ -653,6 +662,19 @@ int main(int argc, char** argv) {
       measured.bf16_per_s / 1e9, measured.fma_per_s / 1e9,
       measured.fma_per_s / measured.bf16_per_s,
       measured.dots == IndexerDots::kFp32Fma ? "fp32 FMAs" : "vdpbf16ps");
+  if (!widening.empty()) {
+    ForceCodeWidening(widening == "tables" ? CodeWidening::kByteTables
+                                           : CodeWidening::kBitMoves);
+  }
+  const CodeWideningChoice& widen = CodeWideningMeasured();
+  std::printf(
+      "  and of the fp8 codes' widening, one block of 32 x 128 codes: bit "
+      "moves %.0f ns, byte tables %.0f ns -> %s%s\n",
+      widen.bit_moves_ns, widen.byte_tables_ns,
+      widen.widening == CodeWidening::kByteTables ? "byte tables" : "bit moves",
+      widening.empty()       ? ""
+      : widening == "tables" ? "; byte tables forced (--widening)"
+                             : "; bit moves forced (--widening)");
   // Limits before and after the kernels; the higher of each counts, so a
   // burst of other load during one measurement does not flatter the ratios.
   CorePool one_core(1);

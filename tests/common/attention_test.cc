@@ -234,15 +234,20 @@ void CheckIndexScores(const float* got, int n, const uint8_t* q_codes,
 }
 
 // The indexer's paths a test runs in: the process's own (the tile unit where
-// granted, else the measured vector form) and each vector form, forced.
-// Restores the process's choice when it goes out of scope.
+// granted, else the measured vector form) and each vector form, forced; and
+// the process's own code widening (-1) or a forced one (a CodeWidening).
+// Restores the process's choices when it goes out of scope.
 class IndexerPathScope {
  public:
-  explicit IndexerPathScope(int path) {
+  explicit IndexerPathScope(int path, int widening = -1) {
     if (path == 1) ForceIndexerVectorPath(IndexerDots::kBf16Pairs);
     if (path == 2) ForceIndexerVectorPath(IndexerDots::kFp32Fma);
+    if (widening >= 0) ForceCodeWidening(CodeWidening(widening));
   }
-  ~IndexerPathScope() { ResetIndexerPath(); }
+  ~IndexerPathScope() {
+    ResetIndexerPath();
+    ResetCodeWidening();
+  }
   IndexerPathScope(const IndexerPathScope&) = delete;
   IndexerPathScope& operator=(const IndexerPathScope&) = delete;
 };
@@ -547,8 +552,9 @@ TEST_CASE("attend: several chunks, odd heads and widths, any core count",
 TEST_CASE("indexer: odd shapes and page sizes keep the defined arithmetic",
           "[attention]") {
   const int path = GENERATE(0, 1, 2);
-  CAPTURE(path);
-  IndexerPathScope scope(path);
+  const int widening = GENERATE(0, 1);
+  CAPTURE(path, widening);
+  IndexerPathScope scope(path, widening);
   struct Shape {
     int heads, dim, tpp, n;
   };
@@ -596,11 +602,13 @@ TEST_CASE(
     "blocks",
     "[attention]") {
   const int path = GENERATE(0, 1, 2);
-  CAPTURE(path);
-  IndexerPathScope scope(path);
+  const int widening = GENERATE(0, 1);
+  CAPTURE(path, widening);
+  IndexerPathScope scope(path, widening);
   // Whole 32-key blocks widen normal codes by bit moves and fall back to
-  // the byte tables for zero, subnormal and NaN codes; a key scored alone
-  // (a partial block) always goes through the tables. Keys here hold every
+  // the byte tables for zero, subnormal and NaN codes (kBitMoves), or take
+  // the tables for all (kByteTables); a key scored alone (a partial block)
+  // always goes through the tables. Keys here hold every
   // code 0..255, blocks of normal codes only, and normal blocks with a
   // single zero or subnormal code, on contiguous and on split pages.
   const int kDim = 32, kHeads = 8, kN = 32 * 12;
@@ -752,6 +760,11 @@ TEST_CASE("indexer: the vdpbf16ps and FMA forms give the same bits",
   CHECK(m.bf16_per_s > 0);
   CHECK(m.fma_per_s > 0);
   CHECK(IndexerVectorDots() == m.dots);
+  const CodeWideningChoice& cw = CodeWideningMeasured();
+  INFO("bit moves " << cw.bit_moves_ns << " ns, byte tables "
+                    << cw.byte_tables_ns << " ns");
+  CHECK(cw.bit_moves_ns > 0);
+  CHECK(cw.byte_tables_ns > 0);
   struct Shape {
     int heads, dim, tpp, n;
   };
