@@ -568,6 +568,19 @@ void LoadKeyBlock(const LayerView& view, int s0, int b, int end, int dim,
   }
 }
 
+// The head terms of a block's 32 keys: s += c[h] * relu(dots of head h),
+// heads in increasing order.
+template <int HB>
+inline void AddHeadTerms(const __m512* a0, const __m512* a1, const float* coef,
+                         __m512* s0, __m512* s1) {
+  const __m512 zero = _mm512_setzero_ps();
+  for (int h = 0; h < HB; ++h) {
+    const __m512 c = _mm512_set1_ps(coef[h]);
+    *s0 = _mm512_fmadd_ps(c, _mm512_max_ps(a0[h], zero), *s0);
+    *s1 = _mm512_fmadd_ps(c, _mm512_max_ps(a1[h], zero), *s1);
+  }
+}
+
 template <int HB>
 inline void ScoreHeads(const uint32_t* kt, int pairs, const uint32_t* q,
                        const float* coef, __m512* s0, __m512* s1) {
@@ -584,12 +597,7 @@ inline void ScoreHeads(const uint32_t* kt, int pairs, const uint32_t* q,
       a1[h] = _mm512_dpbf16_ps(a1[h], qb, k1);
     }
   }
-  const __m512 zero = _mm512_setzero_ps();
-  for (int h = 0; h < HB; ++h) {
-    const __m512 c = _mm512_set1_ps(coef[h]);
-    *s0 = _mm512_fmadd_ps(c, _mm512_max_ps(a0[h], zero), *s0);
-    *s1 = _mm512_fmadd_ps(c, _mm512_max_ps(a1[h], zero), *s1);
-  }
+  AddHeadTerms<HB>(a0, a1, coef, s0, s1);
 }
 
 // The FMA form: the block's pairs widened to fp32 (kb->kf), by bit moves.
@@ -626,12 +634,7 @@ inline void ScoreHeadsFma(const float* kf, int pairs, const float* qf,
       a1[h] = _mm512_fmadd_ps(qe, ke1, a1[h]);
     }
   }
-  const __m512 zero = _mm512_setzero_ps();
-  for (int h = 0; h < HB; ++h) {
-    const __m512 c = _mm512_set1_ps(coef[h]);
-    *s0 = _mm512_fmadd_ps(c, _mm512_max_ps(a0[h], zero), *s0);
-    *s1 = _mm512_fmadd_ps(c, _mm512_max_ps(a1[h], zero), *s1);
-  }
+  AddHeadTerms<HB>(a0, a1, coef, s0, s1);
 }
 
 // A prefetch the compiler keeps: GCC treats _mm_prefetch as free of side
