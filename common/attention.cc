@@ -1764,13 +1764,12 @@ std::string KernelUnitsDescription() {
                    ratio);
   }
   const CodeWideningChoice& w = CodeWideningMeasured();
+  const bool tables = w.widening == CodeWidening::kByteTables;
   s += absl::StrFormat(
       "; fp8 codes widened by %s (%.0f ns a block of 32 x 128, against %.0f)",
-      w.widening == CodeWidening::kByteTables ? "byte tables" : "bit moves",
-      w.widening == CodeWidening::kByteTables ? w.byte_tables_ns
-                                              : w.bit_moves_ns,
-      w.widening == CodeWidening::kByteTables ? w.bit_moves_ns
-                                              : w.byte_tables_ns);
+      tables ? "byte tables" : "bit moves",
+      tables ? w.byte_tables_ns : w.bit_moves_ns,
+      tables ? w.bit_moves_ns : w.byte_tables_ns);
   s += MlaAttendUsesTileUnit() ? "; attend on the tile unit (AMX)"
                                : "; attend on the vector unit";
   return s;
