@@ -333,6 +333,11 @@ struct ReleasedSlots {
   std::vector<RecvSlot*> slots ABSL_GUARDED_BY(mu);
   int wake_fd ABSL_GUARDED_BY(mu) = -1;  // the progress thread's eventfd
   std::atomic<size_t> count{0};          // slots.size()
+  // Whether the progress thread sleeps (or is about to): only then does a
+  // release write to wake_fd. Awake, it re-posts released slots at the top
+  // of its loop, and it checks `count` after raising this flag, before it
+  // sleeps; sparing the write saves a system call per held message.
+  std::atomic<bool> progress_sleeping{false};
 };
 
 // A posted send. It is recycled once both the provider is done with it
@@ -1740,13 +1745,16 @@ void FabricTransport::ProgressLoop() {
     // A sender that queues a receive from now on sees the flag and wakes us;
     // one queued before is seen here.
     progress_sleeping_.store(true, std::memory_order_seq_cst);
-    bool queued = ready_count_.load() > 0;
+    released_->progress_sleeping.store(true, std::memory_order_seq_cst);
+    bool queued = ready_count_.load() > 0 ||
+                  released_->count.load(std::memory_order_seq_cst) > 0;
     if (!queued) {
       absl::MutexLock lock(&recv_mu_);
       queued = !received_.empty();
     }
     if (!queued) WaitForWork(backoff);
     progress_sleeping_.store(false, std::memory_order_relaxed);
+    released_->progress_sleeping.store(false, std::memory_order_relaxed);
     const absl::Duration cap = WallNow() - last_completion > kIdleAfter
                                    ? kIdlePollBackoff
                                    : kMaxPollBackoff;
@@ -1940,7 +1948,8 @@ std::shared_ptr<const void> FabricTransport::HoldMessage() {
     absl::MutexLock lock(&released->mu);
     if (released->closed) return;
     released->slots.push_back(slot);
-    released->count.fetch_add(1, std::memory_order_release);
+    released->count.fetch_add(1, std::memory_order_seq_cst);
+    if (!released->progress_sleeping.load(std::memory_order_seq_cst)) return;
     const uint64_t one = 1;
     // EAGAIN: a wake-up is already pending.
     [[maybe_unused]] ssize_t n = write(released->wake_fd, &one, sizeof(one));
