@@ -1627,11 +1627,14 @@ void FinishKeyBlock(const KeyBlock& kb, const IndexQuery& iq, int b, float* out,
 class SpreadPrefetch {
  public:
   SpreadPrefetch() = default;
-  // `bytes` of codes at `p`, requested over `groups` calls of Step().
-  SpreadPrefetch(const void* p, size_t bytes, int groups)
-      : p_(static_cast<const char*>(p)),
-        bytes_(bytes),
-        step_((bytes / 64 + groups - 1) / std::max(groups, 1) * 64) {}
+  // `bytes` of codes at `p`.
+  SpreadPrefetch(const void* p, size_t bytes)
+      : p_(static_cast<const char*>(p)), bytes_(bytes) {}
+  // The lines are to be requested over `groups` calls of Step().
+  void Split(int groups) {
+    if (bytes_ == 0) return;  // nothing to request
+    step_ = (bytes_ / 64 + groups - 1) / std::max(groups, 1) * 64;
+  }
   void Step() {
     for (const size_t e = std::min(bytes_, off_ + step_); off_ < e; off_ += 64)
       PrefetchLine(p_ + off_);
@@ -1663,6 +1666,11 @@ void ScoreKeyBlock(const KeyBlock& kb, const IndexQuery& iq, int b, float* out,
                      &s0, &s1);
     }
   };
+  // One Step() per head group of the two loops below.
+  ahead.Split(iq.path == IndexPath::kFma
+                  ? iq.heads / kFmaHeadBlock +
+                        iq.heads % kFmaHeadBlock / kHeadBlock
+                  : iq.heads / kHeadBlock);
   int h = 0;
   if (iq.path == IndexPath::kFma) {
     for (; h + kFmaHeadBlock <= iq.heads; h += kFmaHeadBlock) {
@@ -1719,11 +1727,6 @@ void ScoreKeyRange(const LayerView& view, int dim, int k_begin, int k_end,
   if (path != IndexPath::kTiles) {
     const bool fma = path == IndexPath::kFma;
     const int tpp = view.layout->tokens_per_page;
-    // Head groups of the first query's ScoreKeyBlock, over which the block
-    // kPrefetchAhead ahead is requested (SpreadPrefetch).
-    const int groups = fma ? queries[0].heads / kFmaHeadBlock +
-                                 queries[0].heads % kFmaHeadBlock / kHeadBlock
-                           : queries[0].heads / kHeadBlock;
     KeyBlock kb(dp, fma);
     for (int blk = 0; blk < nblocks; ++blk) {
       const int s0 = k_begin + blk * kKeyBlock, b = block_keys(blk);
@@ -1733,10 +1736,9 @@ void ScoreKeyRange(const LayerView& view, int dim, int k_begin, int k_end,
       const bool spread = pn > 0 && ps % tpp + pn <= tpp;
       LoadKeyBlock(view, s0, b, stop, dim, tables, /*prefetch=*/!spread, &kb);
       if (fma) WidenKeyBlock(dp / 2, &kb);
+      // Requested over the first query's head groups (SpreadPrefetch).
       SpreadPrefetch ahead;
-      if (spread)
-        ahead = SpreadPrefetch(view.IndexKey(ps), size_t(pn) * dim,
-                               std::max(groups, 1));
+      if (spread) ahead = SpreadPrefetch(view.IndexKey(ps), size_t(pn) * dim);
       for (int i = 0; i < nq; ++i) {
         if (limit[i] <= s0) continue;
         ScoreKeyBlock(kb, queries[i], std::min(b, limit[i] - s0), out[i] + s0,

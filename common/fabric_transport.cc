@@ -689,7 +689,9 @@ class FabricTransport final : public Transport {
   std::deque<Received> received_ ABSL_GUARDED_BY(recv_mu_);
   // received_.size(), readable without the lock.
   std::atomic<size_t> received_count_{0};
-  std::atomic<bool> progress_sleeping_{false};
+  // Whether the progress thread sleeps (or is about to); kept in
+  // released_, whose releases read it too.
+  std::atomic<bool>& progress_sleeping_ = released_->progress_sleeping;
   std::atomic<int> polling_senders_{0};
   // NowNs() of the last completion or posted send.
   std::atomic<int64_t> last_activity_ns_{0};
@@ -1745,7 +1747,6 @@ void FabricTransport::ProgressLoop() {
     // A sender that queues a receive from now on sees the flag and wakes us;
     // one queued before is seen here.
     progress_sleeping_.store(true, std::memory_order_seq_cst);
-    released_->progress_sleeping.store(true, std::memory_order_seq_cst);
     bool queued = ready_count_.load() > 0 ||
                   released_->count.load(std::memory_order_seq_cst) > 0;
     if (!queued) {
@@ -1754,7 +1755,6 @@ void FabricTransport::ProgressLoop() {
     }
     if (!queued) WaitForWork(backoff);
     progress_sleeping_.store(false, std::memory_order_relaxed);
-    released_->progress_sleeping.store(false, std::memory_order_relaxed);
     const absl::Duration cap = WallNow() - last_completion > kIdleAfter
                                    ? kIdlePollBackoff
                                    : kMaxPollBackoff;
