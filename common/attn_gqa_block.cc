@@ -23,7 +23,8 @@ namespace {
 // requested block by block as the step reads its own. Measured with the
 // steps read in line order (below), cold, eight sessions on two cores:
 // 1 to 4 steps ahead into L2 or L1 all stream within the noise of each
-// other; no software prefetch is ~10% slower.
+// other; without software prefetch the medians were alike but the best
+// runs slower (54 against 69-72 GB/s, five runs each).
 constexpr size_t kPrefetchAhead = 8192;
 
 // Per block and KV head the fp32 sum of the block's cached (bf16) index keys
@@ -168,8 +169,8 @@ class GqaBlockAttention final : public SparseAttention {
           // Both groups' dots of a block at once, so the step's lines are
           // read in address order (a block's 4 lines, then the next
           // block's): reading one group's half of every block and then the
-          // other's streamed ~25% slower from DRAM (eight sessions on two
-          // cores, cold: 43 against 55 GB/s, medians of eight).
+          // other's streamed ~22% slower from DRAM (eight sessions on two
+          // cores, cold: 43 against 55 GB/s, medians of eight runs).
           __m512 acc0[16], acc1[16];
           for (int bb = 0; bb < 16; ++bb) {
             if (prefetch) {
