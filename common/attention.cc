@@ -194,33 +194,6 @@ inline void DecodeCodes64(const uint8_t* codes, int count, uint16_t* out) {
   _mm512_storeu_si512(out + 32, _mm512_unpackhi_epi8(lo, hi));
 }
 
-// In-register transpose of a 16 x 16 matrix of 32-bit elements.
-inline void Transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i + 0], t[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i + 0], t[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  // r[4i + c] lane L now holds column 4L + c of rows 4i .. 4i+3.
-  for (int c = 0; c < 4; ++c) {
-    const __m512i x = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88);
-    const __m512i y = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88);
-    const __m512i x2 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xDD);
-    const __m512i y2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xDD);
-    t[c] = _mm512_shuffle_i32x4(x, y, 0x88);
-    t[8 + c] = _mm512_shuffle_i32x4(x, y, 0xDD);
-    t[4 + c] = _mm512_shuffle_i32x4(x2, y2, 0x88);
-    t[12 + c] = _mm512_shuffle_i32x4(x2, y2, 0xDD);
-  }
-  for (int i = 0; i < 16; ++i) r[i] = t[i];
-}
-
 // The key-row tile path (see ScoreKeyRows) serves up to this many heads
 // and dimensions that are whole 32-dim chunks, at most kRowMaxChunks.
 constexpr int kRowHeads = 8;
@@ -2286,35 +2259,6 @@ constexpr int kEntryBlock = 16;
 // Entries per softmax chunk (MlaAttend): a fixed size, so the result
 // does not depend on the number of cores.
 constexpr int kAttendChunk = kMlaAttendChunk;
-
-// Widened, transposed entries of one block of 16: tile[d * ld + j] =
-// e_j[d] for d < kv_dim. Entries past `count` are zero. The bf16 values are
-// transposed as 32-bit pairs (dims 2i, 2i + 1 of an entry in one lane) and
-// widened after the transpose: one transpose per 32 dims.
-void LoadEntryTile(const uint16_t* const* entries, int count, int kv_dim,
-                   float* tile, int ld) {
-  const __m512i hi_mask = _mm512_set1_epi32(int(0xFFFF0000u));
-  for (int d0 = 0; d0 < kv_dim; d0 += 32) {
-    const int cnt = std::min(32, kv_dim - d0);
-    const __mmask32 m =
-        cnt >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << cnt) - 1);
-    __m512i r[16];
-    for (int j = 0; j < 16; ++j) {
-      r[j] = j < count ? _mm512_maskz_loadu_epi16(m, entries[j] + d0)
-                       : _mm512_setzero_si512();
-    }
-    Transpose16(r);
-    const int pairs = (cnt + 1) / 2;
-    for (int i = 0; i < pairs; ++i) {
-      _mm512_store_si512(tile + size_t(d0 + 2 * i) * ld,
-                         _mm512_slli_epi32(r[i], 16));
-      if (2 * i + 1 < cnt) {
-        _mm512_store_si512(tile + size_t(d0 + 2 * i + 1) * ld,
-                           _mm512_and_si512(r[i], hi_mask));
-      }
-    }
-  }
-}
 
 // Scores of a 32-entry tile (two blocks side by side, tile[d * 32 + j]) for
 // heads [h, h + HB): s[h][0..31] = (q[h] . e) * scale. Two blocks per q

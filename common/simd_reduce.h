@@ -1,5 +1,6 @@
-// AVX-512 reductions shared by the sparse-attention kernels (lane sums, a
-// running top-k) and the lane mask of a vector loop's tail. Each is a fixed
+// AVX-512 pieces shared by the sparse-attention kernels: lane sums, a
+// running top-k, the lane mask of a vector loop's tail, and the 16 x 16
+// transpose that turns 16 gathered entries into one lane each. Each is a fixed
 // sequence of operations, so a kernel that uses it stays a pure function of its
 // inputs (DESIGN.md §6).
 #pragma once
@@ -43,6 +44,70 @@ constexpr int ReduceSlot(int L) { return 4 * (L % 4) + L / 4; }
 inline __mmask16 FirstLanes16(int64_t n) {
   return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
 }
+
+// GCC 12 reports its own AVX-512 intrinsic headers (_mm512_undefined_*)
+// as (maybe-)uninitialized where these are inlined.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+
+// In-register transpose of a 16 x 16 matrix of 32-bit elements.
+inline void Transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i + 0], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i + 0], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  // r[4i + c] lane L now holds column 4L + c of rows 4i .. 4i+3.
+  for (int c = 0; c < 4; ++c) {
+    const __m512i x = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88);
+    const __m512i y = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88);
+    const __m512i x2 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xDD);
+    const __m512i y2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xDD);
+    t[c] = _mm512_shuffle_i32x4(x, y, 0x88);
+    t[8 + c] = _mm512_shuffle_i32x4(x, y, 0xDD);
+    t[4 + c] = _mm512_shuffle_i32x4(x2, y2, 0x88);
+    t[12 + c] = _mm512_shuffle_i32x4(x2, y2, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// Widened, transposed entries of one block of 16: tile[d * ld + j] =
+// e_j[d] for d < kv_dim. Entries past `count` are zero. The bf16 values are
+// transposed as 32-bit pairs (dims 2i, 2i + 1 of an entry in one lane) and
+// widened after the transpose: one transpose per 32 dims.
+inline void LoadEntryTile(const uint16_t* const* entries, int count, int kv_dim,
+                          float* tile, int ld) {
+  const __m512i hi_mask = _mm512_set1_epi32(int(0xFFFF0000u));
+  for (int d0 = 0; d0 < kv_dim; d0 += 32) {
+    const int cnt = std::min(32, kv_dim - d0);
+    const __mmask32 m =
+        cnt >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << cnt) - 1);
+    __m512i r[16];
+    for (int j = 0; j < 16; ++j) {
+      r[j] = j < count ? _mm512_maskz_loadu_epi16(m, entries[j] + d0)
+                       : _mm512_setzero_si512();
+    }
+    Transpose16(r);
+    const int pairs = (cnt + 1) / 2;
+    for (int i = 0; i < pairs; ++i) {
+      _mm512_store_si512(tile + size_t(d0 + 2 * i) * ld,
+                         _mm512_slli_epi32(r[i], 16));
+      if (2 * i + 1 < cnt) {
+        _mm512_store_si512(tile + size_t(d0 + 2 * i + 1) * ld,
+                           _mm512_and_si512(r[i], hi_mask));
+      }
+    }
+  }
+}
+
+#pragma GCC diagnostic pop
 
 // SelectTopK (attention.h) for small k (0 < k <= 64, k < n), run while
 // the scores are produced in position order, so that they need not be

@@ -1,26 +1,24 @@
 #include "common/sparse_attention.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "common/numeric.h"
 #include "common/safetensors.h"
+#include "common/simd_reduce.h"
 #include "common/status_macros.h"
 
+// GCC 12 reports its own AVX-512 intrinsic headers (_mm512_undefined_*)
+// as (maybe-)uninitialized.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+
 namespace karat {
-namespace {
-
-// bf16 -> fp32 is exact: the bits move up by 16.
-inline float Bf16(uint16_t b) {
-  uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-}  // namespace
 
 size_t AttentionSessionState::bytes() const {
   size_t n = 0;
@@ -40,71 +38,187 @@ void SparseAttention::SelectDense(int pos,
   }
 }
 
+namespace {
+
+// p_j v_j summed over the selection into `kHeads` heads' outputs at once,
+// for head_dim d = 16 kDv (kDv > 0), or any d with kDv = 0 (a slower loop
+// over the vectors). Per output element o = fma(p_j, v_j, o) from +0 in
+// increasing j: the scalar chain, one lane per channel. p[i][j] is head i's
+// weight of entry j; v[j] its value row (bf16).
+template <int kHeads, int kDv>
+void WeightedValues(const uint16_t* const* v, int n, const float* const* p,
+                    int d, float* const* out) {
+  // The generic loop takes up to kMaxVectors channel vectors per pass over
+  // the entries.
+  constexpr int kMaxVectors = 16;
+  constexpr int kVectors = kDv > 0 ? kDv : kMaxVectors;
+  const int dv = (d + 15) / 16;
+  for (int base = 0; base < dv; base += kVectors) {
+    const int nv = kDv > 0 ? kDv : std::min(kVectors, dv - base);
+    __m512 acc[kHeads][kVectors];
+    for (int i = 0; i < kHeads; ++i) {
+      for (int c = 0; c < nv; ++c) acc[i][c] = _mm512_setzero_ps();
+    }
+    for (int j = 0; j < n; ++j) {
+      // The entries are scattered for the sparse methods: their value rows
+      // are requested a few entries ahead.
+      if (j + 8 < n) {
+        for (int off = 32 * base; off < std::min(d, 16 * (base + nv)) * 2;
+             off += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(v[j + 8]) + off,
+                       _MM_HINT_T0);
+        }
+      }
+      __m512 pj[kHeads];
+      for (int i = 0; i < kHeads; ++i) pj[i] = _mm512_set1_ps(p[i][j]);
+      for (int c = 0; c < nv; ++c) {
+        const int ch = 16 * (base + c);
+        const __m512 x = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(
+                                  FirstLanes16(d - ch), v[j] + ch)),
+                              16));
+        for (int i = 0; i < kHeads; ++i) {
+          acc[i][c] = _mm512_fmadd_ps(pj[i], x, acc[i][c]);
+        }
+      }
+    }
+    for (int i = 0; i < kHeads; ++i) {
+      for (int c = 0; c < nv; ++c) {
+        const int ch = 16 * (base + c);
+        _mm512_mask_storeu_ps(out[i] + ch, FirstLanes16(d - ch), acc[i][c]);
+      }
+    }
+  }
+}
+
+// WeightedValues for `heads` heads (any number), a few at a time.
+template <int kDv>
+void WeightedValuesHeads(const uint16_t* const* v, int n, const float* const* p,
+                         int heads, int d, float* const* out) {
+  // Accumulators: 4 heads x 4 vectors (d = 64), 2 x 8 (d = 128).
+  constexpr int kBatch = kDv > 0 && kDv <= 4 ? 4 : kDv > 0 && kDv <= 8 ? 2 : 1;
+  int h = 0;
+  for (; h + kBatch <= heads; h += kBatch) {
+    WeightedValues<kBatch, kDv>(v, n, p + h, d, out + h);
+  }
+  for (; h < heads; ++h) WeightedValues<1, kDv>(v, n, p + h, d, out + h);
+}
+
+}  // namespace
+
 void SparseAttention::Attend(const LayerView& view, const float* q,
                              const std::vector<HeadSelection>& heads,
                              float* out, KernelCost* cost) const {
   const AttnShapes& s = shapes_;
   const int d = s.head_dim;
   const int group = s.heads / s.kv_heads;
-  // Gather: the selected keys of one KV head decoded once, transposed
-  // ([channel][position]) so that the score loop runs across positions:
-  // every lane computes the scalar chain dot = fma(q[c], k[c], dot) over
-  // increasing c (see IndexerScore), so a score never depends on which
-  // other positions are selected. Values row-major for the weighted sum.
-  // Heads of a group with the same selection reuse the gathered entries.
-  std::vector<float> kt, vr, sc;
-  const std::vector<int32_t>* gathered = nullptr;
-  int gathered_group = -1, npad = 0;
+  // Per head h, over its selected positions j in increasing order:
+  //   s_j = fma chain over c of q[c] k_j[c] from +0, then s_j * scale
+  //   (+ bias_j); m = max_j s_j; p_j = exp(s_j - m), z = sum_j p_j in
+  //   increasing j, p_j *= 1 / z; o[c] = fma chain over j of p_j v_j[c].
+  // Heads of a KV group that select the same positions are served together:
+  // their entries are gathered once, 16 at a time, transposed and widened
+  // into an L1 tile (one lane per entry), over which every head's score
+  // chains run (a score does not depend on which other positions are
+  // selected); the weighted sums then read each value row once for all of
+  // them. Every element's arithmetic is the scalar chain above.
+  thread_local std::vector<const uint16_t*> kp, vp;
+  thread_local std::vector<float> sc_buf, tile_buf;
+  tile_buf.resize(size_t((d + 31) / 32 * 32) * 16 + 16);
+  float* tile = reinterpret_cast<float*>(
+      (reinterpret_cast<uintptr_t>(tile_buf.data()) + 63) & ~uintptr_t(63));
   double bytes = 0, flops = 0;
-  for (int h = 0; h < s.heads; ++h) {
-    const int g = h / group;
-    const HeadSelection& sel = heads[h];
-    const int n = static_cast<int>(sel.positions.size());
-    const float* qh = q + size_t(h) * s.q_dim;
-    float* oh = out + size_t(h) * s.out_dim;
-    std::fill(oh, oh + d, 0.0f);
-    if (n == 0) continue;  // cannot happen: the token itself is selected
-    if (g != gathered_group || *gathered != sel.positions) {
-      npad = (n + 15) / 16 * 16;
-      kt.assign(size_t(d) * npad, 0.0f);
-      vr.resize(size_t(n) * d);
-      for (int j = 0; j < n; ++j) {
-        const uint16_t* e = view.Kv(sel.positions[j]);
-        const uint16_t* k = e + GqaEntry::K(s, g);
-        const uint16_t* v = e + GqaEntry::V(s, g);
-        float* vj = &vr[size_t(j) * d];
-        for (int c = 0; c < d; ++c) kt[size_t(c) * npad + j] = Bf16(k[c]);
-        for (int c = 0; c < d; ++c) vj[c] = Bf16(v[c]);
+  const __m512 vscale = _mm512_set1_ps(s.softmax_scale);
+  for (int h0 = 0; h0 < s.heads;) {
+    const int g = h0 / group;
+    const std::vector<int32_t>& pos = heads[h0].positions;
+    int h1 = h0 + 1;
+    while (h1 < (g + 1) * group && heads[h1].positions == pos) ++h1;
+    const int nh = h1 - h0;
+    const int n = static_cast<int>(pos.size());
+    for (int h = h0; h < h1; ++h) {
+      float* oh = out + size_t(h) * s.out_dim;
+      std::fill(oh, oh + d, 0.0f);
+    }
+    if (n == 0) {  // cannot happen: the token itself is selected
+      h0 = h1;
+      continue;
+    }
+    const int npad = (n + 15) / 16 * 16;
+    kp.resize(n);
+    vp.resize(n);
+    for (int j = 0; j < n; ++j) {
+      const uint16_t* e = view.Kv(pos[j]);
+      kp[j] = e + GqaEntry::K(s, g);
+      vp[j] = e + GqaEntry::V(s, g);
+    }
+    bytes += double(n) * d * 2 * 2;
+    sc_buf.resize(size_t(nh) * npad);
+    // Scores, 16 entries at a time.
+    for (int j0 = 0; j0 < n; j0 += 16) {
+      if (j0 + 16 < n) {  // the next block's keys
+        for (int j = j0 + 16; j < std::min(n, j0 + 32); ++j) {
+          for (int off = 0; off < d * 2; off += 64) {
+            _mm_prefetch(reinterpret_cast<const char*>(kp[j]) + off,
+                         _MM_HINT_T0);
+          }
+        }
       }
-      gathered = &sel.positions;
-      gathered_group = g;
-      bytes += double(n) * d * 2 * 2;
+      LoadEntryTile(kp.data() + j0, std::min(16, n - j0), d, tile, 16);
+      for (int i = 0; i < nh; ++i) {
+        const float* qh = q + size_t(h0 + i) * s.q_dim;
+        __m512 acc = _mm512_setzero_ps();
+        for (int c = 0; c < d; ++c) {
+          acc = _mm512_fmadd_ps(_mm512_set1_ps(qh[c]),
+                                _mm512_load_ps(tile + size_t(c) * 16), acc);
+        }
+        _mm512_storeu_ps(&sc_buf[size_t(i) * npad + j0], acc);
+      }
     }
-    sc.assign(npad, 0.0f);
-    for (int c = 0; c < d; ++c) {
-      const float qc = qh[c];
-      const float* col = &kt[size_t(c) * npad];
-      for (int j = 0; j < npad; ++j) sc[j] = std::fma(qc, col[j], sc[j]);
+    // Softmax weights, per head.
+    std::vector<float*> p(nh);
+    std::vector<float*> o(nh);
+    for (int i = 0; i < nh; ++i) {
+      const HeadSelection& sel = heads[h0 + i];
+      float* sh = &sc_buf[size_t(i) * npad];
+      p[i] = sh;
+      o[i] = out + size_t(h0 + i) * s.out_dim;
+      // max_ps(x, m) keeps m where x is NaN or equal, as std::max(m, x).
+      __m512 vm = _mm512_set1_ps(-INFINITY);
+      for (int j = 0; j < n; j += 16) {
+        const __mmask16 valid = FirstLanes16(n - j);
+        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(sh + j), vscale);
+        if (!sel.bias.empty()) {
+          x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(valid, &sel.bias[j]));
+        }
+        _mm512_storeu_ps(sh + j, x);
+        vm = _mm512_mask_max_ps(vm, valid, x, vm);
+      }
+      const float m = _mm512_reduce_max_ps(vm);
+      float z = 0.0f;
+      for (int j = 0; j < n; ++j) {
+        sh[j] = std::exp(sh[j] - m);
+        z += sh[j];
+      }
+      const __m512 inv = _mm512_set1_ps(1.0f / z);
+      for (int j = 0; j < n; j += 16) {
+        _mm512_storeu_ps(sh + j, _mm512_mul_ps(_mm512_loadu_ps(sh + j), inv));
+      }
+      flops += double(n) * d * 4;
     }
-    float m = -INFINITY;
-    for (int j = 0; j < n; ++j) {
-      float v = sc[j] * s.softmax_scale;
-      if (!sel.bias.empty()) v += sel.bias[j];
-      sc[j] = v;
-      m = std::max(m, v);
+    // Weighted sums.
+    switch ((d + 15) / 16) {
+      case 4:
+        WeightedValuesHeads<4>(vp.data(), n, p.data(), nh, d, o.data());
+        break;
+      case 8:
+        WeightedValuesHeads<8>(vp.data(), n, p.data(), nh, d, o.data());
+        break;
+      default:
+        WeightedValuesHeads<0>(vp.data(), n, p.data(), nh, d, o.data());
+        break;
     }
-    float z = 0.0f;
-    for (int j = 0; j < n; ++j) {
-      sc[j] = std::exp(sc[j] - m);
-      z += sc[j];
-    }
-    const float inv = 1.0f / z;
-    for (int j = 0; j < n; ++j) {
-      const float p = sc[j] * inv;
-      const float* v = &vr[size_t(j) * d];
-      for (int c = 0; c < d; ++c) oh[c] = std::fma(p, v[c], oh[c]);
-    }
-    flops += double(n) * d * 4;
+    h0 = h1;
   }
   if (cost != nullptr) {
     cost->bytes += bytes;

@@ -452,6 +452,82 @@ TEST_CASE("gqa_block: top-k equals brute force over long contexts",
   }
 }
 
+// SparseAttention::Attend's definition (sparse_attention.cc), one head and
+// one position at a time.
+void ScalarAttend(const AttnShapes& s, const LayerView& view, const float* q,
+                  const std::vector<HeadSelection>& heads, float* out) {
+  const int d = s.head_dim, group = s.heads / s.kv_heads;
+  std::vector<float> k(d), v(d);
+  for (int h = 0; h < s.heads; ++h) {
+    const int g = h / group;
+    const HeadSelection& sel = heads[h];
+    const size_t n = sel.positions.size();
+    const float* qh = q + size_t(h) * s.q_dim;
+    std::vector<float> p(n);
+    float m = -INFINITY;
+    for (size_t j = 0; j < n; ++j) {
+      Bf16ToFloat(view.Kv(sel.positions[j]) + GqaEntry::K(s, g), d, k.data());
+      float dot = 0.0f;
+      for (int c = 0; c < d; ++c) dot = std::fma(qh[c], k[c], dot);
+      p[j] = dot * s.softmax_scale;
+      if (!sel.bias.empty()) p[j] += sel.bias[j];
+      m = std::max(m, p[j]);
+    }
+    float z = 0.0f;
+    for (size_t j = 0; j < n; ++j) {
+      p[j] = std::exp(p[j] - m);
+      z += p[j];
+    }
+    const float inv = 1.0f / z;
+    float* oh = out + size_t(h) * s.out_dim;
+    std::fill(oh, oh + d, 0.0f);
+    for (size_t j = 0; j < n; ++j) {
+      Bf16ToFloat(view.Kv(sel.positions[j]) + GqaEntry::V(s, g), d, v.data());
+      const float w = p[j] * inv;
+      for (int c = 0; c < d; ++c) oh[c] = std::fma(w, v[c], oh[c]);
+    }
+  }
+}
+
+TEST_CASE("Attend equals its scalar definition bit for bit", "[attention]") {
+  // Head dims on the kernel's fast paths (64, 128) and off them (40, 300:
+  // masked tails, more channels than one pass holds); selections shared by
+  // a group's heads or not, with and without logit offsets, and a NaN in
+  // one query.
+  for (int hd : {64, 128, 40, 300}) {
+    ModelConfig c = *PresetConfig("llama-tiny");
+    c.head_dim = hd;
+    const int n = 700;
+    RandomLayer r(c, n);
+    const AttnShapes& s = r.shapes;
+    for (int trial = 0; trial < 12; ++trial) {
+      CAPTURE(hd, trial);
+      const int pos = 1 + int(r.rng() % (n - 1));
+      std::vector<HeadSelection> heads(s.heads);
+      for (int h = 0; h < s.heads; ++h) {
+        const int every = 1 + (trial + h / 2) % 4;
+        for (int t = 0; t <= pos; ++t) {
+          if (t % every == 0 || t == pos) heads[h].positions.push_back(t);
+        }
+        if (trial % 3 == 0) {
+          for (size_t j = 0; j < heads[h].positions.size(); ++j) {
+            heads[h].bias.push_back(j % 5 == 0 ? -3.5f * float(j % 7) : 0.0f);
+          }
+        }
+        if (trial % 4 == 1 && h % 2 == 1) heads[h] = heads[h - 1];
+      }
+      std::vector<float> q = r.Gauss(size_t(s.heads) * s.q_dim);
+      if (trial == 5) q[3] = NAN;
+      std::vector<float> want(size_t(s.heads) * s.out_dim, 7.0f);
+      std::vector<float> got(want);
+      ScalarAttend(s, r.View(), q.data(), heads, want.data());
+      KernelCost cost;
+      r.method->Attend(r.View(), q.data(), heads, got.data(), &cost);
+      CHECK(std::memcmp(got.data(), want.data(), got.size() * 4) == 0);
+    }
+  }
+}
+
 TEST_CASE("magicpig: retrieved set and weights equal brute force",
           "[attention]") {
   ModelConfig c = *PresetConfig("llama-small-magicpig");
