@@ -48,21 +48,33 @@
 // stays flat from 16K to 128K is judged on the same calls timed in
 // alternation (each shape's summary line), not on the rows, which are
 // timed one context after the other.
-// Then the GQA forms' low-intensity Score/Select stages through their real
-// code (SparseAttention::Select for one query token): gqa_block's block-mean
-// scoring (minimax-tiny: 8 q / 2 kv heads, Di 32, block 16) and Quest's
-// per-page min/max bound (llama-tiny-quest: 8 q / 2 kv x 64, page 16). The
-// metadata of several sessions is built once (OnAppend over the whole
-// context); each timed pass runs one Select per session, the sessions split
-// over both cores, after a 1 GiB read sweep that evicts the caches, so the
-// metadata comes from DRAM. A pass is timed from when both cores are on it
-// to when the last is done, not from ParallelFor's call to its return: the
-// pool's wake-ups around it (8 us at best, ~30 us typically here, more on a
-// busy machine) are not the kernel's time, and a 128K gqa_block pass is
-// only ~300 us a core (Quest's ~1.2 ms). GB/s counts the metadata the stage
-// reads (block sums and any block counts read, per-page min + max) once;
-// %bound is against the read bandwidth. At 1K a session's metadata is
-// 16-64 KB, so that row is bound by the first misses' latency rather than by
+// Then every GQA form and method through its real code, for the next
+// token after a prefill of each context (1K, 16K, 128K): its Score + Select
+// (SparseAttention::Select) and the Gather + Attend all of them share
+// (SparseAttention::Attend) over what it selected: gqa_block's block-mean
+// scoring (mm-block: minimax-tiny, 8 q / 2 kv heads, Di 32, block 16),
+// Quest's per-page min/max bound (ll-quest: llama-tiny-quest, 8 q / 2 kv x
+// 64, page 16), MagicPIG's LSH tables (ll-magicpig: 8 bits x 32 tables, sink
+// 4, local 64, random hyperplanes), ClusterKV's centroids (ll-clusterkv:
+// clusters of 16, budget 128) and dense attention (ll-dense: llama-tiny,
+// every position; no Select row). Each session's metadata is built as its
+// prefill builds it (OnAppend, then OnPrefillEnd); where one build takes
+// over a second the sessions share one copy (noted), and a context whose
+// build would take over 30 s, judged from the previous context's as if it
+// grew quadratically, is left out (noted: ClusterKV's k-means at 128K).
+// Each timed pass runs one Select (or one Attend) per session, eight
+// sessions split over both cores, after a 1 GiB read sweep that evicts the
+// caches, so metadata and entries come from DRAM. A pass is timed from
+// when both cores are on it to when the last is done, not from
+// ParallelFor's call to its return: the pool's wake-ups around it (8 us at
+// best, ~30 us typically here, more on a busy machine) are not the kernel's
+// time, and a 128K gqa_block pass is only ~300 us a core (Quest's ~1.2 ms).
+// Rows are per Select or Attend, amortised over the sessions. GB/s counts
+// what the stage reads (KernelCost: block sums and any block counts read,
+// per-page min + max, LSH codes, centroids; for Attend the selected keys
+// and values) once; Select's %bound is against the read bandwidth, Attend's
+// against min(BW x OI, fp32 FMA peak). At 1K a session's metadata is 16-64
+// KB, so that row is bound by the first misses' latency rather than by
 // bandwidth. Not a test: prints a table.
 #include <immintrin.h>
 
@@ -84,6 +96,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_format.h"
 #include "common/attention.h"
 #include "common/core_pool.h"
 #include "common/kv_store.h"
@@ -340,7 +353,7 @@ Limits MeasureLimits(CorePool* pool, CorePool* one_core, bool tiles) {
   return l;
 }
 
-enum class Kind { kScore, kSelect, kAttend, kMeta };
+enum class Kind { kScore, kSelect, kAttend, kMeta, kGqaAttend };
 
 // One measured kernel run; printed against the limits at the end.
 struct Row {
@@ -372,6 +385,16 @@ void PrintRow(const Row& r, const Limits& lim, ScoreOn score_on) {
     return;
   }
   const double gflops = r.flops / r.seconds / 1e9;
+  if (r.kind == Kind::kGqaAttend) {  // the GQA forms' shared Attend
+    const double bound =
+        std::min(lim.bw_gbps * r.flops / r.bytes, lim.fp32_gflops);
+    std::snprintf(note, sizeof note,
+                  "%d positions a head (mean), from DRAM, per token", r.topk);
+    std::printf("%-8s %-10s %7d %10.1f %12.3e %8.1f %9.1f %8.1f %6.1f%%  %s\n",
+                "attend", r.shape, r.ctx, r.seconds * 1e6, r.tokens / r.seconds,
+                gbps, gflops, bound, 100.0 * gflops / bound, note);
+    return;
+  }
   if (r.kind == Kind::kMeta) {  // low intensity: against bandwidth x OI
     const double bound = lim.bw_gbps * r.flops / r.bytes;
     std::printf("%-8s %-10s %7d %10.1f %12.3e %8.1f %9.1f %8.1f %6.1f%%  %s\n",
@@ -509,17 +532,34 @@ void GatherEntries(const uint8_t* const* entries, int n, size_t bytes,
   });
 }
 
-// Times method `preset`'s Select at each context; appends kMeta rows.
-bool BenchMetadataScoring(const char* preset, const char* label,
-                          const int* contexts, int ncontexts, CorePool* pool,
-                          CacheFlusher* flusher, std::vector<Row>* rows) {
+// Times method `preset`'s Select at each context (kMeta rows; none where it
+// scores nothing, as dense) and the shared Gather + Attend over the
+// selection it made (kGqaAttend rows). Each context gets its own metadata,
+// built as a session's prefill of `ctx` tokens builds it (OnAppend, then
+// OnPrefillEnd), and the query is the next token's (position ctx). Where one
+// build takes longer than kShareBuildSeconds, the sessions share one copy; a
+// context whose build would take longer than kMaxBuildSeconds, judged from the
+// previous one and growing up to quadratically (ClusterKV's k-means), is left
+// out with a note in `notes`.
+bool BenchGqaMethod(const char* preset, const char* label, const int* contexts,
+                    int ncontexts, CorePool* pool, CacheFlusher* flusher,
+                    std::vector<Row>* rows, std::vector<std::string>* notes) {
+  constexpr double kShareBuildSeconds = 1.0;
+  constexpr double kMaxBuildSeconds = 30.0;
   auto config = PresetConfig(preset);
   if (!config.ok()) return false;
   ModelConfig c = *config;
   c.num_hidden_layers = 1;
-  const int tokens = contexts[ncontexts - 1];
+  const int tokens = contexts[ncontexts - 1] + 1;
   const AttnShapes a = MakeAttnShapes(c);
-  auto method = NewSparseAttention(c, MethodWeights{});
+  uint64_t seed = 4242;
+  MethodWeights weights;
+  if (c.attention.method == AttentionMethod::kMagicPig) {
+    weights.lsh_hyperplanes.resize(size_t(c.attention.lsh_bits) *
+                                   c.attention.lsh_tables * c.head_dim);
+    for (float& v : weights.lsh_hyperplanes) v = Gauss(&seed);
+  }
+  auto method = NewSparseAttention(c, weights);
   if (!method.ok()) return false;
   const KvLayout layout = MakeKvLayout(c, 64);
   const size_t pages = (tokens + 63) / 64 + 1;
@@ -527,7 +567,6 @@ bool BenchMetadataScoring(const char* preset, const char* label,
   if (!arena.ok()) return false;
   SessionCache cache(&layout, arena->get());
   if (!cache.Reserve(tokens).ok()) return false;
-  uint64_t seed = 4242;
   std::vector<float> x(a.kv_dim);
   std::vector<uint16_t> kv(a.kv_dim);
   for (int t = 0; t < tokens; ++t) {
@@ -536,26 +575,18 @@ bool BenchMetadataScoring(const char* preset, const char* label,
     if (!cache.WriteKv(0, t, kv.data()).ok()) return false;
   }
   cache.SetLength(0, tokens);
-  const LayerView view = cache.View(0);
-  // Sessions sharing one cache: each has its own metadata, built once.
-  constexpr int kSessions = 8;
-  std::vector<std::unique_ptr<MethodLayerState>> states;
-  for (int s = 0; s < kSessions; ++s) {
-    states.push_back((*method)->NewLayerState());
-    KernelCost build;
-    (*method)->OnAppend(view, 0, tokens, states.back().get(), &build);
-  }
   std::vector<float> q(size_t(a.heads) * a.q_dim);
   for (auto& v : q) v = Gauss(&seed);
+  // Sessions sharing one cache: each has its own metadata.
+  constexpr int kSessions = 8;
   std::vector<std::vector<HeadSelection>> heads(kSessions);
+  std::vector<std::vector<float>> outs(
+      kSessions, std::vector<float>(size_t(a.heads) * a.head_dim));
   // ParallelFor's ranges of the sessions (CorePool::ParallelFor's split).
   const int64_t chunk = (kSessions + pool->cores() - 1) / pool->cores();
   const int ranges = int((kSessions + chunk - 1) / chunk);
-  for (int ci = 0; ci < ncontexts; ++ci) {
-    const int ctx = contexts[ci];
-    KernelCost cost;  // what one Select reads and computes
-    (*method)->Select(view, ctx - 1, q.data(), states[0].get(), &heads[0],
-                      &cost);
+  // Best time of a pass running op(s) for every session, after a flush.
+  auto best_pass = [&](const std::function<void(int)>& op) {
     double best = 1e30;
     const double t_end = Now() + 3.0;
     // A pass is a few milliseconds after a flush of tens: up to 60 passes
@@ -566,8 +597,8 @@ bool BenchMetadataScoring(const char* preset, const char* label,
       // A pass is timed from the moment every core is on it until the last
       // one is done, each core's sessions back to back: not the wake-up of
       // a worker that fell asleep during the flush, nor the caller's when
-      // it waits for the worker (a device runs these Selects on its
-      // serving thread, not through the pool).
+      // it waits for the worker (a device runs these stages on its serving
+      // thread, not through the pool).
       std::atomic<int> arrived{0};
       std::vector<double> start(ranges), end(ranges);
       pool->ParallelFor(kSessions, 1, [&](int64_t b, int64_t e) {
@@ -575,20 +606,80 @@ bool BenchMetadataScoring(const char* preset, const char* label,
         arrived.fetch_add(1);
         while (arrived.load() < ranges) _mm_pause();
         start[range] = Now();
-        for (int64_t s = b; s < e; ++s) {
-          KernelCost unused;
-          (*method)->Select(view, ctx - 1, q.data(), states[s].get(), &heads[s],
-                            &unused);
-        }
+        for (int64_t s = b; s < e; ++s) op(int(s));
         end[range] = Now();
       });
       best = std::min(best, *std::max_element(end.begin(), end.end()) -
                                 *std::min_element(start.begin(), start.end()));
       if (r >= 4 && Now() > t_end) break;
     }
-    // Per Select, amortised over the sessions run on both cores.
-    rows->push_back({Kind::kMeta, label, ctx, best / kSessions, double(ctx),
-                     cost.bytes, cost.flops, 0, 0});
+    return best;
+  };
+  double last_build = 0;
+  int last_ctx = 0;
+  for (int ci = 0; ci < ncontexts; ++ci) {
+    const int ctx = contexts[ci];
+    if (last_ctx > 0) {
+      const double grow = double(ctx) / last_ctx;
+      const double projected = last_build * grow * grow;
+      if (projected > kMaxBuildSeconds) {
+        notes->push_back(absl::StrFormat(
+            "%s: left out from %d tokens on: building its metadata took %.1f "
+            "s at %d tokens and grows up to quadratically (up to %.0f s)",
+            label, ctx, last_build, last_ctx, projected));
+        break;
+      }
+    }
+    // The metadata of a prefill of ctx tokens.
+    LayerView built = cache.View(0);
+    built.length = ctx;
+    std::vector<std::unique_ptr<MethodLayerState>> states;
+    const double t0 = Now();
+    for (int s = 0; s < kSessions; ++s) {
+      states.push_back((*method)->NewLayerState());
+      KernelCost build;
+      (*method)->OnAppend(built, 0, ctx, states.back().get(), &build);
+      (*method)->OnPrefillEnd(built, states.back().get(), &build);
+      if (s == 0) {
+        last_build = Now() - t0;
+        last_ctx = ctx;
+        if (last_build > kShareBuildSeconds) break;
+      }
+    }
+    const bool shared = states.size() == 1;
+    if (shared && ci + 1 == ncontexts) {
+      notes->push_back(absl::StrFormat(
+          "%s: from %d tokens on the sessions share one copy of the "
+          "metadata (building it took %.1f s)",
+          label, ctx, last_build));
+    }
+    auto state = [&](int s) { return states[shared ? 0 : s].get(); };
+    // The next token's query (its entry stored, as a decode step has it).
+    LayerView view = cache.View(0);
+    view.length = ctx + 1;
+    KernelCost cost;  // what one Select reads and computes
+    (*method)->Select(view, ctx, q.data(), state(0), &heads[0], &cost);
+    const double select = best_pass([&](int s) {
+      KernelCost unused;
+      (*method)->Select(view, ctx, q.data(), state(s), &heads[s], &unused);
+    });
+    // Per Select, amortised over the sessions run on both cores; none where
+    // the method scores nothing (dense: every position).
+    if (cost.bytes > 0) {
+      rows->push_back({Kind::kMeta, label, ctx, select / kSessions, double(ctx),
+                       cost.bytes, cost.flops, 0, 0});
+    }
+    KernelCost acost;  // what one Attend reads and computes
+    (*method)->Attend(view, q.data(), heads[0], outs[0].data(), &acost);
+    double selected = 0;
+    for (const HeadSelection& h : heads[0]) selected += h.positions.size();
+    const double t_attend = best_pass([&](int s) {
+      KernelCost unused;
+      (*method)->Attend(view, q.data(), heads[s], outs[s].data(), &unused);
+    });
+    rows->push_back({Kind::kGqaAttend, label, ctx, t_attend / kSessions,
+                     double(ctx), acost.bytes, acost.flops,
+                     int(selected / a.heads + 0.5), 0});
   }
   return true;
 }
@@ -829,12 +920,22 @@ int main(int argc, char** argv) {
   }
 
   if (only.empty() || only == "meta") {
-    if (!BenchMetadataScoring("minimax-tiny", "mm-block", contexts, 3, &pool,
-                              &flusher, &rows) ||
-        !BenchMetadataScoring("llama-tiny-quest", "ll-quest", contexts, 3,
-                              &pool, &flusher, &rows)) {
-      std::printf("cannot set up the gqa_block / quest scoring\n");
-      return 1;
+    // Every GQA form and method: its Select, then the shared Attend over
+    // what it selected (dense: every position).
+    const struct {
+      const char* preset;
+      const char* label;
+    } gqa[] = {{"minimax-tiny", "mm-block"},
+               {"llama-tiny-quest", "ll-quest"},
+               {"llama-tiny-magicpig", "ll-magicpig"},
+               {"llama-tiny-clusterkv", "ll-clusterkv"},
+               {"llama-tiny", "ll-dense"}};
+    for (const auto& m : gqa) {
+      if (!BenchGqaMethod(m.preset, m.label, contexts, 3, &pool, &flusher,
+                          &rows, &summaries)) {
+        std::printf("cannot set up %s (%s)\n", m.label, m.preset);
+        return 1;
+      }
     }
   }
 
