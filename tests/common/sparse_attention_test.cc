@@ -603,6 +603,107 @@ TEST_CASE("magicpig: retrieved set and weights equal brute force",
         c.num_attention_heads * (n - a.sink - a.local));  // and it drops some
 }
 
+// ClusterKV's clustering of tokens [from, to) of KV head g and its take for
+// one query head, by the definition (attn_clusterkv.cc), one centroid at a
+// time: k-means under cosine similarity from evenly spaced tokens, ties to
+// the lower cluster; clusters in creation order, best q . centroid first.
+std::vector<int> ScalarClusterTake(const RandomLayer& r, int g, int from,
+                                   int to, const float* qh) {
+  const AttentionConfig& a = r.cfg.attention;
+  const int d = r.shapes.head_dim, n = to - from;
+  const int k = (n + a.cluster_size - 1) / a.cluster_size;
+  std::vector<std::vector<float>> x(n), cent(k);
+  std::vector<float> xn(n), cn(k);
+  for (int i = 0; i < n; ++i) {
+    x[i] = r.Key(from + i, g);
+    xn[i] = std::sqrt(Dot(x[i].data(), x[i].data(), d));
+  }
+  for (int j = 0; j < k; ++j) cent[j] = x[size_t(int64_t(j) * n / k)];
+  std::vector<int> assign(n);
+  for (int round = 0; round < std::max(1, a.kmeans_iters); ++round) {
+    for (int j = 0; j < k; ++j) {
+      cn[j] = std::sqrt(Dot(cent[j].data(), cent[j].data(), d));
+    }
+    for (int i = 0; i < n; ++i) {
+      int best = 0;
+      float best_cos = -INFINITY;
+      for (int j = 0; j < k; ++j) {
+        const float den = xn[i] * cn[j];
+        const float cosv =
+            den > 0.0f ? Dot(x[i].data(), cent[j].data(), d) / den : 0.0f;
+        if (cosv > best_cos) {
+          best_cos = cosv;
+          best = j;
+        }
+      }
+      assign[i] = best;
+    }
+    if (a.kmeans_iters == 0) break;
+    std::vector<std::vector<float>> sum(k, std::vector<float>(d, 0.0f));
+    std::vector<int> count(k, 0);
+    for (int i = 0; i < n; ++i) {
+      for (int c = 0; c < d; ++c) sum[assign[i]][c] += x[i][c];
+      ++count[assign[i]];
+    }
+    for (int j = 0; j < k; ++j) {
+      if (count[j] == 0) continue;
+      for (int c = 0; c < d; ++c) cent[j][c] = sum[j][c] / float(count[j]);
+    }
+  }
+  std::vector<std::vector<int>> members(k);
+  for (int i = 0; i < n; ++i) members[assign[i]].push_back(from + i);
+  std::vector<int> live, order;
+  std::vector<float> score;
+  for (int j = 0; j < k; ++j) {
+    if (members[j].empty()) continue;
+    live.push_back(j);
+    score.push_back(Dot(qh, cent[j].data(), d));
+  }
+  order.resize(live.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = int(i);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int u, int v) { return score[u] > score[v]; });
+  std::vector<int> take;
+  int left = a.cluster_budget;
+  for (int o : order) {
+    if (left == 0) break;
+    const std::vector<int>& m = members[live[o]];
+    const int t = std::min(left, int(m.size()));
+    take.insert(take.end(), m.begin(), m.begin() + t);
+    left -= t;
+  }
+  return take;
+}
+
+TEST_CASE("clusterkv: clusters and take equal the scalar k-means",
+          "[attention]") {
+  // Enough tokens for several vectors of centroids (38 clusters), and a
+  // head dim off the 16-lane grid.
+  for (int hd : {64, 40}) {
+    ModelConfig c = *PresetConfig("llama-tiny-clusterkv");
+    c.head_dim = hd;
+    const AttentionConfig& a = c.attention;
+    const int n = 600;
+    RandomLayer r(c, n);
+    const int H = r.shapes.heads, group = H / r.shapes.kv_heads;
+    for (int l = 0; l <= RandomLayer::kLayer; ++l) r.Append(l, n, 1, false);
+    for (int trial = 0; trial < 6; ++trial) {
+      CAPTURE(hd, trial);
+      std::vector<float> q = r.Gauss(size_t(H) * r.shapes.q_dim);
+      auto heads = r.Select(n, q);
+      for (int h = 0; h < H; ++h) {
+        std::vector<int> want = ScalarClusterTake(
+            r, h / group, a.sink, n, &q[size_t(h) * r.shapes.q_dim]);
+        for (int t = 0; t < a.sink; ++t) want.push_back(t);
+        want.push_back(n);
+        std::sort(want.begin(), want.end());
+        CHECK(heads[h].positions ==
+              std::vector<int32_t>(want.begin(), want.end()));
+      }
+    }
+  }
+}
+
 TEST_CASE("clusterkv: clusters partition the prefill; take equals brute force",
           "[attention]") {
   ModelConfig c = *PresetConfig("llama-small-clusterkv");
