@@ -3,11 +3,19 @@
 // keys; a key is retrieved when it shares the query's bucket in at least two
 // of L tables, and its logit is corrected by its retrieval probability
 // (importance sampling); sink and local tokens are attended exactly.
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 
+#include "common/huge_page_vector.h"
 #include "common/numeric.h"
+#include "common/simd_reduce.h"
 #include "common/sparse_attention.h"
+
+// GCC 12 reports its own AVX-512 intrinsic headers (_mm512_undefined_*)
+// as maybe-uninitialized.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 namespace karat {
 
@@ -23,11 +31,14 @@ class PigState final : public MethodLayerState {
   // The centring mean is fixed at the end of the session's first prefill;
   // until then the layer attends densely and no key is hashed.
   bool fixed = false;
-  std::vector<float> mean;      // Hkv x d
-  std::vector<uint32_t> codes;  // positions x Hkv x L
-  std::vector<float> norms;     // positions x Hkv: |centred key|
+  std::vector<float> mean;  // Hkv x d
+  // Per KV head, positions x L: Select streams one KV head's at a time.
+  std::vector<HugePageVector<uint32_t>> codes;
+  std::vector<float> norms;  // positions x Hkv: |centred key|
   size_t bytes() const override {
-    return mean.size() * sizeof(float) + codes.size() * sizeof(uint32_t) +
+    size_t code_bytes = 0;
+    for (const auto& c : codes) code_bytes += c.size() * sizeof(uint32_t);
+    return mean.size() * sizeof(float) + code_bytes +
            norms.size() * sizeof(float);
   }
 };
@@ -90,15 +101,18 @@ class MagicPigAttention final : public SparseAttention {
     const int H = shapes_.heads, hkv = shapes_.kv_heads, d = shapes_.head_dim;
     const int group = H / hkv;
     heads->resize(H);
-    std::vector<uint32_t> qcodes(tables_);
-    std::vector<float> k(d);
+    // Per head: its buckets, |q|, and the sink tokens first.
+    thread_local std::vector<uint32_t> qcodes;
+    thread_local std::vector<float> qnorm, k;
+    qcodes.resize(size_t(H) * tables_);
+    qnorm.resize(H);
+    k.resize(d);
     for (int h = 0; h < H; ++h) {
-      const int g = h / group;
       const float* qh = q + size_t(h) * shapes_.q_dim;
-      Hash(qh, qcodes.data());
+      Hash(qh, &qcodes[size_t(h) * tables_]);
       float qn = 0.0f;
       for (int c = 0; c < d; ++c) qn = std::fma(qh[c], qh[c], qn);
-      qn = std::sqrt(qn);
+      qnorm[h] = std::sqrt(qn);
       HeadSelection& sel = (*heads)[h];
       sel.positions.clear();
       sel.bias.clear();
@@ -106,26 +120,96 @@ class MagicPigAttention final : public SparseAttention {
         sel.positions.push_back(t);
         sel.bias.push_back(0.0f);
       }
-      for (int t = sink_; t < mid_end; ++t) {
-        const uint32_t* kc = &st->codes[(size_t(t) * hkv + g) * tables_];
-        int hits = 0;
-        for (int j = 0; j < tables_ && hits < 2; ++j)
-          hits += kc[j] == qcodes[j];
-        if (hits < 2) continue;
-        // Angle between the query and the centred key.
-        Bf16ToFloat(view.Kv(t) + GqaEntry::K(shapes_, g), d, k.data());
-        const float* mean = &st->mean[size_t(g) * d];
-        float dot = 0.0f;
-        for (int c = 0; c < d; ++c) dot = std::fma(qh[c], k[c] - mean[c], dot);
-        const float kn = st->norms[size_t(t) * hkv + g];
-        double cosv =
-            qn > 0.0f && kn > 0.0f ? double(dot) / (double(qn) * kn) : 0.0;
-        cosv = std::clamp(cosv, -1.0, 1.0);
-        const double w =
-            MagicPigRetrievalProbability(std::acos(cosv), bits_, tables_);
-        sel.positions.push_back(t);
-        sel.bias.push_back(static_cast<float>(-std::log(w + 1e-4)));
+    }
+    // A middle token retrieved for head h: its logit offset from the angle
+    // between the query and the centred key.
+    auto retrieve = [&](int h, int g, int t) {
+      const float* qh = q + size_t(h) * shapes_.q_dim;
+      const float qn = qnorm[h];
+      Bf16ToFloat(view.Kv(t) + GqaEntry::K(shapes_, g), d, k.data());
+      const float* mean = &st->mean[size_t(g) * d];
+      float dot = 0.0f;
+      for (int c = 0; c < d; ++c) dot = std::fma(qh[c], k[c] - mean[c], dot);
+      const float kn = st->norms[size_t(t) * hkv + g];
+      double cosv =
+          qn > 0.0f && kn > 0.0f ? double(dot) / (double(qn) * kn) : 0.0;
+      cosv = std::clamp(cosv, -1.0, 1.0);
+      const double w =
+          MagicPigRetrievalProbability(std::acos(cosv), bits_, tables_);
+      HeadSelection& sel = (*heads)[h];
+      sel.positions.push_back(t);
+      sel.bias.push_back(static_cast<float>(-std::log(w + 1e-4)));
+    };
+    // The middle tokens, once per KV head for all of its query heads: a
+    // token is retrieved when its bucket equals the query's in at least two
+    // tables, counted 16 tables to a vector compare (the query's buckets in
+    // registers where they fit). The retrieved tokens are collected first
+    // and their offsets computed after, each token's key requested a few
+    // tokens ahead: those keys are scattered over the cache.
+    const int nv = (tables_ + 15) / 16;
+    thread_local std::vector<std::vector<int>> hit;
+    hit.resize(group);
+    for (int g = 0; g < hkv; ++g) {
+      for (auto& v : hit) v.clear();
+      const uint32_t* qg = &qcodes[size_t(g) * group * tables_];
+      const uint32_t* codes = st->codes[g].data();
+      if (nv <= 2 && group <= 8) {
+        const __mmask16 m0 = FirstLanes16(tables_);
+        const __mmask16 m1 =
+            tables_ > 16 ? FirstLanes16(tables_ - 16) : __mmask16(0);
+        __m512i q0[8], q1[8];
+        for (int i = 0; i < group; ++i) {
+          q0[i] = _mm512_maskz_loadu_epi32(m0, qg + size_t(i) * tables_);
+          q1[i] = _mm512_maskz_loadu_epi32(m1, qg + size_t(i) * tables_ + 16);
+        }
+        for (int t = sink_; t < mid_end; ++t) {
+          const uint32_t* kc = codes + size_t(t) * tables_;
+          _mm_prefetch(reinterpret_cast<const char*>(kc + 16 * tables_),
+                       _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(kc + 16 * tables_ + 16),
+                       _MM_HINT_T0);
+          const __m512i k0 = _mm512_maskz_loadu_epi32(m0, kc);
+          const __m512i k1 = _mm512_maskz_loadu_epi32(m1, kc + 16);
+          for (int i = 0; i < group; ++i) {
+            const int hits =
+                __builtin_popcount(
+                    _mm512_mask_cmpeq_epi32_mask(m0, k0, q0[i])) +
+                __builtin_popcount(_mm512_mask_cmpeq_epi32_mask(m1, k1, q1[i]));
+            if (hits >= 2) hit[i].push_back(t);
+          }
+        }
+      } else {
+        for (int t = sink_; t < mid_end; ++t) {
+          const uint32_t* kc = codes + size_t(t) * tables_;
+          for (int i = 0; i < group; ++i) {
+            const uint32_t* qc = qg + size_t(i) * tables_;
+            int hits = 0;
+            for (int v = 0; v < nv; ++v) {
+              const __mmask16 m = FirstLanes16(tables_ - 16 * v);
+              hits += __builtin_popcount(_mm512_mask_cmpeq_epi32_mask(
+                  m, _mm512_maskz_loadu_epi32(m, kc + 16 * v),
+                  _mm512_maskz_loadu_epi32(m, qc + 16 * v)));
+            }
+            if (hits >= 2) hit[i].push_back(t);
+          }
+        }
       }
+      for (int i = 0; i < group; ++i) {
+        const std::vector<int>& ts = hit[i];
+        for (size_t j = 0; j < ts.size(); ++j) {
+          if (j + 8 < ts.size()) {
+            const char* kp = reinterpret_cast<const char*>(
+                view.Kv(ts[j + 8]) + GqaEntry::K(shapes_, g));
+            for (int off = 0; off < d * 2; off += 64) {
+              _mm_prefetch(kp + off, _MM_HINT_T0);
+            }
+          }
+          retrieve(g * group + i, g, ts[j]);
+        }
+      }
+    }
+    for (int h = 0; h < H; ++h) {
+      HeadSelection& sel = (*heads)[h];
       for (int t = mid_end; t <= pos; ++t) {
         sel.positions.push_back(t);
         sel.bias.push_back(0.0f);
@@ -155,7 +239,8 @@ class MagicPigAttention final : public SparseAttention {
   void HashKeys(const LayerView& view, int from, int to, PigState* st,
                 KernelCost* cost) const {
     const int hkv = shapes_.kv_heads, d = shapes_.head_dim;
-    st->codes.resize(size_t(to) * hkv * tables_);
+    st->codes.resize(hkv);
+    for (auto& c : st->codes) c.resize(size_t(to) * tables_);
     st->norms.resize(size_t(to) * hkv);
     std::vector<float> k(d);
     for (int t = from; t < to; ++t) {
@@ -168,7 +253,7 @@ class MagicPigAttention final : public SparseAttention {
           nn = std::fma(k[c], k[c], nn);
         }
         st->norms[size_t(t) * hkv + g] = std::sqrt(nn);
-        Hash(k.data(), &st->codes[(size_t(t) * hkv + g) * tables_]);
+        Hash(k.data(), &st->codes[g][size_t(t) * tables_]);
       }
     }
     cost->bytes += double(to - from) * hkv * d * 2;
