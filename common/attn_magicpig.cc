@@ -242,18 +242,58 @@ class MagicPigAttention final : public SparseAttention {
     st->codes.resize(hkv);
     for (auto& c : st->codes) c.resize(size_t(to) * tables_);
     st->norms.resize(size_t(to) * hkv);
-    std::vector<float> k(d);
-    for (int t = from; t < to; ++t) {
-      for (int g = 0; g < hkv; ++g) {
-        Bf16ToFloat(view.Kv(t) + GqaEntry::K(shapes_, g), d, k.data());
-        const float* mean = &st->mean[size_t(g) * d];
-        float nn = 0.0f;
-        for (int c = 0; c < d; ++c) {
-          k[c] -= mean[c];
-          nn = std::fma(k[c], k[c], nn);
+    // 16 tokens at a time per KV head: their keys transposed and widened
+    // into an L1 tile (one lane per token) and centred there, then every
+    // hyperplane's fma chain runs over it in lanes: per token the same
+    // chains, in the same order, as Hash() and the scalar centring compute.
+    thread_local std::vector<float> tile_buf;
+    thread_local std::vector<uint32_t> code_buf;
+    tile_buf.resize(size_t((d + 31) / 32 * 32) * 16 + 16);
+    code_buf.resize(size_t(tables_) * 16);
+    float* tile = reinterpret_cast<float*>(
+        (reinterpret_cast<uintptr_t>(tile_buf.data()) + 63) & ~uintptr_t(63));
+    for (int g = 0; g < hkv; ++g) {
+      const float* mean = &st->mean[size_t(g) * d];
+      for (int t0 = from; t0 < to; t0 += 16) {
+        const int cnt = std::min(16, to - t0);
+        const uint16_t* kp[16];
+        for (int j = 0; j < cnt; ++j) {
+          kp[j] = view.Kv(t0 + j) + GqaEntry::K(shapes_, g);
         }
-        st->norms[size_t(t) * hkv + g] = std::sqrt(nn);
-        Hash(k.data(), &st->codes[g][size_t(t) * tables_]);
+        LoadEntryTile(kp, cnt, d, tile, 16);
+        __m512 nn = _mm512_setzero_ps();
+        for (int c = 0; c < d; ++c) {
+          const __m512 x = _mm512_sub_ps(_mm512_load_ps(tile + size_t(c) * 16),
+                                         _mm512_set1_ps(mean[c]));
+          _mm512_store_ps(tile + size_t(c) * 16, x);
+          nn = _mm512_fmadd_ps(x, x, nn);
+        }
+        alignas(64) float norm[16];
+        _mm512_store_ps(norm, _mm512_sqrt_ps(nn));
+        for (int j = 0; j < cnt; ++j) {
+          st->norms[size_t(t0 + j) * hkv + g] = norm[j];
+        }
+        for (int tb = 0; tb < tables_; ++tb) {
+          __m512i code = _mm512_setzero_si512();
+          for (int b = 0; b < bits_; ++b) {
+            const float* plane = &planes_[size_t(tb * bits_ + b) * d];
+            __m512 dot = _mm512_setzero_ps();
+            for (int c = 0; c < d; ++c) {
+              dot = _mm512_fmadd_ps(_mm512_set1_ps(plane[c]),
+                                    _mm512_load_ps(tile + size_t(c) * 16), dot);
+            }
+            code = _mm512_mask_or_epi32(
+                code, _mm512_cmp_ps_mask(dot, _mm512_setzero_ps(), _CMP_GT_OQ),
+                code, _mm512_set1_epi32(int(1u << b)));
+          }
+          _mm512_storeu_si512(&code_buf[size_t(tb) * 16], code);
+        }
+        uint32_t* out = &st->codes[g][size_t(t0) * tables_];
+        for (int j = 0; j < cnt; ++j) {
+          for (int tb = 0; tb < tables_; ++tb) {
+            out[size_t(j) * tables_ + tb] = code_buf[size_t(tb) * 16 + j];
+          }
+        }
       }
     }
     cost->bytes += double(to - from) * hkv * d * 2;
