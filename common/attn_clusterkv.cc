@@ -29,8 +29,12 @@ class ClusterState final : public MethodLayerState {
  public:
   int clustered_upto = 0;  // positions [sink, clustered_upto) are clustered
   std::vector<std::vector<Cluster>> heads;  // per KV head, creation order
+  // Per KV head, its centroids transposed for Select, 16 clusters to a
+  // block: [block][channel][16] (zeros past the last cluster).
+  std::vector<std::vector<float>> centroids_t;
   size_t bytes() const override {
     size_t n = 0;
+    for (const auto& t : centroids_t) n += t.size() * sizeof(float);
     for (const auto& h : heads) {
       for (const Cluster& c : h) {
         n += c.centroid.size() * sizeof(float) +
@@ -195,6 +199,17 @@ class ClusterKvAttention final : public SparseAttention {
       }
     }
     st->clustered_upto = to;
+    st->centroids_t.resize(shapes_.kv_heads);
+    for (int g = 0; g < shapes_.kv_heads; ++g) {
+      const std::vector<Cluster>& cl = st->heads[g];
+      std::vector<float>& t = st->centroids_t[g];
+      t.assign((cl.size() + 15) / 16 * 16 * size_t(d), 0.0f);
+      for (size_t j = 0; j < cl.size(); ++j) {
+        for (int c = 0; c < d; ++c) {
+          t[((j / 16) * d + c) * 16 + j % 16] = cl[j].centroid[c];
+        }
+      }
+    }
     cost->bytes += double(n) * shapes_.kv_heads * d * 2;
     cost->flops += double(n) * k * d * 2 * (iters_ + 1) * shapes_.kv_heads;
   }
@@ -211,20 +226,46 @@ class ClusterKvAttention final : public SparseAttention {
     const int H = shapes_.heads, d = shapes_.head_dim;
     const int group = H / shapes_.kv_heads;
     heads->resize(H);
-    std::vector<float> score;
-    std::vector<int> order;
+    thread_local std::vector<float> score;
+    thread_local std::vector<int> order;
     for (int h = 0; h < H; ++h) {
       const std::vector<Cluster>& cl = st->heads[h / group];
       const float* qh = q + size_t(h) * shapes_.q_dim;
-      score.resize(cl.size());
-      for (size_t j = 0; j < cl.size(); ++j) {
-        score[j] = Dot(qh, cl[j].centroid.data(), d);
+      const int k = int(cl.size());
+      // score[j] = q . centroid_j, the fma chain over increasing channels
+      // from +0, 16 clusters to a vector.
+      score.resize((k + 15) / 16 * 16);
+      const float* ct = st->centroids_t[h / group].data();
+      for (int j0 = 0; j0 < k; j0 += 16) {
+        const float* blk = ct + size_t(j0 / 16) * d * 16;
+        __m512 acc = _mm512_setzero_ps();
+        for (int c = 0; c < d; ++c) {
+          acc = _mm512_fmadd_ps(_mm512_set1_ps(qh[c]),
+                                _mm512_loadu_ps(blk + size_t(c) * 16), acc);
+        }
+        _mm512_storeu_ps(&score[j0], acc);
       }
-      order.resize(cl.size());
+      // Clusters best score first, ties to the lower cluster (what a stable
+      // sort by score gives). The take ends within budget_ clusters (each
+      // holds a token at least), so only that many are ordered, unless a
+      // NaN score leaves no strict order: then all of them, stably.
+      order.resize(k);
       std::iota(order.begin(), order.end(), 0);
-      std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
-        return score[a] > score[b];  // stable: ties to the lower cluster
-      });
+      bool nan = false;
+      for (int j = 0; j < k; ++j) nan |= std::isnan(score[j]);
+      if (!nan && budget_ < k) {
+        auto before = [&](int a, int b) {
+          return score[a] > score[b] || (score[a] == score[b] && a < b);
+        };
+        std::nth_element(order.begin(), order.begin() + budget_, order.end(),
+                         before);
+        order.resize(budget_);
+        std::sort(order.begin(), order.end(), before);
+      } else {
+        std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+          return score[a] > score[b];  // stable: ties to the lower cluster
+        });
+      }
       HeadSelection& sel = (*heads)[h];
       sel.positions.clear();
       sel.bias.clear();
