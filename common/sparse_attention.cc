@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/core_pool.h"
 #include "common/numeric.h"
 #include "common/safetensors.h"
 #include "common/simd_reduce.h"
@@ -302,7 +303,7 @@ absl::Status RunAttentionLayer(const SparseAttention& method, int layer,
                                int pos_start, int n, const AttnInputs& in,
                                bool ends_prefill, SessionCache* cache,
                                AttentionSessionState* state, float* out,
-                               KernelCost* cost) {
+                               KernelCost* cost, CorePool* pool) {
   const AttnShapes& s = method.shapes();
   if (pos_start < 0 || n <= 0) {
     return absl::InvalidArgumentError(
@@ -325,17 +326,35 @@ absl::Status RunAttentionLayer(const SparseAttention& method, int layer,
   MethodLayerState* st = state->layers[layer].get();
   const bool sparse = method.SparseLayer(layer);
   if (sparse) method.OnAppend(view, pos_start, n, st, c);
-  std::vector<HeadSelection> heads;
-  for (int i = 0; i < n; ++i) {
-    const int pos = pos_start + i;
-    const float* q = in.q + size_t(i) * s.heads * s.q_dim;
-    if (sparse) {
-      method.Select(view, pos, q, st, &heads, c);
-    } else {
-      method.SelectDense(pos, &heads);
+  // The tokens dealt round-robin over the pool's cores (token i attends
+  // i + 1 positions or so: contiguous ranges would leave the last core the
+  // most work); each core's costs are summed after (whole numbers of bytes
+  // and FLOPs: the same totals in any order).
+  const int ranges = pool != nullptr && n > 1 ? std::min(n, pool->cores()) : 1;
+  std::vector<KernelCost> range_cost(ranges);
+  auto tokens = [&](int64_t r0, int64_t r1) {
+    std::vector<HeadSelection> heads;
+    for (int64_t r = r0; r < r1; ++r) {
+      KernelCost& rc = range_cost[size_t(r)];
+      for (int i = int(r); i < n; i += ranges) {
+        const int pos = pos_start + i;
+        const float* q = in.q + size_t(i) * s.heads * s.q_dim;
+        if (sparse) {
+          method.Select(view, pos, q, st, &heads, &rc);
+        } else {
+          method.SelectDense(pos, &heads);
+        }
+        method.Attend(view, q, heads, out + size_t(i) * s.heads * s.out_dim,
+                      &rc);
+      }
     }
-    method.Attend(view, q, heads, out + size_t(i) * s.heads * s.out_dim, c);
+  };
+  if (ranges > 1) {
+    pool->ParallelFor(ranges, 1, tokens);
+  } else {
+    tokens(0, 1);
   }
+  for (const KernelCost& rc : range_cost) *c += rc;
   if (sparse && ends_prefill) method.OnPrefillEnd(view, st, c);
   return absl::OkStatus();
 }

@@ -39,6 +39,8 @@
 
 namespace karat {
 
+class CorePool;
+
 // Where the parts of one GQA cache entry sit (bf16 values, MakeKvLayout):
 // [k: Hkv x d | v: Hkv x d | index key: Hkv x Di (gqa_block only)].
 struct GqaEntry {
@@ -147,12 +149,15 @@ std::unique_ptr<AttentionSessionState> NewAttentionSessionState(
 // `out` (n x H x out_dim). `ends_prefill`: the segment's last token is the
 // last of its turn's prefill (ClusterKV clusters and MagicPIG fixes its
 // centring mean then). `cost` (optional) accumulates what the kernels read
-// and computed.
+// and computed. With `pool` the segment's tokens are dealt over its cores
+// (each token's Select and Attend only read the cache and the metadata);
+// every token's result is the same whichever core computes it.
 absl::Status RunAttentionLayer(const SparseAttention& method, int layer,
                                int pos_start, int n, const AttnInputs& in,
                                bool ends_prefill, SessionCache* cache,
                                AttentionSessionState* state, float* out,
-                               KernelCost* cost = nullptr);
+                               KernelCost* cost = nullptr,
+                               CorePool* pool = nullptr);
 
 // --- Per-method factories (registry entries; one file each) ---
 std::unique_ptr<SparseAttention> NewGqaDenseAttention(const AttnShapes& s);

@@ -511,7 +511,7 @@ absl::Status KaratDevice::ProcessGqa(const FrameView& frame, Session* session,
   absl::Status status = RunAttentionLayer(
       *method_, int(h.layer), pos_start, n, in,
       (flags & kAttnFlagEndsPrefill) != 0, session->cache.get(),
-      session->method_state.get(), out->data(), cost);
+      session->method_state.get(), out->data(), cost, pool_.get());
   const size_t bytes = session->method_state->bytes();
   metadata_bytes_.fetch_add(bytes - session->metadata_bytes);
   session->metadata_bytes = bytes;

@@ -11,6 +11,7 @@
 #include <random>
 #include <set>
 
+#include "common/core_pool.h"
 #include "common/model_runner.h"
 #include "common/numeric.h"
 #include "common/reference_engine.h"
@@ -524,6 +525,70 @@ TEST_CASE("Attend equals its scalar definition bit for bit", "[attention]") {
       KernelCost cost;
       r.method->Attend(r.View(), q.data(), heads, got.data(), &cost);
       CHECK(std::memcmp(got.data(), want.data(), got.size() * 4) == 0);
+    }
+  }
+}
+
+TEST_CASE("a segment's tokens on a core pool give the same outputs and costs",
+          "[attention]") {
+  for (const char* preset :
+       {"llama-tiny", "llama-tiny-quest", "llama-tiny-magicpig",
+        "llama-tiny-clusterkv", "minimax-tiny"}) {
+    INFO(preset);
+    const ModelConfig c = *PresetConfig(preset);
+    const AttnShapes s = MakeAttnShapes(c);
+    MethodWeights w;
+    std::mt19937 rng(9);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    if (c.attention.method == AttentionMethod::kMagicPig) {
+      w.lsh_hyperplanes.resize(size_t(c.attention.lsh_bits) *
+                               c.attention.lsh_tables * c.head_dim);
+      for (float& x : w.lsh_hyperplanes) x = nd(rng);
+    }
+    auto method = NewSparseAttention(c, w);
+    REQUIRE(method.ok());
+    const KvLayout layout = MakeKvLayout(c, 16);
+    CorePool pool(3, 0);
+    // One cache and metadata per way; the same segments go through both.
+    struct Way {
+      std::unique_ptr<PageArena> arena;
+      std::unique_ptr<SessionCache> cache;
+      std::unique_ptr<AttentionSessionState> state;
+    } way[2];
+    for (Way& x : way) {
+      x.arena =
+          std::move(*PageArena::Create(size_t(32) << 20, layout.page_bytes));
+      x.cache = std::make_unique<SessionCache>(&layout, x.arena.get());
+      REQUIRE(x.cache->Reserve(1200).ok());
+      x.state = NewAttentionSessionState(**method, c.num_hidden_layers);
+    }
+    const int layer = c.num_hidden_layers - 1;  // a sparse layer
+    // A prefill in two segments, then three decode steps.
+    const std::pair<int, int> segments[] = {
+        {0, 700}, {700, 301}, {1001, 1}, {1002, 1}, {1003, 1}};
+    for (const auto& [start, n] : segments) {
+      CAPTURE(start, n);
+      std::vector<float> q(size_t(n) * s.heads * s.q_dim);
+      for (float& x : q) x = nd(rng);
+      std::vector<float> kvf(size_t(n) * s.kv_dim);
+      for (float& x : kvf) x = nd(rng);
+      std::vector<uint16_t> kv(kvf.size());
+      FloatToBf16(kvf.data(), kvf.size(), kv.data());
+      const AttnInputs in{q.data(), kv.data()};
+      const bool ends_prefill = start + n == 1001;
+      std::vector<float> out[2];
+      KernelCost cost[2];
+      for (int i = 0; i < 2; ++i) {
+        out[i].assign(size_t(n) * s.heads * s.out_dim, 0.0f);
+        REQUIRE(RunAttentionLayer(**method, layer, start, n, in, ends_prefill,
+                                  way[i].cache.get(), way[i].state.get(),
+                                  out[i].data(), &cost[i],
+                                  i == 1 ? &pool : nullptr)
+                    .ok());
+      }
+      CHECK(std::memcmp(out[0].data(), out[1].data(), out[0].size() * 4) == 0);
+      CHECK(cost[0].bytes == cost[1].bytes);
+      CHECK(cost[0].flops == cost[1].flops);
     }
   }
 }
