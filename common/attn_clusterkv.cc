@@ -9,6 +9,7 @@
 #include <cmath>
 #include <numeric>
 
+#include "common/core_pool.h"
 #include "common/numeric.h"
 #include "common/simd_reduce.h"
 #include "common/sparse_attention.h"
@@ -64,60 +65,65 @@ float Dot(const float* a, const float* b, int d) {
 // time; the assignment is the whole cost (n x k x d per round).
 void AssignToCentroids(const float* x, const float* xn, int n,
                        const float* cent, const float* cn, int k, int d,
-                       int* assign) {
+                       int* assign, CorePool* pool) {
   constexpr int kRows = 8;
   const int kpad = (k + 15) / 16 * 16;
-  thread_local std::vector<float> ct, cnp;
-  ct.assign(size_t(d) * kpad, 0.0f);
-  cnp.assign(kpad, 0.0f);
+  std::vector<float> ct_buf(size_t(d) * kpad, 0.0f), cnp_buf(kpad, 0.0f);
   for (int j = 0; j < k; ++j) {
     for (int c = 0; c < d; ++c) {
-      ct[(size_t(j / 16) * d + c) * 16 + j % 16] = cent[size_t(j) * d + c];
+      ct_buf[(size_t(j / 16) * d + c) * 16 + j % 16] = cent[size_t(j) * d + c];
     }
-    cnp[j] = cn[j];
+    cnp_buf[j] = cn[j];
   }
-  const __m512i lane =
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  for (int i0 = 0; i0 < n; i0 += kRows) {
-    const int rows = std::min(kRows, n - i0);
-    __m512 best[kRows];
-    __m512i best_j[kRows];
-    for (int r = 0; r < kRows; ++r) {
-      best[r] = _mm512_set1_ps(-INFINITY);
-      best_j[r] = _mm512_setzero_si512();
-    }
-    for (int j0 = 0; j0 < k; j0 += 16) {
-      __m512 acc[kRows];
-      for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
-      for (int c = 0; c < d; ++c) {
-        const __m512 v = _mm512_loadu_ps(&ct[(size_t(j0 / 16) * d + c) * 16]);
-        for (int r = 0; r < kRows; ++r) {
-          const int i = std::min(i0 + r, n - 1);
-          acc[r] =
-              _mm512_fmadd_ps(_mm512_set1_ps(x[size_t(i) * d + c]), v, acc[r]);
+  const float* ct = ct_buf.data();
+  const float* cnp = cnp_buf.data();
+  // Rows in blocks of kRows, the blocks split over the pool's cores: each
+  // row's choice depends on that row alone.
+  ParallelFor(pool, (n + kRows - 1) / kRows, 1, [&](int64_t b0, int64_t b1) {
+    const __m512i lane =
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int i0 = int(b0) * kRows; i0 < std::min<int64_t>(n, b1 * kRows);
+         i0 += kRows) {
+      const int rows = std::min(kRows, n - i0);
+      __m512 best[kRows];
+      __m512i best_j[kRows];
+      for (int r = 0; r < kRows; ++r) {
+        best[r] = _mm512_set1_ps(-INFINITY);
+        best_j[r] = _mm512_setzero_si512();
+      }
+      for (int j0 = 0; j0 < k; j0 += 16) {
+        __m512 acc[kRows];
+        for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
+        for (int c = 0; c < d; ++c) {
+          const __m512 v = _mm512_loadu_ps(&ct[(size_t(j0 / 16) * d + c) * 16]);
+          for (int r = 0; r < kRows; ++r) {
+            const int i = std::min(i0 + r, n - 1);
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[size_t(i) * d + c]), v,
+                                     acc[r]);
+          }
+        }
+        const __mmask16 valid = FirstLanes16(k - j0);
+        const __m512 cnv = _mm512_loadu_ps(&cnp[j0]);
+        const __m512i jv = _mm512_add_epi32(lane, _mm512_set1_epi32(j0));
+        for (int r = 0; r < rows; ++r) {
+          const __m512 den = _mm512_mul_ps(_mm512_set1_ps(xn[i0 + r]), cnv);
+          const __mmask16 pos =
+              _mm512_cmp_ps_mask(den, _mm512_setzero_ps(), _CMP_GT_OQ);
+          const __m512 cosv = _mm512_maskz_div_ps(pos, acc[r], den);
+          const __mmask16 up =
+              _mm512_mask_cmp_ps_mask(valid, cosv, best[r], _CMP_GT_OQ);
+          best[r] = _mm512_mask_mov_ps(best[r], up, cosv);
+          best_j[r] = _mm512_mask_mov_epi32(best_j[r], up, jv);
         }
       }
-      const __mmask16 valid = FirstLanes16(k - j0);
-      const __m512 cnv = _mm512_loadu_ps(&cnp[j0]);
-      const __m512i jv = _mm512_add_epi32(lane, _mm512_set1_epi32(j0));
       for (int r = 0; r < rows; ++r) {
-        const __m512 den = _mm512_mul_ps(_mm512_set1_ps(xn[i0 + r]), cnv);
-        const __mmask16 pos =
-            _mm512_cmp_ps_mask(den, _mm512_setzero_ps(), _CMP_GT_OQ);
-        const __m512 cosv = _mm512_maskz_div_ps(pos, acc[r], den);
-        const __mmask16 up =
-            _mm512_mask_cmp_ps_mask(valid, cosv, best[r], _CMP_GT_OQ);
-        best[r] = _mm512_mask_mov_ps(best[r], up, cosv);
-        best_j[r] = _mm512_mask_mov_epi32(best_j[r], up, jv);
+        const float m = _mm512_reduce_max_ps(best[r]);
+        const __mmask16 at =
+            _mm512_cmp_ps_mask(best[r], _mm512_set1_ps(m), _CMP_EQ_OQ);
+        assign[i0 + r] = _mm512_mask_reduce_min_epi32(at, best_j[r]);
       }
     }
-    for (int r = 0; r < rows; ++r) {
-      const float m = _mm512_reduce_max_ps(best[r]);
-      const __mmask16 at =
-          _mm512_cmp_ps_mask(best[r], _mm512_set1_ps(m), _CMP_EQ_OQ);
-      assign[i0 + r] = _mm512_mask_reduce_min_epi32(at, best_j[r]);
-    }
-  }
+  });
 }
 
 class ClusterKvAttention final : public SparseAttention {
@@ -137,7 +143,7 @@ class ClusterKvAttention final : public SparseAttention {
   }
 
   void OnPrefillEnd(const LayerView& view, MethodLayerState* state,
-                    KernelCost* cost) const override {
+                    KernelCost* cost, CorePool* pool) const override {
     auto* st = static_cast<ClusterState*>(state);
     const int from = st->clustered_upto, to = view.length;
     const int n = to - from;
@@ -162,7 +168,7 @@ class ClusterKvAttention final : public SparseAttention {
           cn[j] = std::sqrt(Dot(&cent[size_t(j) * d], &cent[size_t(j) * d], d));
         }
         AssignToCentroids(x.data(), xn.data(), n, cent.data(), cn.data(), k, d,
-                          assign.data());
+                          assign.data(), pool);
       };
       auto update_all = [&] {
         std::vector<float> sum(size_t(k) * d, 0.0f);

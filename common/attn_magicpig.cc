@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "common/core_pool.h"
 #include "common/huge_page_vector.h"
 #include "common/numeric.h"
 #include "common/simd_reduce.h"
@@ -62,11 +63,11 @@ class MagicPigAttention final : public SparseAttention {
                 MethodLayerState* state, KernelCost* cost) const override {
     auto* st = static_cast<PigState*>(state);
     if (!st->fixed) return;
-    HashKeys(view, pos_start, pos_start + n, st, cost);
+    HashKeys(view, pos_start, pos_start + n, st, cost, nullptr);
   }
 
   void OnPrefillEnd(const LayerView& view, MethodLayerState* state,
-                    KernelCost* cost) const override {
+                    KernelCost* cost, CorePool* pool) const override {
     auto* st = static_cast<PigState*>(state);
     if (st->fixed) return;
     const int hkv = shapes_.kv_heads, d = shapes_.head_dim;
@@ -86,7 +87,7 @@ class MagicPigAttention final : public SparseAttention {
       for (float& m : st->mean) m /= float(hi - lo);
     }
     st->fixed = true;
-    HashKeys(view, 0, view.length, st, cost);
+    HashKeys(view, 0, view.length, st, cost, pool);
   }
 
   void Select(const LayerView& view, int pos, const float* q,
@@ -236,8 +237,10 @@ class MagicPigAttention final : public SparseAttention {
     }
   }
 
+  // With `pool`, the blocks of 16 tokens are split over its cores (each
+  // token's buckets and norm depend on that token alone).
   void HashKeys(const LayerView& view, int from, int to, PigState* st,
-                KernelCost* cost) const {
+                KernelCost* cost, CorePool* pool) const {
     const int hkv = shapes_.kv_heads, d = shapes_.head_dim;
     st->codes.resize(hkv);
     for (auto& c : st->codes) c.resize(size_t(to) * tables_);
@@ -246,15 +249,18 @@ class MagicPigAttention final : public SparseAttention {
     // into an L1 tile (one lane per token) and centred there, then every
     // hyperplane's fma chain runs over it in lanes: per token the same
     // chains, in the same order, as Hash() and the scalar centring compute.
-    thread_local std::vector<float> tile_buf;
-    thread_local std::vector<uint32_t> code_buf;
-    tile_buf.resize(size_t((d + 31) / 32 * 32) * 16 + 16);
-    code_buf.resize(size_t(tables_) * 16);
-    float* tile = reinterpret_cast<float*>(
-        (reinterpret_cast<uintptr_t>(tile_buf.data()) + 63) & ~uintptr_t(63));
-    for (int g = 0; g < hkv; ++g) {
-      const float* mean = &st->mean[size_t(g) * d];
-      for (int t0 = from; t0 < to; t0 += 16) {
+    const int blocks = (to - from + 15) / 16;
+    ParallelFor(pool, int64_t(hkv) * blocks, 1, [&](int64_t w0, int64_t w1) {
+      thread_local std::vector<float> tile_buf;
+      thread_local std::vector<uint32_t> code_buf;
+      tile_buf.resize(size_t((d + 31) / 32 * 32) * 16 + 16);
+      code_buf.resize(size_t(tables_) * 16);
+      float* tile = reinterpret_cast<float*>(
+          (reinterpret_cast<uintptr_t>(tile_buf.data()) + 63) & ~uintptr_t(63));
+      for (int64_t w = w0; w < w1; ++w) {
+        const int g = int(w / blocks);
+        const int t0 = from + int(w % blocks) * 16;
+        const float* mean = &st->mean[size_t(g) * d];
         const int cnt = std::min(16, to - t0);
         const uint16_t* kp[16];
         for (int j = 0; j < cnt; ++j) {
@@ -295,7 +301,7 @@ class MagicPigAttention final : public SparseAttention {
           }
         }
       }
-    }
+    });
     cost->bytes += double(to - from) * hkv * d * 2;
     cost->flops += double(to - from) * hkv * tables_ * bits_ * d * 2;
   }

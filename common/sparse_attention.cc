@@ -355,7 +355,7 @@ absl::Status RunAttentionLayer(const SparseAttention& method, int layer,
     tokens(0, 1);
   }
   for (const KernelCost& rc : range_cost) *c += rc;
-  if (sparse && ends_prefill) method.OnPrefillEnd(view, st, c);
+  if (sparse && ends_prefill) method.OnPrefillEnd(view, st, c, pool);
   return absl::OkStatus();
 }
 

@@ -96,9 +96,10 @@ class SparseAttention {
   // the layer's length set to pos_start + n, before any of them attends.
   virtual void OnAppend(const LayerView& view, int pos_start, int n,
                         MethodLayerState* state, KernelCost* cost) const {}
-  // Called after the last token of a turn's prefill attended.
+  // Called after the last token of a turn's prefill attended. `pool` (may be
+  // null) lends the device's cores; the metadata must not depend on it.
   virtual void OnPrefillEnd(const LayerView& view, MethodLayerState* state,
-                            KernelCost* cost) const {}
+                            KernelCost* cost, CorePool* pool) const {}
   // Score + Select for the token at `pos` (its entry already stored) with
   // query `q` (H x q_dim floats). Fills heads[h] for every query head.
   virtual void Select(const LayerView& view, int pos, const float* q,

@@ -640,7 +640,7 @@ bool BenchGqaMethod(const char* preset, const char* label, const int* contexts,
       states.push_back((*method)->NewLayerState());
       KernelCost build;
       (*method)->OnAppend(built, 0, ctx, states.back().get(), &build);
-      (*method)->OnPrefillEnd(built, states.back().get(), &build);
+      (*method)->OnPrefillEnd(built, states.back().get(), &build, pool);
       if (s == 0) {
         last_build = Now() - t0;
         last_ctx = ctx;
