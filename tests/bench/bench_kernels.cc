@@ -62,7 +62,8 @@
 // over a second the sessions share one copy (noted), and a context whose
 // build would take over 30 s, judged from the previous context's as if it
 // grew quadratically, is left out (noted; ClusterKV's k-means, quadratic
-// in the prefill, takes ~18 s at 128K here).
+// in the prefill, takes ~10 s at 128K on two cores here). Builds get the
+// pool, as a device's do.
 // Each timed pass runs one Select (or one Attend) per session, eight
 // sessions split over both cores, after a 1 GiB read sweep that evicts the
 // caches, so metadata and entries come from DRAM. A pass is timed from
