@@ -614,15 +614,6 @@ inline void ScoreHeadsFma(const float* kf, int pairs, const float* qf,
   AddHeadTerms<HB>(a0, a1, coef, s0, s1);
 }
 
-// A prefetch the compiler keeps: GCC treats _mm_prefetch as free of side
-// effects and deletes a loop that does nothing else.
-inline void PrefetchLine(const void* p) {
-  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
-}
-inline void PrefetchLineL2(const void* p) {
-  asm volatile("prefetcht2 %0" : : "m"(*static_cast<const char*>(p)));
-}
-
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
 // The tile path (AMX-BF16). TDPBF16PS computes, for a tile of 16 heads x
 // 16 keys, C += Q K over 32 dims (16 code pairs) in one instruction; its
@@ -2444,22 +2435,6 @@ float KernelExp(float x) {
 }
 
 namespace {
-
-// Requests every cache line that an entry of `bytes` bytes at `e` touches
-// (entries need not start on a line) into L1 (kL1) or L2.
-template <bool kL1>
-inline void PrefetchEntryLines(const void* e, size_t bytes) {
-  const uintptr_t first = reinterpret_cast<uintptr_t>(e) & ~uintptr_t(63);
-  const uintptr_t last =
-      (reinterpret_cast<uintptr_t>(e) + bytes - 1) & ~uintptr_t(63);
-  for (uintptr_t p = first; p <= last; p += 64) {
-    if constexpr (kL1) {
-      PrefetchLine(reinterpret_cast<const void*>(p));
-    } else {
-      PrefetchLineL2(reinterpret_cast<const void*>(p));
-    }
-  }
-}
 
 // One chunk of the selection (entries ent[0, n), n <= kAttendChunk) for
 // every head: scores, the chunk's max m[h], p = KernelExp(s - m[h]), the

@@ -52,6 +52,13 @@ float Dot(const float* a, const float* b, int d) {
   return s;
 }
 
+// Centroid j (d channels at c) into a transposed matrix t, 16 centroids to
+// a block with each block's channels contiguous: t[((j / 16) d + ch) 16 +
+// j % 16], the layout the assignment and Select read one vector at a time.
+void PutTransposed(const float* c, size_t j, int d, float* t) {
+  for (int ch = 0; ch < d; ++ch) t[((j / 16) * d + ch) * 16 + j % 16] = c[ch];
+}
+
 // Assigns each of the n rows x[i] (norm xn[i]) to the centroid of highest
 // cosine similarity, cos = den > 0 ? (x_i . c_j) / den : 0 with den = xn[i]
 // * cn[j] and the dot an fma chain over increasing channels from +0; ties
@@ -70,9 +77,7 @@ void AssignToCentroids(const float* x, const float* xn, int n,
   const int kpad = (k + 15) / 16 * 16;
   std::vector<float> ct_buf(size_t(d) * kpad, 0.0f), cnp_buf(kpad, 0.0f);
   for (int j = 0; j < k; ++j) {
-    for (int c = 0; c < d; ++c) {
-      ct_buf[(size_t(j / 16) * d + c) * 16 + j % 16] = cent[size_t(j) * d + c];
-    }
+    PutTransposed(cent + size_t(j) * d, j, d, ct_buf.data());
     cnp_buf[j] = cn[j];
   }
   const float* ct = ct_buf.data();
@@ -211,9 +216,7 @@ class ClusterKvAttention final : public SparseAttention {
       std::vector<float>& t = st->centroids_t[g];
       t.assign((cl.size() + 15) / 16 * 16 * size_t(d), 0.0f);
       for (size_t j = 0; j < cl.size(); ++j) {
-        for (int c = 0; c < d; ++c) {
-          t[((j / 16) * d + c) * 16 + j % 16] = cl[j].centroid[c];
-        }
+        PutTransposed(cl[j].centroid.data(), j, d, t.data());
       }
     }
     cost->bytes += double(n) * shapes_.kv_heads * d * 2;

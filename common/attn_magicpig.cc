@@ -165,10 +165,7 @@ class MagicPigAttention final : public SparseAttention {
         }
         for (int t = sink_; t < mid_end; ++t) {
           const uint32_t* kc = codes + size_t(t) * tables_;
-          _mm_prefetch(reinterpret_cast<const char*>(kc + 16 * tables_),
-                       _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(kc + 16 * tables_ + 16),
-                       _MM_HINT_T0);
+          PrefetchEntryLines<true>(kc + 16 * tables_, size_t(tables_) * 4);
           const __m512i k0 = _mm512_maskz_loadu_epi32(m0, kc);
           const __m512i k1 = _mm512_maskz_loadu_epi32(m1, kc + 16);
           for (int i = 0; i < group; ++i) {
@@ -199,11 +196,8 @@ class MagicPigAttention final : public SparseAttention {
         const std::vector<int>& ts = hit[i];
         for (size_t j = 0; j < ts.size(); ++j) {
           if (j + 8 < ts.size()) {
-            const char* kp = reinterpret_cast<const char*>(
-                view.Kv(ts[j + 8]) + GqaEntry::K(shapes_, g));
-            for (int off = 0; off < d * 2; off += 64) {
-              _mm_prefetch(kp + off, _MM_HINT_T0);
-            }
+            PrefetchEntryLines<true>(
+                view.Kv(ts[j + 8]) + GqaEntry::K(shapes_, g), size_t(d) * 2);
           }
           retrieve(g * group + i, g, ts[j]);
         }
@@ -251,12 +245,9 @@ class MagicPigAttention final : public SparseAttention {
     // chains, in the same order, as Hash() and the scalar centring compute.
     const int blocks = (to - from + 15) / 16;
     ParallelFor(pool, int64_t(hkv) * blocks, 1, [&](int64_t w0, int64_t w1) {
-      thread_local std::vector<float> tile_buf;
       thread_local std::vector<uint32_t> code_buf;
-      tile_buf.resize(size_t((d + 31) / 32 * 32) * 16 + 16);
       code_buf.resize(size_t(tables_) * 16);
-      float* tile = reinterpret_cast<float*>(
-          (reinterpret_cast<uintptr_t>(tile_buf.data()) + 63) & ~uintptr_t(63));
+      float* tile = EntryTileScratch(d);
       for (int64_t w = w0; w < w1; ++w) {
         const int g = int(w / blocks);
         const int t0 = from + int(w % blocks) * 16;

@@ -1,6 +1,7 @@
 // AVX-512 pieces shared by the sparse-attention kernels: lane sums, a
-// running top-k, the lane mask of a vector loop's tail, and the 16 x 16
-// transpose that turns 16 gathered entries into one lane each. Each is a fixed
+// running top-k, the lane mask of a vector loop's tail, the 16 x 16
+// transpose that turns 16 gathered entries into one lane each, and cache
+// line prefetches. Each is a fixed
 // sequence of operations, so a kernel that uses it stays a pure function of its
 // inputs (DESIGN.md §6).
 #pragma once
@@ -107,7 +108,41 @@ inline void LoadEntryTile(const uint16_t* const* entries, int count, int kv_dim,
   }
 }
 
+// A 64-byte aligned scratch tile of this thread for LoadEntryTile(...,
+// kv_dim = dim, ld = 16); valid until the thread's next call.
+inline float* EntryTileScratch(int dim) {
+  thread_local std::vector<float> buf;
+  buf.resize(size_t((dim + 31) / 32 * 32) * 16 + 16);
+  return reinterpret_cast<float*>(
+      (reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+}
+
 #pragma GCC diagnostic pop
+
+// A prefetch the compiler keeps: GCC treats _mm_prefetch as free of side
+// effects and deletes a loop that does nothing else.
+inline void PrefetchLine(const void* p) {
+  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+}
+inline void PrefetchLineL2(const void* p) {
+  asm volatile("prefetcht2 %0" : : "m"(*static_cast<const char*>(p)));
+}
+
+// Requests every cache line that an entry of `bytes` bytes at `e` touches
+// (entries need not start on a line) into L1 (kL1) or L2.
+template <bool kL1>
+inline void PrefetchEntryLines(const void* e, size_t bytes) {
+  const uintptr_t first = reinterpret_cast<uintptr_t>(e) & ~uintptr_t(63);
+  const uintptr_t last =
+      (reinterpret_cast<uintptr_t>(e) + bytes - 1) & ~uintptr_t(63);
+  for (uintptr_t p = first; p <= last; p += 64) {
+    if constexpr (kL1) {
+      PrefetchLine(reinterpret_cast<const void*>(p));
+    } else {
+      PrefetchLineL2(reinterpret_cast<const void*>(p));
+    }
+  }
+}
 
 // SelectTopK (attention.h) for small k (0 < k <= 64, k < n), run while
 // the scores are produced in position order, so that they need not be

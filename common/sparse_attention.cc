@@ -64,11 +64,9 @@ void WeightedValues(const uint16_t* const* v, int n, const float* const* p,
       // The entries are scattered for the sparse methods: their value rows
       // are requested a few entries ahead.
       if (j + 8 < n) {
-        for (int off = 32 * base; off < std::min(d, 16 * (base + nv)) * 2;
-             off += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(v[j + 8]) + off,
-                       _MM_HINT_T0);
-        }
+        PrefetchEntryLines<true>(
+            v[j + 8] + 16 * base,
+            size_t(std::min(d, 16 * (base + nv)) - 16 * base) * 2);
       }
       __m512 pj[kHeads];
       for (int i = 0; i < kHeads; ++i) pj[i] = _mm512_set1_ps(p[i][j]);
@@ -124,10 +122,9 @@ void SparseAttention::Attend(const LayerView& view, const float* q,
   // selected); the weighted sums then read each value row once for all of
   // them. Every element's arithmetic is the scalar chain above.
   thread_local std::vector<const uint16_t*> kp, vp;
-  thread_local std::vector<float> sc_buf, tile_buf;
-  tile_buf.resize(size_t((d + 31) / 32 * 32) * 16 + 16);
-  float* tile = reinterpret_cast<float*>(
-      (reinterpret_cast<uintptr_t>(tile_buf.data()) + 63) & ~uintptr_t(63));
+  thread_local std::vector<float> sc_buf;
+  thread_local std::vector<float*> p, o;
+  float* tile = EntryTileScratch(d);
   double bytes = 0, flops = 0;
   const __m512 vscale = _mm512_set1_ps(s.softmax_scale);
   for (int h0 = 0; h0 < s.heads;) {
@@ -157,13 +154,9 @@ void SparseAttention::Attend(const LayerView& view, const float* q,
     sc_buf.resize(size_t(nh) * npad);
     // Scores, 16 entries at a time.
     for (int j0 = 0; j0 < n; j0 += 16) {
-      if (j0 + 16 < n) {  // the next block's keys
-        for (int j = j0 + 16; j < std::min(n, j0 + 32); ++j) {
-          for (int off = 0; off < d * 2; off += 64) {
-            _mm_prefetch(reinterpret_cast<const char*>(kp[j]) + off,
-                         _MM_HINT_T0);
-          }
-        }
+      // The next block's keys.
+      for (int j = j0 + 16; j < std::min(n, j0 + 32); ++j) {
+        PrefetchEntryLines<true>(kp[j], size_t(d) * 2);
       }
       LoadEntryTile(kp.data() + j0, std::min(16, n - j0), d, tile, 16);
       for (int i = 0; i < nh; ++i) {
@@ -177,8 +170,8 @@ void SparseAttention::Attend(const LayerView& view, const float* q,
       }
     }
     // Softmax weights, per head.
-    std::vector<float*> p(nh);
-    std::vector<float*> o(nh);
+    p.resize(nh);
+    o.resize(nh);
     for (int i = 0; i < nh; ++i) {
       const HeadSelection& sel = heads[h0 + i];
       float* sh = &sc_buf[size_t(i) * npad];
