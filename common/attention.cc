@@ -100,21 +100,24 @@ AttnShapes MakeAttnShapes(const ModelConfig& c) {
 //     score = acc * k_scale[s];
 //   * otherwise TileDots, then the head terms in increasing order as above.
 //
-// Layout: keys are scored 32 at a time (one lane, or tile column, per key).
-// A block's codes end up as bf16 with code pair p of the 32 keys in one
-// contiguous 128-byte row: the vector path broadcasts the query's code
-// pairs against it, and it is exactly the pair-interleaved (VNNI) layout
-// the tile unit takes as its B operand. A whole block whose Di is a
-// multiple of 32 has its codes transposed in registers and then widened
-// by bit moves or byte table lookups (vpermi2b), whichever the process
-// measured faster (CodeWidening; DecodeTransposed32); other blocks are
-// widened to bf16 rows in an L1 scratch and transposed there. The
-// vector path keeps 2 x kHeadBlock accumulators (vdpbf16ps) or 2 x
-// kFmaHeadBlock (FMA; the block's pairs widened once into an fp32 scratch,
-// WidenKeyBlock) in registers over all pairs. Every key block is decoded once
-// for all queries of a segment (prefill). The key-row path instead keeps keys
-// in their natural layout (one 64-byte tile row per 32-dim chunk) and needs no
-// transpose; see its section below.
+// Layout: keys are scored 32 at a time (one lane, or tile column, per key),
+// a stored block of a page at a time. The pages keep each block's codes
+// pair-major (kv_store.h: code pair p of its 32 keys in one 64-byte row),
+// so widening a row to bf16, by bit moves or byte table lookups (vpermi2b),
+// whichever the process measured faster (CodeWidening), gives code pair p
+// of the 32 keys as two vectors, with no transpose: the vector path
+// broadcasts the query's code pairs against them, and in memory (kt, 128
+// bytes a pair) they are exactly the pair-interleaved (VNNI) layout the
+// tile unit takes as its B operand. A query of at most kHeadBlock heads
+// (a decode step of the small models) widens each row as its dot products
+// use it (ScoreBlocksWidening); otherwise a block is widened once into kt
+// for all queries of a segment (prefill) and all head groups. The vector
+// path keeps 2 x kHeadBlock accumulators (vdpbf16ps) or 2 x kFmaHeadBlock
+// (FMA; the block's pairs widened once more into an fp32 scratch,
+// WidenKeyBlock) in registers over all pairs. The key-row path instead
+// takes keys in their natural layout (one 64-byte tile row per 32-dim
+// chunk), which it puts back together from the pair rows; see its section
+// below.
 
 namespace {
 
@@ -147,6 +150,10 @@ constexpr int kFmaHeadBlock = 12;
 
 // Pads Di to whole 16-pair tiles of the transpose.
 int PaddedIndexDim(int dim) { return (dim + 31) / 32 * 32; }
+// Queries of up to this many (padded) code pairs and kHeadBlock heads are
+// scored one block at a time with the keys widened as they are used
+// (ScoreBlocksWidening).
+constexpr int kMaxIndexPairs = 64;
 
 // bf16 bits of fp8 codes 0..127: the low and the high byte (the sign, bit
 // 7 of the code, is ORed into the high byte). Two 64-byte halves each, for
@@ -314,235 +321,189 @@ void PrepareIndexQuery(const uint8_t* q_codes, const float* q_scales,
   }
 }
 
-// Decoded, transposed keys of one block: pair p of key j at kt[p * 32 + j],
-// and the keys' scales; for the FMA form also the pairs widened to fp32
-// (WidenKeyBlock).
+// Decoded keys of one block: pair p of key j at kt[p * 32 + j] (bf16
+// pairs), and the keys' scales; for the FMA form also the pairs widened to
+// fp32 (WidenKeyBlock).
 struct KeyBlock {
-  AlignedVector<uint16_t> rows;  // 32 x padded dim, bf16
-  AlignedVector<uint32_t> kt;    // pairs x 32
+  AlignedVector<uint32_t> kt;  // pairs x 32
   // Pair p at kf[p * 64 ..]: the odd dim of keys 0-31, then the even dim.
   AlignedVector<float> kf;
   alignas(64) float scale[kKeyBlock];
   KeyBlock(int dp, bool fp32 = false)
-      : rows(size_t(kKeyBlock) * dp + 64),
-        kt(size_t(dp / 2) * kKeyBlock),
-        kf(fp32 ? size_t(dp) * kKeyBlock : 0) {}
+      : kt(size_t(dp / 2) * kKeyBlock), kf(fp32 ? size_t(dp) * kKeyBlock : 0) {}
 };
 
-// Keys this many positions ahead of the block being decoded are
-// prefetched: a page holds its keys in one short run between KV entries,
-// too short for the hardware prefetcher to ramp up on. The vector path
-// spreads those requests over the block's head groups (SpreadPrefetch);
-// the tile path and blocks that span pages request them all at once.
-constexpr int kPrefetchAhead = 3 * kKeyBlock;
+// One stored block of keys as a scan visits it (kv_store.h: a page keeps
+// its keys in blocks of kIndexKeyBlock slots): its page, its block there,
+// the position of its slot 0, and its slots [lo, hi) that lie in the range
+// scanned.
+struct ScanBlock {
+  int page, block, first, lo, hi;
+};
+static_assert(kIndexKeyBlock == kKeyBlock);
 
-// Decodes and transposes one whole block of 32 keys whose dimension is a
-// multiple of 32: kt[p * 32 + j] = pair p of key j, exactly as LoadKeyBlock's
-// general path computes it. key[j] points at key j's codes.
-//
-// It moves codes, not decoded values: per 32 code bytes (16 pairs) of every
-// key, 16-byte halves of the keys are loaded into the 128-bit lanes of 16
-// registers, an 8 x 8 transpose of 16-bit pairs within each lane (three
-// levels of in-lane unpacks, one cycle each) leaves one register per pair
-// holding that pair's codes of all 32 keys, and each is then widened into
-// the pair's 128-byte row. Register i (< 8) takes, in lane L, the first half
-// of key kLaneKey[8 L + i] (the second half goes to register 8 + i): the
-// order in which the widening's byte interleave (also in-lane) leaves the
-// keys in natural order.
-//
-// The widening (CodeWidening): by bit moves, with the byte tables for the
-// 64 codes of a register that hold a zero, subnormal or NaN code; or
-// kByteTables, by the tables alone. Same bits.
-template <bool kByteTables>
-inline void DecodeTransposed32(const uint8_t* const* key, int dim,
-                               uint32_t* kt) {
-  // Slot 8 L + r of a transposed register: key 4 L + r (r < 4), else
-  // 16 + 4 L + r - 4.
-  static constexpr uint8_t kLaneKey[32] = {
-      0, 1, 2,  3,  16, 17, 18, 19, 4,  5,  6,  7,  20, 21, 22, 23,
-      8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
-  const Fp8Bf16Bytes& t = Fp8Bytes();
-  const __m512i tlo0 = _mm512_load_si512(t.lo);
-  const __m512i tlo1 = _mm512_load_si512(t.lo + 64);
-  const __m512i thi0 = _mm512_load_si512(t.hi);
-  const __m512i thi1 = _mm512_load_si512(t.hi + 64);
-  const __m512i sign = _mm512_set1_epi8(char(0x80));
-  // gf2p8affine: result bit i = parity(matrix byte 7 - i AND code).
-  // lo: code bits 0-3 -> bits 4-7. hi: code bits 4-6 -> bits 0-2 (e / 2),
-  // bit 7 -> bit 7 (sign).
-  const __m512i affine_lo = _mm512_set1_epi64(0x0000000001020408ll);
-  const __m512i affine_hi = _mm512_set1_epi64(0x1020400000000080ll);
-  const __m512i exp_bias = _mm512_set1_epi8(60);  // (e + 120) / 2 = 60 + e / 2
-  const __m512i low7 = _mm512_set1_epi8(0x7F);
-  const __m512i bias = _mm512_set1_epi8(char(129));
-  const __m512i first_normal = _mm512_set1_epi8(char(137));
-  for (int g = 0; g < dim / 32; ++g) {
-    for (int half = 0; half < 2; ++half) {
-      const int off = 32 * g + 16 * half;
-      __m512i r[8];
-      for (int i = 0; i < 8; ++i) {
-        auto lane = [&](int L) {
-          return _mm_loadu_si128(
-              reinterpret_cast<const __m128i*>(key[kLaneKey[8 * L + i]] + off));
-        };
-        __m512i v = _mm512_castsi128_si512(lane(0));
-        v = _mm512_inserti32x4(v, lane(1), 1);
-        v = _mm512_inserti32x4(v, lane(2), 2);
-        r[i] = _mm512_inserti32x4(v, lane(3), 3);
-      }
-      // 8 x 8 transpose of 16-bit elements within each lane.
-      __m512i a[4], b[4], c[4], d[4], o[8];
-      for (int k = 0; k < 4; ++k) {
-        a[k] = _mm512_unpacklo_epi16(r[2 * k], r[2 * k + 1]);
-        b[k] = _mm512_unpackhi_epi16(r[2 * k], r[2 * k + 1]);
-      }
-      c[0] = _mm512_unpacklo_epi32(a[0], a[1]);
-      c[1] = _mm512_unpackhi_epi32(a[0], a[1]);
-      c[2] = _mm512_unpacklo_epi32(a[2], a[3]);
-      c[3] = _mm512_unpackhi_epi32(a[2], a[3]);
-      d[0] = _mm512_unpacklo_epi32(b[0], b[1]);
-      d[1] = _mm512_unpackhi_epi32(b[0], b[1]);
-      d[2] = _mm512_unpacklo_epi32(b[2], b[3]);
-      d[3] = _mm512_unpackhi_epi32(b[2], b[3]);
-      o[0] = _mm512_unpacklo_epi64(c[0], c[2]);
-      o[1] = _mm512_unpackhi_epi64(c[0], c[2]);
-      o[2] = _mm512_unpacklo_epi64(c[1], c[3]);
-      o[3] = _mm512_unpackhi_epi64(c[1], c[3]);
-      o[4] = _mm512_unpacklo_epi64(d[0], d[2]);
-      o[5] = _mm512_unpackhi_epi64(d[0], d[2]);
-      o[6] = _mm512_unpacklo_epi64(d[1], d[3]);
-      o[7] = _mm512_unpackhi_epi64(d[1], d[3]);
-      // o[w] holds pair 8 half + w (of this group) of all 32 keys. Normal
-      // codes (exponent field 1-15, not NaN) widen by bit moves: bf16 =
-      // sign | (60 + e / 2) << 8 | (e & 1) << 7 | m << 4, two GF(2) affine
-      // maps and a byte add (no shuffles). When any code of these 64 is
-      // zero, subnormal or NaN, the byte tables widen them instead; both
-      // give the same bits for normal codes.
-      for (int w = 0; w < 8; ++w) {
-        const __m512i cd = o[w];
-        // (code & 0x7F) + 129 wraps below 137 exactly for the codes the
-        // bit moves do not cover (0-7 and 127).
-        const __m512i u = _mm512_add_epi8(_mm512_and_si512(cd, low7), bias);
-        __m512i lo, hi;
-        if (!kByteTables &&
-            __builtin_expect(_mm512_cmplt_epu8_mask(u, first_normal) == 0, 1)) {
-          lo = _mm512_gf2p8affine_epi64_epi8(cd, affine_lo, 0);
-          hi = _mm512_add_epi8(_mm512_gf2p8affine_epi64_epi8(cd, affine_hi, 0),
-                               exp_bias);
-        } else {
-          lo = _mm512_permutex2var_epi8(tlo0, cd, tlo1);
-          hi = _mm512_permutex2var_epi8(thi0, cd, thi1);
-          hi = _mm512_ternarylogic_epi32(hi, cd, sign, 0xF8);
-        }
-        uint32_t* row = kt + size_t(16 * g + 8 * half + w) * kKeyBlock;
-        _mm512_store_si512(row, _mm512_unpacklo_epi8(lo, hi));
-        _mm512_store_si512(row + 16, _mm512_unpackhi_epi8(lo, hi));
-      }
-    }
+// The stored blocks that hold positions [begin, end), in position order.
+void ScanBlocks(const KvLayout& l, int begin, int end,
+                std::vector<ScanBlock>* out) {
+  out->clear();
+  const int tpp = l.tokens_per_page;
+  for (int pos = begin; pos < end;) {
+    const int page = pos / tpp, block = pos % tpp / kKeyBlock;
+    const int first = page * tpp + block * kKeyBlock;
+    const int slots = std::min(kKeyBlock, tpp - block * kKeyBlock);
+    const int hi = std::min(slots, end - first);
+    out->push_back({page, block, first, pos - first, hi});
+    pos = first + hi;
   }
 }
 
-// Decodes keys [s0, s0 + b) (b <= 32; the rest of the block is zero), and,
-// when `prefetch`, prefetches the codes of the block kPrefetchAhead ahead
-// (all at once) when it is below `end`. A whole block whose dim is a
-// multiple of 32 is widened by the byte tables alone when `byte_tables`
-// (CodeWidening::kByteTables).
-void LoadKeyBlock(const LayerView& view, int s0, int b, int end, int dim,
-                  bool byte_tables, bool prefetch, KeyBlock* kb) {
-  const int dp = PaddedIndexDim(dim);
-  const int pairs = dp / 2;
-  const int tpp = view.layout->tokens_per_page;
-  for (int s = s0 + kPrefetchAhead, e = std::min(end, s + kKeyBlock);
-       prefetch && s < e;) {
-    const int run = std::min(e - s, tpp - s % tpp);
-    const char* p = reinterpret_cast<const char*>(view.IndexKey(s));
-    for (int off = 0; off < run * dim; off += 64) {
-      _mm_prefetch(p + off, _MM_HINT_T0);
-    }
-    s += run;
+// Blocks this many ahead of the one being widened are prefetched (their
+// rows and scales): pages hold their keys in short runs between KV
+// entries, too short for the hardware prefetcher to ramp up on.
+constexpr int kPrefetchBlocks = 4;
+
+// Widens the `stored` pair rows of a block (kv_store.h: pair p of the 32
+// keys in one 64-byte row, in IndexKeySlot order) into kt[p * 32 ..], and
+// zeroes rows [stored, pairs) (the padding to whole 16-pair tiles). The
+// slot order is the one in which the byte interleave below, which works
+// within 128-bit lanes, leaves the keys in natural order: lane L of a row
+// holds slots 8 L .. 8 L + 7, of which the low half (keys 4 L .. 4 L + 3)
+// goes to the first vector and the high half (keys 16 + 4 L ..) to the
+// second.
+//
+// The widening (CodeWidening): by bit moves, with the byte tables for the
+// 64 codes of a row that hold a zero, subnormal or NaN code; or
+// kByteTables, by the tables alone. Same bits.
+// The constants of the widening, loaded once per block.
+struct RowWidening {
+  __m512i tlo0, tlo1, thi0, thi1, sign, affine_lo, affine_hi, exp_bias, low7,
+      bias, first_normal;
+  RowWidening() {
+    const Fp8Bf16Bytes& t = Fp8Bytes();
+    tlo0 = _mm512_load_si512(t.lo);
+    tlo1 = _mm512_load_si512(t.lo + 64);
+    thi0 = _mm512_load_si512(t.hi);
+    thi1 = _mm512_load_si512(t.hi + 64);
+    sign = _mm512_set1_epi8(char(0x80));
+    // gf2p8affine: result bit i = parity(matrix byte 7 - i AND code).
+    // lo: code bits 0-3 -> bits 4-7. hi: code bits 4-6 -> bits 0-2 (e / 2),
+    // bit 7 -> bit 7 (sign).
+    affine_lo = _mm512_set1_epi64(0x0000000001020408ll);
+    affine_hi = _mm512_set1_epi64(0x1020400000000080ll);
+    exp_bias = _mm512_set1_epi8(60);  // (e + 120) / 2 = 60 + e / 2
+    low7 = _mm512_set1_epi8(0x7F);
+    bias = _mm512_set1_epi8(char(129));
+    first_normal = _mm512_set1_epi8(char(137));
   }
-  if (b == kKeyBlock && dim == dp) {
-    const uint8_t* keys[kKeyBlock];
-    for (int i = 0; i < kKeyBlock;) {
-      const int s = s0 + i;
-      const int run = std::min(kKeyBlock - i, tpp - s % tpp);
-      const uint8_t* base = view.IndexKey(s);
-      for (int k = 0; k < run; ++k) keys[i + k] = base + size_t(k) * dim;
-      i += run;
-    }
-    if (byte_tables) {
-      DecodeTransposed32<true>(keys, dim, kb->kt.data());
+  // Widens one 64-byte pair row: keys 0-15's bf16 pairs into *k0, keys
+  // 16-31's into *k1.
+  //
+  // Normal codes (exponent field 1-15, not NaN) widen by bit moves: bf16 =
+  // sign | (60 + e / 2) << 8 | (e & 1) << 7 | m << 4, two GF(2) affine maps
+  // and a byte add (no shuffles). When any code of the 64 is zero,
+  // subnormal or NaN, the byte tables widen them instead; both give the
+  // same bits for normal codes. (code & 0x7F) + 129 wraps below 137 exactly
+  // for the codes the bit moves do not cover (0-7 and 127).
+  template <bool kByteTables>
+  inline void Row(const uint8_t* row, __m512i* k0, __m512i* k1) const {
+    const __m512i cd = _mm512_load_si512(row);
+    const __m512i u = _mm512_add_epi8(_mm512_and_si512(cd, low7), bias);
+    __m512i lo, hi;
+    if (!kByteTables &&
+        __builtin_expect(_mm512_cmplt_epu8_mask(u, first_normal) == 0, 1)) {
+      lo = _mm512_gf2p8affine_epi64_epi8(cd, affine_lo, 0);
+      hi = _mm512_add_epi8(_mm512_gf2p8affine_epi64_epi8(cd, affine_hi, 0),
+                           exp_bias);
     } else {
-      DecodeTransposed32<false>(keys, dim, kb->kt.data());
+      lo = _mm512_permutex2var_epi8(tlo0, cd, tlo1);
+      hi = _mm512_permutex2var_epi8(thi0, cd, thi1);
+      hi = _mm512_ternarylogic_epi32(hi, cd, sign, 0xF8);
     }
-    for (int i = 0; i < kKeyBlock;) {
-      const int s = s0 + i;
-      const int run = std::min(kKeyBlock - i, tpp - s % tpp);
-      const float* src =
-          reinterpret_cast<const float*>(view.PageData(s / tpp) +
-                                         view.layout->iscale_offset) +
-          s % tpp;
-      std::memcpy(&kb->scale[i], src, size_t(run) * 4);
-      i += run;
+    *k0 = _mm512_unpacklo_epi8(lo, hi);
+    *k1 = _mm512_unpackhi_epi8(lo, hi);
+  }
+};
+
+// Widens the `stored` pair rows of a block (kv_store.h: pair p of the 32
+// keys in one 64-byte row, in IndexKeySlot order) into kt[p * 32 ..], and
+// zeroes rows [stored, pairs) (the padding to whole 16-pair tiles). The
+// slot order is the one in which the widening's byte interleave, which
+// works within 128-bit lanes, leaves the keys in natural order: lane L of a
+// row holds slots 8 L .. 8 L + 7, of which the low half (keys 4 L .. 4 L +
+// 3) goes to the first vector and the high half (keys 16 + 4 L ..) to the
+// second. The widening (CodeWidening): by bit moves, with the byte tables
+// for the 64 codes of a row that hold a zero, subnormal or NaN code; or
+// kByteTables, by the tables alone. Same bits.
+template <bool kByteTables>
+inline void WidenPairRows(const uint8_t* rows, int stored, int pairs,
+                          uint32_t* kt) {
+  const RowWidening w;
+  for (int p = 0; p < stored; ++p) {
+    __m512i k0, k1;
+    w.Row<kByteTables>(rows + size_t(p) * 64, &k0, &k1);
+    _mm512_store_si512(kt + size_t(p) * kKeyBlock, k0);
+    _mm512_store_si512(kt + size_t(p) * kKeyBlock + 16, k1);
+  }
+  for (int p = stored; p < pairs; ++p) {
+    _mm512_store_si512(kt + size_t(p) * kKeyBlock, _mm512_setzero_si512());
+    _mm512_store_si512(kt + size_t(p) * kKeyBlock + 16, _mm512_setzero_si512());
+  }
+}
+
+// Requests a stored block's rows and scales: into L1 (kL1), or into L2.
+template <bool kL1>
+inline void PrefetchKeyBlock(const LayerView& view, const ScanBlock& b) {
+  const char* rows =
+      reinterpret_cast<const char*>(view.IndexKeyBlock(b.page, b.block));
+  const char* sc = reinterpret_cast<const char*>(view.IndexScales(b.page) +
+                                                 b.block * kKeyBlock);
+  const size_t bytes = view.layout->IndexBlockBytes();
+  for (size_t off = 0; off < bytes; off += 64) {
+    if (kL1) {
+      PrefetchLine(rows + off);
+    } else {
+      PrefetchLineL2(rows + off);
     }
+  }
+  if (kL1) {
+    PrefetchLine(sc);
+    PrefetchLine(sc + 64);
+  } else {
+    PrefetchLineL2(sc);
+    PrefetchLineL2(sc + 64);
+  }
+}
+
+// Widens stored block `b` into kb (all 32 lanes; slots outside [b.lo,
+// b.hi) hold whatever the page holds there, and their scores are never
+// stored). A whole block is widened by the byte tables alone when
+// `byte_tables` (CodeWidening::kByteTables).
+void LoadKeyBlock(const LayerView& view, const ScanBlock& b, int dim,
+                  bool byte_tables, KeyBlock* kb) {
+  const uint8_t* rows = view.IndexKeyBlock(b.page, b.block);
+  const int stored = view.layout->IndexPairs();
+  const int pairs = PaddedIndexDim(dim) / 2;
+  if (byte_tables) {
+    WidenPairRows<true>(rows, stored, pairs, kb->kt.data());
+  } else {
+    WidenPairRows<false>(rows, stored, pairs, kb->kt.data());
+  }
+  const float* sc = view.IndexScales(b.page) + b.block * kKeyBlock;
+  _mm512_store_ps(kb->scale, _mm512_load_ps(sc));
+  _mm512_store_ps(kb->scale + 16, _mm512_load_ps(sc + 16));
+}
+
+// Stores lanes [lo, hi) of a block's scores (s0: lanes 0-15, s1: 16-31)
+// at out[lo .. hi).
+inline void StoreBlockLanes(float* out, int lo, int hi, __m512 s0, __m512 s1) {
+  if (lo == 0 && hi == kKeyBlock) {
+    _mm512_storeu_ps(out, s0);
+    _mm512_storeu_ps(out + 16, s1);
     return;
   }
-  uint16_t* rows = kb->rows.data();
-  int j = 0;
-  if (dim == dp) {
-    // Runs of keys inside one page are contiguous: decode them as one
-    // stream of codes.
-    while (j < b) {
-      const int s = s0 + j;
-      const int run = std::min(b - j, tpp - s % tpp);
-      const uint8_t* codes = view.IndexKey(s);
-      const int total = run * dim;
-      for (int c = 0; c < total; c += 64) {
-        DecodeCodes64(codes + c, std::min(64, total - c),
-                      rows + size_t(j) * dp + c);
-      }
-      j += run;
-    }
-  } else {
-    for (; j < b; ++j) {
-      for (int d0 = 0; d0 < dp; d0 += 64) {
-        alignas(64) uint16_t tmp[64];
-        DecodeCodes64(view.IndexKey(s0 + j) + d0,
-                      std::max(0, std::min(64, dim - d0)), tmp);
-        std::memcpy(rows + size_t(j) * dp + d0, tmp,
-                    size_t(std::min(64, dp - d0)) * 2);
-      }
-    }
-  }
-  if (b < kKeyBlock) {
-    std::memset(rows + size_t(b) * dp, 0, size_t(kKeyBlock - b) * dp * 2);
-  }
-  // Scales, one contiguous run per page (IndexScale() would divide per key).
-  for (int i = 0; i < b;) {
-    const int s = s0 + i;
-    const int run = std::min(b - i, tpp - s % tpp);
-    const float* src =
-        reinterpret_cast<const float*>(view.PageData(s / tpp) +
-                                       view.layout->iscale_offset) +
-        s % tpp;
-    std::memcpy(&kb->scale[i], src, size_t(run) * 4);
-    i += run;
-  }
-  for (int i = b; i < kKeyBlock; ++i) kb->scale[i] = 0.0f;
-  const uint32_t* r32 = reinterpret_cast<const uint32_t*>(rows);
-  for (int half = 0; half < 2; ++half) {
-    for (int p0 = 0; p0 < pairs; p0 += 16) {
-      __m512i r[16];
-      for (int i = 0; i < 16; ++i) {
-        r[i] = _mm512_loadu_si512(r32 + size_t(16 * half + i) * pairs + p0);
-      }
-      Transpose16(r);
-      for (int i = 0; i < 16; ++i) {
-        _mm512_storeu_si512(&kb->kt[size_t(p0 + i) * kKeyBlock + 16 * half],
-                            r[i]);
-      }
-    }
-  }
+  const uint32_t lanes = uint32_t((uint64_t(1) << hi) - (uint64_t(1) << lo));
+  _mm512_mask_storeu_ps(out, __mmask16(lanes & 0xFFFF), s0);
+  _mm512_mask_storeu_ps(out + 16, __mmask16(lanes >> 16), s1);
 }
 
 // The head terms of a block's 32 keys: s += c[h] * relu(dots of head h),
@@ -575,6 +536,87 @@ inline void ScoreHeads(const uint32_t* kt, int pairs, const uint32_t* q,
     }
   }
   AddHeadTerms<HB>(a0, a1, coef, s0, s1);
+}
+
+// ScoreHeads with the block's pair rows widened as they are used (rows
+// [stored, pairs) are zero), for a query of HB <= kHeadBlock heads whose
+// code pairs are given pair-major (qt[p * HB + h]): the keys never go
+// through kt, and the widening overlaps the dot products. The same
+// arithmetic.
+template <int HB, bool kByteTables>
+inline void ScoreHeadsWidening(const uint8_t* rows, int stored, int pairs,
+                               const uint32_t* qt, const float* coef,
+                               __m512* s0, __m512* s1) {
+  const RowWidening w;
+  __m512 a0[HB], a1[HB];
+  for (int h = 0; h < HB; ++h) a0[h] = a1[h] = _mm512_setzero_ps();
+  auto dots = [&](const uint32_t* q, __m512i k0, __m512i k1) {
+    for (int h = 0; h < HB; ++h) {
+      const __m512bh qb = (__m512bh)_mm512_set1_epi32(int(q[h]));
+      a0[h] = _mm512_dpbf16_ps(a0[h], qb, (__m512bh)k0);
+      a1[h] = _mm512_dpbf16_ps(a1[h], qb, (__m512bh)k1);
+    }
+  };
+  for (int p = 0; p < stored; ++p) {
+    __m512i k0, k1;
+    w.Row<kByteTables>(rows + size_t(p) * 64, &k0, &k1);
+    dots(qt + size_t(p) * HB, k0, k1);
+  }
+  for (int p = stored; p < pairs; ++p) {
+    dots(qt + size_t(p) * HB, _mm512_setzero_si512(), _mm512_setzero_si512());
+  }
+  AddHeadTerms<HB>(a0, a1, coef, s0, s1);
+}
+
+// One query of HB <= kHeadBlock heads on the vdpbf16ps form, over stored
+// blocks[0 .. n): scores each straight from its rows (ScoreHeadsWidening)
+// and writes its lanes [lo, min(hi, limit - first)) to out; prefetches the
+// block kPrefetchBlocks ahead into L2.
+template <int HB, bool kByteTables>
+void ScoreBlocksWidening(const LayerView& view, const ScanBlock* blocks, int n,
+                         const IndexQuery& iq, int limit, float* out) {
+  const int stored = view.layout->IndexPairs();
+  alignas(64) uint32_t qt[kMaxIndexPairs * HB];
+  for (int p = 0; p < iq.pairs; ++p) {
+    for (int h = 0; h < HB; ++h)
+      qt[p * HB + h] = iq.q[size_t(h) * iq.pairs + p];
+  }
+  for (int i = 0; i < n; ++i) {
+    const ScanBlock& b = blocks[i];
+    if (i + kPrefetchBlocks < n) {
+      PrefetchKeyBlock<false>(view, blocks[i + kPrefetchBlocks]);
+    }
+    const int hi = std::min(b.hi, limit - b.first);
+    if (hi <= b.lo) continue;
+    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+    const uint8_t* rows = view.IndexKeyBlock(b.page, b.block);
+    if (stored == 16 && iq.pairs == 16) {  // Di = 32: a loop of known length
+      ScoreHeadsWidening<HB, kByteTables>(rows, 16, 16, qt, iq.coef.data(), &s0,
+                                          &s1);
+    } else {
+      ScoreHeadsWidening<HB, kByteTables>(rows, stored, iq.pairs, qt,
+                                          iq.coef.data(), &s0, &s1);
+    }
+    const float* sc = view.IndexScales(b.page) + b.block * kKeyBlock;
+    s0 = _mm512_mul_ps(s0, _mm512_load_ps(sc));
+    s1 = _mm512_mul_ps(s1, _mm512_load_ps(sc + 16));
+    StoreBlockLanes(out + b.first, b.lo, hi, s0, s1);
+  }
+}
+
+// ScoreBlocksWidening for iq.heads (1 .. kHeadBlock) heads.
+template <bool kByteTables, int HB = 1>
+void ScoreBlocksWideningAnyHeads(const LayerView& view, const ScanBlock* blocks,
+                                 int n, const IndexQuery& iq, int limit,
+                                 float* out) {
+  if constexpr (HB < kHeadBlock) {
+    if (iq.heads > HB) {
+      ScoreBlocksWideningAnyHeads<kByteTables, HB + 1>(view, blocks, n, iq,
+                                                       limit, out);
+      return;
+    }
+  }
+  ScoreBlocksWidening<HB, kByteTables>(view, blocks, n, iq, limit, out);
 }
 
 // The FMA form: the block's pairs widened to fp32 (kb->kf), by bit moves.
@@ -715,8 +757,10 @@ void TileStoreDots(const IndexQuery& iq, float* dots) {
 // --- The key-row tile path (<= 8 heads, whole 32-dim chunks) ---------------
 //
 // For few heads the keys themselves are the A operand: a 32-dim chunk of
-// a key, widened to 32 bf16, is one 64-byte A row, so a block needs no
-// transpose (see PairDots for the tiles). C then holds keys x heads, and
+// a key, widened to 32 bf16, is one 64-byte A row (see PairDots for the
+// tiles). The pages keep codes pair-major (kv_store.h), so LoadKeyRows
+// first copies each key's code pairs back into key order; the measurements
+// below predate that layout. C then holds keys x heads, and
 // the head terms of each key are summed across lanes (HeadSums16).
 //
 // Widening without shuffles: a 16-bit word w of codes holds an even code
@@ -846,25 +890,29 @@ struct KeyPos {
 constexpr int kRowPrefetchAhead = 2 * kKeyBlock;
 constexpr int kRowFarAhead = 16 * kKeyBlock;
 
-// Prefetches the codes and scales of the n keys from `p`: every line into
-// L1, or (kL2) one line in four into L2.
+// Prefetches the stored blocks (rows and scales) that start among the n
+// keys from `p`, and the one `p` lies in when it is a block's first slot:
+// every line into L1, or (kL2) one line in four into L2.
 template <bool kL2>
 inline void PrefetchKeys(const LayerView& view, KeyPos p, int n, int dim) {
   const KvLayout& l = *view.layout;
+  const size_t bytes = l.IndexBlockBytes();
   while (n > 0) {
     const int run = std::min(n, l.tokens_per_page - p.off);
-    const uint8_t* page = view.PageData(p.page);
-    const char* k = reinterpret_cast<const char*>(page + l.ikey_offset) +
-                    size_t(p.off) * dim;
-    const char* sc = reinterpret_cast<const char*>(page + l.iscale_offset) +
-                     size_t(p.off) * 4;
-    if (kL2) {
-      for (int off = 0; off < run * dim; off += 256) PrefetchLineL2(k + off);
-      PrefetchLineL2(sc);
-    } else {
-      for (int off = 0; off < run * dim; off += 64) PrefetchLine(k + off);
-      PrefetchLine(sc);
-      PrefetchLine(sc + size_t(run - 1) * 4);
+    for (int blk = (p.off + kKeyBlock - 1) / kKeyBlock;
+         blk * kKeyBlock < p.off + run; ++blk) {
+      const char* k =
+          reinterpret_cast<const char*>(view.IndexKeyBlock(p.page, blk));
+      const char* sc = reinterpret_cast<const char*>(view.IndexScales(p.page) +
+                                                     blk * kKeyBlock);
+      if (kL2) {
+        for (size_t off = 0; off < bytes; off += 256) PrefetchLineL2(k + off);
+        PrefetchLineL2(sc);
+      } else {
+        for (size_t off = 0; off < bytes; off += 64) PrefetchLine(k + off);
+        PrefetchLine(sc);
+        PrefetchLine(sc + 64);
+      }
     }
     n -= run;
     p.page++;
@@ -893,8 +941,11 @@ struct KeyRows {
 
 // Widens keys [s0, s0 + b) (b <= 32; `p` is s0's position) into rows: key
 // j's chunk k at kb->rows[j * dim + 32 k], in RowDim order; rows past b
-// are zero. Also their scales (0 past b).
-void LoadKeyRows(const LayerView& view, KeyPos p, int b, int dim, KeyRows* kb) {
+// are zero. Also their scales (0 past b). The pages keep the codes pair-
+// major (kv_store.h); they are first put back in key order in `codes`
+// (room for 32 keys).
+void LoadKeyRows(const LayerView& view, KeyPos p, int b, int dim,
+                 uint8_t* codes, KeyRows* kb) {
   const KvLayout& l = *view.layout;
   uint16_t* rows = kb->rows;
   const __m512i one = _mm512_set1_epi8(1);
@@ -902,39 +953,15 @@ void LoadKeyRows(const LayerView& view, KeyPos p, int b, int dim, KeyRows* kb) {
   kb->has_nan = false;
   for (int j = 0; j < b;) {
     const int run = std::min(b - j, l.tokens_per_page - p.off);
-    const uint8_t* page = view.PageData(p.page);
-    const uint8_t* codes = page + l.ikey_offset + size_t(p.off) * dim;
-    uint16_t* out = rows + size_t(j) * dim;
-    const int bytes = run * dim;
-    // The line before a run holds no codes (and may lie outside the
-    // page): the first group shifts its even codes up instead.
-    int i = 0;
-    for (; i + 64 <= bytes; i += 64) {
-      const __m512i w = _mm512_loadu_si512(codes + i);
-      const __m512i v =
-          i == 0 ? _mm512_slli_epi16(w, 8) : _mm512_loadu_si512(codes + i - 1);
-      // (code + 1) & 0x70 is 0 for zero, subnormal and NaN codes (and for
-      // normal codes of exponent 1, which the tables widen just the same).
-      if (__builtin_expect(
-              _mm512_testn_epi8_mask(_mm512_add_epi8(w, one), high) == 0, 1)) {
-        WidenChunks(w, v, out + i, true);
-      } else {
-        kb->has_nan |= WidenChunksByTable(codes + i, 64, out + i);
-      }
+    for (int k = 0; k < run; ++k) {
+      const int slot = p.off + k;
+      const uint16_t* at = reinterpret_cast<const uint16_t*>(
+                               view.IndexKeyBlock(p.page, slot / kKeyBlock)) +
+                           IndexKeySlot(slot % kKeyBlock);
+      uint16_t* dst = reinterpret_cast<uint16_t*>(codes + size_t(j + k) * dim);
+      for (int q = 0; q < dim / 2; ++q) dst[q] = at[size_t(q) * 32];
     }
-    if (i < bytes) {  // one 32-dim chunk left
-      const __m512i w = _mm512_castsi256_si512(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + i)));
-      const __m512i v = _mm512_slli_epi16(w, 8);
-      if (_mm512_mask_testn_epi8_mask(__mmask64(0xFFFFFFFFull),
-                                      _mm512_add_epi8(w, one), high) == 0) {
-        WidenChunks(w, v, out + i, false);
-      } else {
-        kb->has_nan |= WidenChunksByTable(codes + i, 32, out + i);
-      }
-    }
-    const float* sc =
-        reinterpret_cast<const float*>(page + l.iscale_offset) + p.off;
+    const float* sc = view.IndexScales(p.page) + p.off;
     for (int k = 0; k < run; k += 16) {
       const __mmask16 m = FirstLanes16(run - k);
       _mm512_mask_storeu_ps(&kb->scale[j + k], m,
@@ -942,6 +969,34 @@ void LoadKeyRows(const LayerView& view, KeyPos p, int b, int dim, KeyRows* kb) {
     }
     j += run;
     p.Advance(run, l.tokens_per_page);
+  }
+  const int bytes = b * dim;
+  // The first group shifts its even codes up instead of loading the byte
+  // before the codes.
+  int i = 0;
+  for (; i + 64 <= bytes; i += 64) {
+    const __m512i w = _mm512_loadu_si512(codes + i);
+    const __m512i v =
+        i == 0 ? _mm512_slli_epi16(w, 8) : _mm512_loadu_si512(codes + i - 1);
+    // (code + 1) & 0x70 is 0 for zero, subnormal and NaN codes (and for
+    // normal codes of exponent 1, which the tables widen just the same).
+    if (__builtin_expect(
+            _mm512_testn_epi8_mask(_mm512_add_epi8(w, one), high) == 0, 1)) {
+      WidenChunks(w, v, rows + i, true);
+    } else {
+      kb->has_nan |= WidenChunksByTable(codes + i, 64, rows + i);
+    }
+  }
+  if (i < bytes) {  // one 32-dim chunk left
+    const __m512i w = _mm512_castsi256_si512(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + i)));
+    const __m512i v = _mm512_slli_epi16(w, 8);
+    if (_mm512_mask_testn_epi8_mask(__mmask64(0xFFFFFFFFull),
+                                    _mm512_add_epi8(w, one), high) == 0) {
+      WidenChunks(w, v, rows + i, false);
+    } else {
+      kb->has_nan |= WidenChunksByTable(codes + i, 32, rows + i);
+    }
   }
   if (b < kKeyBlock) {
     std::memset(rows + size_t(b) * dim, 0, size_t(kKeyBlock - b) * dim * 2);
@@ -1167,6 +1222,7 @@ void ScoreKeyRows(const LayerView& view, int dim, int k_begin, int stop,
     ring[i].rows = buffer.data() + size_t(i) * kKeyBlock * dim;
   }
   empty.rows = buffer.data() + size_t(nring) * kKeyBlock * dim;
+  AlignedVector<uint8_t> codes(size_t(kKeyBlock) * dim);
   auto slot = [&](int blk) -> const KeyRows& {
     return blk < nblocks ? ring[blk % kRing] : empty;
   };
@@ -1188,7 +1244,7 @@ void ScoreKeyRows(const LayerView& view, int dim, int k_begin, int stop,
                         &near, &near_pos);
     PrefetchUpTo<true>(view, std::min(stop, end + kRowFarAhead), dim, &far,
                        &far_pos);
-    LoadKeyRows(view, next, b, dim, &ring[blk % kRing]);
+    LoadKeyRows(view, next, b, dim, codes.data(), &ring[blk % kRing]);
     next.Advance(b, tpp);
   };
   auto start = [&](int blk) { return out[0] + k_begin + blk * kKeyBlock; };
@@ -1493,9 +1549,9 @@ IndexerDotsChoice MeasureIndexerDots() {
 // -1: the process's own choice; else a forced IndexerDots (vector path).
 std::atomic<int> g_forced_dots{-1};
 
-// The time of one DecodeTransposed32 of 32 keys x 128 normal codes in L1,
-// each way; the byte tables are taken when they are at least 5% faster
-// (the bit moves spare the shuffle unit, which the transpose and the tile
+// The time to widen one block of 32 keys x 128 normal codes in L1
+// (WidenPairRows), each way; the byte tables are taken when they are at
+// least 5% faster (the bit moves spare the shuffle unit, which the tile
 // path's loads keep busy on some cores).
 CodeWideningChoice MeasureCodeWidening() {
   constexpr int kDim = 128, kRounds = 400;
@@ -1504,13 +1560,12 @@ CodeWideningChoice MeasureCodeWidening() {
     // Exponent field 1-15, not NaN: 8 <= code & 0x7F <= 126.
     codes[i] = uint8_t(8 + (i * 37) % 119) | uint8_t((i * 13) & 0x80);
   }
-  const uint8_t* keys[kKeyBlock];
-  for (int j = 0; j < kKeyBlock; ++j) keys[j] = &codes[size_t(j) * kDim];
   AlignedVector<uint32_t> kt(size_t(kDim / 2) * kKeyBlock);
   auto time = [&](auto byte_tables) {
     const auto start = std::chrono::steady_clock::now();
     for (int r = 0; r < kRounds; ++r) {
-      DecodeTransposed32<decltype(byte_tables)::value>(keys, kDim, kt.data());
+      WidenPairRows<decltype(byte_tables)::value>(codes.data(), kDim / 2,
+                                                  kDim / 2, kt.data());
       asm volatile("" : : "r"(kt.data()) : "memory");
     }
     return std::chrono::duration<double, std::nano>(
@@ -1554,9 +1609,10 @@ IndexPath CurrentIndexPath() {
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
 // Head terms of the 32 keys of `kb` from their dots (dots[h * 32 + j],
-// from TileDots), times the keys' scales; writes the first `b` to out.
-void FinishKeyBlock(const KeyBlock& kb, const IndexQuery& iq, int b, float* out,
-                    const float* dots) {
+// from TileDots), times the keys' scales; writes lanes [lo, hi) to
+// out[lo .. hi).
+void FinishKeyBlock(const KeyBlock& kb, const IndexQuery& iq, int lo, int hi,
+                    float* out, const float* dots) {
   __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
   const __m512 zero = _mm512_setzero_ps();
   for (int h = 0; h < iq.heads; ++h) {
@@ -1567,33 +1623,31 @@ void FinishKeyBlock(const KeyBlock& kb, const IndexQuery& iq, int b, float* out,
   }
   s0 = _mm512_mul_ps(s0, _mm512_load_ps(kb.scale));
   s1 = _mm512_mul_ps(s1, _mm512_load_ps(kb.scale + 16));
-  if (b == kKeyBlock) {
-    _mm512_storeu_ps(out, s0);
-    _mm512_storeu_ps(out + 16, s1);
-  } else {
-    const __mmask16 m0 = FirstLanes16(b);
-    const __mmask16 m1 = b <= 16 ? 0 : __mmask16((1u << (b - 16)) - 1);
-    _mm512_mask_storeu_ps(out, m0, s0);
-    _mm512_mask_storeu_ps(out + 16, m1, s1);
-  }
+  StoreBlockLanes(out, lo, hi, s0, s1);
 }
 #endif
 
-// The lines of one contiguous run of key codes, requested a few at a time
-// between a block's head groups instead of all at once. A burst of 64
+// The lines of one stored block (its pair rows, then its scales),
+// requested into L2 a few at a time between a block's head groups instead
+// of all at once. A burst of 64
 // requests (one dsv32 block) overruns the core's outstanding-miss capacity;
 // the scan then slowed as its keys moved from L2 to L3 and DRAM (one core
 // of an AMD EPYC without AMX: 42 ns a key at 4K keys, 50-54 ns at
 // 128K-512K). Spread over the 8 head groups of a 64-head block: 45-49 ns
 // at 128K, 46-51 at 512K (against 49-52 and 51-54, four alternated runs);
 // karat-bench-kernels' two-core dsv32 scan at 128K went from 1.34-1.45x
-// to 1.59-1.72x the FMA peak. Prefetches only: the same bits.
+// to 1.59-1.72x the FMA peak. (Those figures are from when the requests
+// went to L1 and blocks were transposed as they were decoded.) Prefetches
+// only: the same bits.
 class SpreadPrefetch {
  public:
   SpreadPrefetch() = default;
-  // `bytes` of codes at `p`.
-  SpreadPrefetch(const void* p, size_t bytes)
-      : p_(static_cast<const char*>(p)), bytes_(bytes) {}
+  // The rows and scales of stored block `b`.
+  SpreadPrefetch(const LayerView& view, const ScanBlock& b)
+      : p_(reinterpret_cast<const char*>(view.IndexKeyBlock(b.page, b.block))),
+        scales_(reinterpret_cast<const char*>(view.IndexScales(b.page) +
+                                              b.block * kKeyBlock)),
+        bytes_(view.layout->IndexBlockBytes()) {}
   // The lines are to be requested over `groups` calls of Step().
   void Split(int groups) {
     if (bytes_ == 0) return;  // nothing to request
@@ -1601,23 +1655,30 @@ class SpreadPrefetch {
   }
   void Step() {
     for (const size_t e = std::min(bytes_, off_ + step_); off_ < e; off_ += 64)
-      PrefetchLine(p_ + off_);
+      PrefetchLineL2(p_ + off_);
   }
-  // Whatever Step() has not requested yet.
+  // Whatever Step() has not requested yet, and the scales.
   void Finish() {
-    for (; off_ < bytes_; off_ += 64) PrefetchLine(p_ + off_);
+    for (; off_ < bytes_; off_ += 64) PrefetchLineL2(p_ + off_);
+    if (scales_ != nullptr) {
+      PrefetchLineL2(scales_);
+      PrefetchLineL2(scales_ + 64);
+      scales_ = nullptr;
+    }
   }
 
  private:
   const char* p_ = nullptr;
+  const char* scales_ = nullptr;
   size_t bytes_ = 0, step_ = 0, off_ = 0;
 };
 
 // The vector path: scores the 32 keys of `kb` for query `iq` with
-// vdpbf16ps or, in the FMA form, with fp32 FMAs; writes the first `b` to
-// out. `ahead` is stepped once per head group and finished at the end.
-void ScoreKeyBlock(const KeyBlock& kb, const IndexQuery& iq, int b, float* out,
-                   SpreadPrefetch ahead = SpreadPrefetch()) {
+// vdpbf16ps or, in the FMA form, with fp32 FMAs; writes lanes [lo, hi) to
+// out[lo .. hi). `ahead` is stepped once per head group and finished at
+// the end.
+void ScoreKeyBlock(const KeyBlock& kb, const IndexQuery& iq, int lo, int hi,
+                   float* out, SpreadPrefetch ahead = SpreadPrefetch()) {
   __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
   const int pairs = iq.pairs;
   auto heads = [&](auto hb, int h) {
@@ -1651,15 +1712,7 @@ void ScoreKeyBlock(const KeyBlock& kb, const IndexQuery& iq, int b, float* out,
   for (; h < iq.heads; ++h) heads(std::integral_constant<int, 1>(), h);
   s0 = _mm512_mul_ps(s0, _mm512_load_ps(kb.scale));
   s1 = _mm512_mul_ps(s1, _mm512_load_ps(kb.scale + 16));
-  if (b == kKeyBlock) {
-    _mm512_storeu_ps(out, s0);
-    _mm512_storeu_ps(out + 16, s1);
-  } else {
-    const __mmask16 m0 = FirstLanes16(b);
-    const __mmask16 m1 = b <= 16 ? 0 : __mmask16((1u << (b - 16)) - 1);
-    _mm512_mask_storeu_ps(out, m0, s0);
-    _mm512_mask_storeu_ps(out + 16, m1, s1);
-  }
+  StoreBlockLanes(out, lo, hi, s0, s1);
 }
 
 // Scores keys [k_begin, k_end) for every query i with limit[i] > key:
@@ -1682,41 +1735,57 @@ void ScoreKeyRange(const LayerView& view, int dim, int k_begin, int k_end,
   // Keys at or past every query's limit are neither read nor scored.
   const int stop = std::min(k_end, max_limit);
   if (stop <= k_begin) return;
-  const int nblocks = (stop - k_begin + kKeyBlock - 1) / kKeyBlock;
-  auto block_keys = [&](int blk) {
-    return std::min(kKeyBlock, stop - (k_begin + blk * kKeyBlock));
-  };
   const IndexPath path = queries[0].path;
   const bool tables = CurrentCodeWidening() == CodeWidening::kByteTables;
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+  if (path == IndexPath::kTiles && KeyRowShape(max_heads, dim)) {
+    ScoreKeyRows(view, dim, k_begin, stop, queries, nq, limit, out);
+    return;
+  }
+#endif
+  thread_local std::vector<ScanBlock> blocks;
+  ScanBlocks(*view.layout, k_begin, stop, &blocks);
+  const int nblocks = int(blocks.size());
+  // The lanes of block i that query q scores: [lo, hi_q) (empty if
+  // hi_q <= lo).
+  auto lanes_to = [&](const ScanBlock& b, int q) {
+    return std::min(b.hi, limit[q] - b.first);
+  };
+  if (path == IndexPath::kBf16 && nq == 1 && queries[0].heads <= kHeadBlock &&
+      queries[0].pairs <= kMaxIndexPairs) {
+    if (tables) {
+      ScoreBlocksWideningAnyHeads<true>(view, blocks.data(), nblocks,
+                                        queries[0], limit[0], out[0]);
+    } else {
+      ScoreBlocksWideningAnyHeads<false>(view, blocks.data(), nblocks,
+                                         queries[0], limit[0], out[0]);
+    }
+    return;
+  }
   if (path != IndexPath::kTiles) {
     const bool fma = path == IndexPath::kFma;
-    const int tpp = view.layout->tokens_per_page;
     KeyBlock kb(dp, fma);
     for (int blk = 0; blk < nblocks; ++blk) {
-      const int s0 = k_begin + blk * kKeyBlock, b = block_keys(blk);
-      // The block ahead, when its keys lie in one page (one run of codes).
-      const int ps = s0 + kPrefetchAhead;
-      const int pn = std::min(kKeyBlock, stop - ps);
-      const bool spread = pn > 0 && ps % tpp + pn <= tpp;
-      LoadKeyBlock(view, s0, b, stop, dim, tables, /*prefetch=*/!spread, &kb);
+      const ScanBlock& b = blocks[blk];
+      LoadKeyBlock(view, b, dim, tables, &kb);
       if (fma) WidenKeyBlock(dp / 2, &kb);
-      // Requested over the first query's head groups (SpreadPrefetch).
+      // Requested over the first scoring query's head groups
+      // (SpreadPrefetch).
       SpreadPrefetch ahead;
-      if (spread) ahead = SpreadPrefetch(view.IndexKey(ps), size_t(pn) * dim);
+      if (blk + kPrefetchBlocks < nblocks) {
+        ahead = SpreadPrefetch(view, blocks[blk + kPrefetchBlocks]);
+      }
       for (int i = 0; i < nq; ++i) {
-        if (limit[i] <= s0) continue;
-        ScoreKeyBlock(kb, queries[i], std::min(b, limit[i] - s0), out[i] + s0,
-                      ahead);
+        const int hi = lanes_to(b, i);
+        if (hi <= b.lo) continue;
+        ScoreKeyBlock(kb, queries[i], b.lo, hi, out[i] + b.first, ahead);
         ahead = SpreadPrefetch();  // requested once, with the first query
       }
+      ahead.Finish();
     }
     return;
   }
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-  if (KeyRowShape(max_heads, dim)) {
-    ScoreKeyRows(view, dim, k_begin, stop, queries, nq, limit, out);
-    return;
-  }
   constexpr int kRing = 3;  // blocks decoded ahead: kRing - 1
   std::vector<KeyBlock> ring(size_t(std::min(kRing, nblocks)), KeyBlock(dp));
   AlignedVector<float> dots(size_t((max_heads + 15) / 16 * 16) * kKeyBlock);
@@ -1727,16 +1796,19 @@ void ScoreKeyRange(const LayerView& view, int dim, int k_begin, int k_end,
   _tile_loadconfig(max_heads <= 8 ? &config8 : &config16);
   const bool defer = max_heads <= 32;
   auto load = [&](int blk) {
-    LoadKeyBlock(view, k_begin + blk * kKeyBlock, block_keys(blk), stop, dim,
-                 tables, /*prefetch=*/true, &ring[blk % kRing]);
+    if (blk + kPrefetchBlocks < nblocks) {
+      PrefetchKeyBlock<true>(view, blocks[blk + kPrefetchBlocks]);
+    }
+    LoadKeyBlock(view, blocks[blk], dim, tables, &ring[blk % kRing]);
   };
   for (int blk = 0; blk < std::min(kRing - 1, nblocks); ++blk) load(blk);
   for (int blk = 0; blk < nblocks; ++blk) {
-    const int s0 = k_begin + blk * kKeyBlock, b = block_keys(blk);
+    const ScanBlock& b = blocks[blk];
     const KeyBlock& kb = ring[blk % kRing];
     bool ahead = false;
     for (int i = 0; i < nq; ++i) {
-      if (limit[i] <= s0) continue;
+      const int hi = lanes_to(b, i);
+      if (hi <= b.lo) continue;
       // The first query's dots are stored only after the next block's
       // decode, which runs while the tile unit computes them.
       const bool first = !ahead;
@@ -1746,8 +1818,7 @@ void ScoreKeyRange(const LayerView& view, int dim, int k_begin, int k_end,
         if (blk + kRing - 1 < nblocks) load(blk + kRing - 1);
         if (defer) TileStoreDots(queries[i], dots.data());
       }
-      FinishKeyBlock(kb, queries[i], std::min(b, limit[i] - s0), out[i] + s0,
-                     dots.data());
+      FinishKeyBlock(kb, queries[i], b.lo, hi, out[i] + b.first, dots.data());
     }
     if (!ahead && blk + kRing - 1 < nblocks) load(blk + kRing - 1);
   }

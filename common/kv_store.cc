@@ -1,5 +1,6 @@
 #include "common/kv_store.h"
 
+#include <immintrin.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -8,12 +9,107 @@
 
 #include "absl/strings/str_cat.h"
 
+// GCC 12 reports its own AVX-512 intrinsic headers (_mm512_undefined_*)
+// as (maybe-)uninitialized.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+
 namespace karat {
 namespace {
 
 size_t AlignUp(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
+// The key in each slot of a block's pair rows (IndexKeySlot inverted).
+struct SlotKeys {
+  uint8_t key[kIndexKeyBlock];
+  constexpr SlotKeys() : key() {
+    for (int j = 0; j < kIndexKeyBlock; ++j) key[IndexKeySlot(j)] = uint8_t(j);
+  }
+};
+constexpr SlotKeys kSlotKeys;
+
+// Writes the 32 keys at `codes` (token-major, `dim` codes each, dim a
+// multiple of 16) into a whole block's pair rows. Per 16 codes (8 pairs) of
+// every key: the keys' 16-byte pieces go into the 128-bit lanes of 8
+// registers (register i, lane L: the key of slot 8 L + i), and an 8 x 8
+// transpose of 16-bit pairs within each lane leaves register w holding
+// pair w of the keys in slot order: one row.
+void PutIndexKeyBlock(const uint8_t* codes, int dim, uint8_t* rows) {
+  for (int off = 0; off < dim; off += 16) {
+    __m512i r[8];
+    for (int i = 0; i < 8; ++i) {
+      auto piece = [&](int lane) {
+        return _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+            codes + size_t(kSlotKeys.key[8 * lane + i]) * dim + off));
+      };
+      __m512i v = _mm512_castsi128_si512(piece(0));
+      v = _mm512_inserti32x4(v, piece(1), 1);
+      v = _mm512_inserti32x4(v, piece(2), 2);
+      r[i] = _mm512_inserti32x4(v, piece(3), 3);
+    }
+    __m512i a[4], b[4], c[4], d[4];
+    for (int k = 0; k < 4; ++k) {
+      a[k] = _mm512_unpacklo_epi16(r[2 * k], r[2 * k + 1]);
+      b[k] = _mm512_unpackhi_epi16(r[2 * k], r[2 * k + 1]);
+    }
+    c[0] = _mm512_unpacklo_epi32(a[0], a[1]);
+    c[1] = _mm512_unpackhi_epi32(a[0], a[1]);
+    c[2] = _mm512_unpacklo_epi32(a[2], a[3]);
+    c[3] = _mm512_unpackhi_epi32(a[2], a[3]);
+    d[0] = _mm512_unpacklo_epi32(b[0], b[1]);
+    d[1] = _mm512_unpackhi_epi32(b[0], b[1]);
+    d[2] = _mm512_unpacklo_epi32(b[2], b[3]);
+    d[3] = _mm512_unpackhi_epi32(b[2], b[3]);
+    const __m512i o[8] = {
+        _mm512_unpacklo_epi64(c[0], c[2]), _mm512_unpackhi_epi64(c[0], c[2]),
+        _mm512_unpacklo_epi64(c[1], c[3]), _mm512_unpackhi_epi64(c[1], c[3]),
+        _mm512_unpacklo_epi64(d[0], d[2]), _mm512_unpackhi_epi64(d[0], d[2]),
+        _mm512_unpacklo_epi64(d[1], d[3]), _mm512_unpackhi_epi64(d[1], d[3])};
+    uint8_t* row = rows + size_t(off / 2) * 64;
+    for (int w = 0; w < 8; ++w) {
+      _mm512_storeu_si512(row + size_t(w) * 64, o[w]);
+    }
+  }
+}
+
+// Writes the codes of `n` keys (token-major; null: zero codes) into slots
+// [slot, slot + n) of one page.
+void PutIndexKeys(const KvLayout& l, uint8_t* page, int slot, int n,
+                  const uint8_t* codes) {
+  const int dim = l.index_dim, pairs = l.IndexPairs();
+  uint8_t* ikey = page + l.ikey_offset;
+  for (int i = 0; i < n;) {
+    const int o = slot + i;
+    uint8_t* rows = ikey + size_t(o / kIndexKeyBlock) * l.IndexBlockBytes();
+    const int j = o % kIndexKeyBlock;
+    if (codes != nullptr && j == 0 && n - i >= kIndexKeyBlock &&
+        dim % 16 == 0) {
+      PutIndexKeyBlock(codes + size_t(i) * dim, dim, rows);
+      i += kIndexKeyBlock;
+      continue;
+    }
+    uint8_t* at = rows + 2 * IndexKeySlot(j);
+    const uint8_t* key = codes == nullptr ? nullptr : codes + size_t(i) * dim;
+    for (int p = 0; p < pairs; ++p) {
+      at[size_t(p) * 64] = key == nullptr ? 0 : key[2 * p];
+      at[size_t(p) * 64 + 1] =
+          key == nullptr || 2 * p + 1 >= dim ? 0 : key[2 * p + 1];
+    }
+    ++i;
+  }
+}
+
 }  // namespace
+
+void LayerView::IndexKeyCodes(int pos, uint8_t* codes) const {
+  const int tpp = layout->tokens_per_page;
+  const int o = pos % tpp;
+  const uint8_t* at = IndexKeyBlock(pos / tpp, o / kIndexKeyBlock) +
+                      2 * IndexKeySlot(o % kIndexKeyBlock);
+  for (int d = 0; d < layout->index_dim; ++d) {
+    codes[d] = at[size_t(d / 2) * 64 + d % 2];
+  }
+}
 
 size_t KvLayout::TokenBytes() const {
   return size_t(kv_dim) * 2 + size_t(index_dim) + (index_dim > 0 ? 4 : 0);
@@ -41,10 +137,16 @@ KvLayout MakeKvLayout(const ModelConfig& config, int tokens_per_page) {
       break;
   }
   const size_t tpp = size_t(tokens_per_page);
+  const size_t key_slots =
+      l.index_dim > 0 ? size_t(l.IndexBlocksPerPage()) * kIndexKeyBlock : 0;
   l.kv_offset = 0;
   l.ikey_offset = AlignUp(tpp * l.kv_dim * 2, 64);
-  l.iscale_offset = AlignUp(l.ikey_offset + tpp * l.index_dim, 64);
-  l.page_bytes = AlignUp(l.iscale_offset + (l.index_dim > 0 ? tpp * 4 : 0), 64);
+  l.iscale_offset = AlignUp(
+      l.ikey_offset + (l.index_dim > 0 ? size_t(l.IndexBlocksPerPage()) *
+                                             l.IndexBlockBytes()
+                                       : 0),
+      64);
+  l.page_bytes = AlignUp(l.iscale_offset + key_slots * 4, 64);
   return l;
 }
 
@@ -276,16 +378,8 @@ absl::Status SessionCache::Append(int layer, const uint16_t* kv,
   std::memcpy(page + layout_->kv_offset + size_t(slot) * layout_->kv_dim * 2,
               kv, size_t(layout_->kv_dim) * 2);
   if (layout_->index_dim > 0) {
-    if (index_key == nullptr) {
-      std::memset(
-          page + layout_->ikey_offset + size_t(slot) * layout_->index_dim, 0,
-          layout_->index_dim);
-      index_scale = 0.0f;
-    } else {
-      std::memcpy(
-          page + layout_->ikey_offset + size_t(slot) * layout_->index_dim,
-          index_key, layout_->index_dim);
-    }
+    if (index_key == nullptr) index_scale = 0.0f;
+    PutIndexKeys(*layout_, page, slot, 1, index_key);
     reinterpret_cast<float*>(page + layout_->iscale_offset)[slot] = index_scale;
   }
   lengths_[layer] = pos + 1;
@@ -318,9 +412,7 @@ absl::Status SessionCache::WriteIndexKey(int layer, int pos,
   }
   const int tpp = layout_->tokens_per_page;
   uint8_t* page = page_data_[layer][pos / tpp];
-  std::memcpy(
-      page + layout_->ikey_offset + size_t(pos % tpp) * layout_->index_dim,
-      codes, layout_->index_dim);
+  PutIndexKeys(*layout_, page, pos % tpp, 1, codes);
   reinterpret_cast<float*>(page + layout_->iscale_offset)[pos % tpp] = scale;
   return absl::OkStatus();
 }
@@ -363,8 +455,7 @@ absl::Status SessionCache::WriteIndexKeyRun(int layer, int pos, int n,
     const int p = pos + i;
     const int run = std::min(n - i, tpp - p % tpp);
     uint8_t* page = page_data_[layer][p / tpp];
-    std::memcpy(page + layout_->ikey_offset + size_t(p % tpp) * row,
-                codes + size_t(i) * row, size_t(run) * row);
+    PutIndexKeys(*layout_, page, p % tpp, run, codes + size_t(i) * row);
     std::memcpy(
         reinterpret_cast<float*>(page + layout_->iscale_offset) + p % tpp,
         scales + i, size_t(run) * sizeof(float));

@@ -7,9 +7,18 @@
 //
 // Page layout (one layer, `tokens_per_page` tokens), structure of arrays:
 //   [kv:    tpp x kv_dim   bf16 ]   mla_dsa: c (kv_lora) | k_pe (rope)
-//   [ikey:  tpp x index_dim fp8 ]   DSA index keys (codes)
-//   [iscale: tpp x f32          ]   their scales
-// each section padded to 64 bytes.
+//   [ikey:  blocks x pairs x 64 ]   DSA index keys (fp8 codes), pair-major
+//   [iscale: blocks x 32 f32    ]   their scales
+// each section padded to 64 bytes. Index keys are kept in blocks of
+// kIndexKeyBlock (32) consecutive slots of a page, ceil(tpp / 32) blocks a
+// page (a page of fewer than 32 tokens still has room for 32). Within a
+// block, code pair p (dims 2p, 2p + 1; an odd dimension is padded with a
+// zero code) of all 32 keys is one 64-byte row, key j's two codes at bytes
+// 2 IndexKeySlot(j) and 2 IndexKeySlot(j) + 1 of it. That is the layout the
+// indexer's scan multiplies (32 keys in the lanes of two vectors, one pair
+// at a time), so a scan only widens the codes and never transposes them;
+// the slot order is the one in which the widening's in-lane byte interleave
+// leaves the keys in natural order (see attention.cc).
 #pragma once
 
 #include <cstddef>
@@ -25,6 +34,15 @@
 
 namespace karat {
 
+// Index keys per stored block (see the page layout above).
+constexpr int kIndexKeyBlock = 32;
+
+// The slot of key j (0 <= j < 32) in a block's pair rows: 8 L + r holds key
+// 4 L + r for r < 4 and key 16 + 4 L + r - 4 for r >= 4.
+constexpr int IndexKeySlot(int j) {
+  return 8 * ((j & 15) >> 2) + (j & 3) + (j >= 16 ? 4 : 0);
+}
+
 struct KvLayout {
   int tokens_per_page = 64;
   int kv_dim = 0;     // bf16 values per token
@@ -34,6 +52,14 @@ struct KvLayout {
   int num_layers = 0;
   // Bytes of one token's entries in one layer (without padding).
   size_t TokenBytes() const;
+  // Code pairs a key holds: ceil(index_dim / 2).
+  int IndexPairs() const { return (index_dim + 1) / 2; }
+  // Bytes of one block of index keys: a 64-byte row per pair.
+  size_t IndexBlockBytes() const { return size_t(IndexPairs()) * 64; }
+  // Blocks of index keys in a page.
+  int IndexBlocksPerPage() const {
+    return (tokens_per_page + kIndexKeyBlock - 1) / kIndexKeyBlock;
+  }
 };
 KvLayout MakeKvLayout(const ModelConfig& config, int tokens_per_page);
 
@@ -93,11 +119,18 @@ struct LayerView {
     return reinterpret_cast<const uint16_t*>(p + layout->kv_offset) +
            size_t(pos % layout->tokens_per_page) * layout->kv_dim;
   }
-  const uint8_t* IndexKey(int pos) const {
-    const uint8_t* p = pages[pos / layout->tokens_per_page];
-    return p + layout->ikey_offset +
-           size_t(pos % layout->tokens_per_page) * layout->index_dim;
+  // The pair rows of block `block` of page `index` (the page layout above).
+  const uint8_t* IndexKeyBlock(int index, int block) const {
+    return pages[index] + layout->ikey_offset +
+           size_t(block) * layout->IndexBlockBytes();
   }
+  // The scales of page `index`, by slot (32 per block, the last block's
+  // beyond tokens_per_page unused).
+  const float* IndexScales(int index) const {
+    return reinterpret_cast<const float*>(pages[index] + layout->iscale_offset);
+  }
+  // Key `pos`'s index_dim codes, in dimension order, into codes[].
+  void IndexKeyCodes(int pos, uint8_t* codes) const;
   float IndexScale(int pos) const {
     const uint8_t* p = pages[pos / layout->tokens_per_page];
     return reinterpret_cast<const float*>(

@@ -507,13 +507,14 @@ class IngestStore {
       const bool keys = plan_.config.HasIndexer(layer) && l.index_dim > 0;
       if (cache_->length(layer) != plan_.tokens) return false;
       const LayerView v = cache_->View(layer);
+      std::vector<uint8_t> codes(l.index_dim);
       for (int pos = 0; pos < plan_.tokens; ++pos) {
         const uint16_t* kv = v.Kv(pos);
         for (int i = 0; i < l.kv_dim; ++i) {
           if (kv[i] != KvValue(layer, pos, i)) return false;
         }
         if (!keys) continue;
-        const uint8_t* codes = v.IndexKey(pos);
+        v.IndexKeyCodes(pos, codes.data());
         for (int i = 0; i < l.index_dim; ++i) {
           if (codes[i] != CodeValue(layer, pos, i)) return false;
         }

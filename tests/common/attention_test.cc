@@ -704,7 +704,7 @@ TEST_CASE(
     for (int i = 0; i < c.nq; ++i) {
       limit[i] = c.causal ? kN - c.nq + i + 1 : 1 + int(rng() % kN);
     }
-    for (const int tpp : {64, 5}) {
+    for (const int tpp : {64, 48, 5}) {
       Store st(8, c.dim, tpp);
       REQUIRE(st.cache->Reserve(kN).ok());
       for (int s = 0; s < kN; ++s) {
@@ -1162,6 +1162,81 @@ TEST_CASE("page arena: all-or-nothing reservations", "[kv_store]") {
   CHECK(arena->free_pages() == 0);
   uint16_t kv[8] = {};
   CHECK(b.WriteKv(0, 4, kv).code() == absl::StatusCode::kResourceExhausted);
+}
+
+TEST_CASE("index keys: every write path stores the codes read back",
+          "[kv_store]") {
+  // Pages of 64, 48 (a half block at each page's end), 16 and 5 keys;
+  // dimensions that take the whole-block transpose (32, 128, 16) and that
+  // do not (20, 7 with its zero pad code, 1).
+  for (const int tpp : {64, 48, 16, 5}) {
+    for (const int dim : {32, 128, 16, 20, 7, 1}) {
+      CAPTURE(tpp, dim);
+      const int n = 200;
+      std::mt19937 rng(tpp * 1000 + dim);
+      std::vector<uint8_t> codes(size_t(n) * dim);
+      for (auto& c : codes) c = uint8_t(rng());
+      std::vector<float> scales(n);
+      for (int s = 0; s < n; ++s) scales[s] = 0.5f + float(s);
+      // Runs of every length from every start, key by key, and appended.
+      Store runs(8, dim, tpp), single(8, dim, tpp), appended(8, dim, tpp);
+      REQUIRE(runs.cache->Reserve(n).ok());
+      REQUIRE(single.cache->Reserve(n).ok());
+      REQUIRE(appended.cache->Reserve(n).ok());
+      const int lengths[] = {1, 31, 32, 33, 64, 7, 32};
+      for (int s = 0, i = 0; s < n; ++i) {
+        const int len = std::min(lengths[i % 7], n - s);
+        REQUIRE(runs.cache
+                    ->WriteIndexKeyRun(0, s, len, &codes[size_t(s) * dim],
+                                       &scales[s])
+                    .ok());
+        s += len;
+      }
+      std::vector<uint16_t> kv(8);
+      for (int s = 0; s < n; ++s) {
+        REQUIRE(single.cache
+                    ->WriteIndexKey(0, s, &codes[size_t(s) * dim], scales[s])
+                    .ok());
+        REQUIRE(appended.cache
+                    ->Append(0, kv.data(), &codes[size_t(s) * dim], scales[s])
+                    .ok());
+      }
+      runs.cache->SetLength(0, n);
+      single.cache->SetLength(0, n);
+      int wrong = 0;
+      for (Store* st : {&runs, &single, &appended}) {
+        const LayerView v = st->cache->View(0);
+        std::vector<uint8_t> got(dim);
+        for (int s = 0; s < n; ++s) {
+          v.IndexKeyCodes(s, got.data());
+          wrong += std::memcmp(got.data(), &codes[size_t(s) * dim], dim) != 0;
+          wrong += v.IndexScale(s) != scales[s];
+        }
+      }
+      CHECK(wrong == 0);
+      // The whole-block transpose leaves the pages as the per-key path does,
+      // unused slots and pad codes included.
+      int pages_differ = 0;
+      for (int pg = 0; pg * tpp < n; ++pg) {
+        pages_differ += std::memcmp(runs.cache->View(0).PageData(pg),
+                                    single.cache->View(0).PageData(pg),
+                                    runs.layout.page_bytes) != 0;
+      }
+      CHECK(pages_differ == 0);
+      // Pair p of the key in slot j of a block is at 64 p + 2 IndexKeySlot(j).
+      const LayerView v = single.cache->View(0);
+      const int s = std::min(n - 1, tpp + tpp / 2);
+      const uint8_t* at = v.IndexKeyBlock(s / tpp, s % tpp / kIndexKeyBlock) +
+                          2 * IndexKeySlot(s % tpp % kIndexKeyBlock);
+      CHECK(at[0] == codes[size_t(s) * dim]);
+      CHECK(at[size_t(single.layout.IndexPairs() - 1) * 64 + 1] ==
+            (dim % 2 == 1 ? 0 : codes[size_t(s) * dim + dim - 1]));
+    }
+  }
+  // The slots are a permutation of the 32 keys.
+  std::vector<int> seen(kIndexKeyBlock, 0);
+  for (int j = 0; j < kIndexKeyBlock; ++j) ++seen[IndexKeySlot(j)];
+  CHECK(std::count(seen.begin(), seen.end(), 1) == kIndexKeyBlock);
 }
 
 }  // namespace
