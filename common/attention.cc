@@ -953,13 +953,9 @@ void LoadKeyRows(const LayerView& view, KeyPos p, int b, int dim,
   kb->has_nan = false;
   for (int j = 0; j < b;) {
     const int run = std::min(b - j, l.tokens_per_page - p.off);
+    const int s0 = p.page * l.tokens_per_page + p.off;
     for (int k = 0; k < run; ++k) {
-      const int slot = p.off + k;
-      const uint16_t* at = reinterpret_cast<const uint16_t*>(
-                               view.IndexKeyBlock(p.page, slot / kKeyBlock)) +
-                           IndexKeySlot(slot % kKeyBlock);
-      uint16_t* dst = reinterpret_cast<uint16_t*>(codes + size_t(j + k) * dim);
-      for (int q = 0; q < dim / 2; ++q) dst[q] = at[size_t(q) * 32];
+      view.IndexKeyCodes(s0 + k, codes + size_t(j + k) * dim);
     }
     const float* sc = view.IndexScales(p.page) + p.off;
     for (int k = 0; k < run; k += 16) {
