@@ -362,18 +362,6 @@ void ScanBlocks(const KvLayout& l, int begin, int end,
 // entries, too short for the hardware prefetcher to ramp up on.
 constexpr int kPrefetchBlocks = 4;
 
-// Widens the `stored` pair rows of a block (kv_store.h: pair p of the 32
-// keys in one 64-byte row, in IndexKeySlot order) into kt[p * 32 ..], and
-// zeroes rows [stored, pairs) (the padding to whole 16-pair tiles). The
-// slot order is the one in which the byte interleave below, which works
-// within 128-bit lanes, leaves the keys in natural order: lane L of a row
-// holds slots 8 L .. 8 L + 7, of which the low half (keys 4 L .. 4 L + 3)
-// goes to the first vector and the high half (keys 16 + 4 L ..) to the
-// second.
-//
-// The widening (CodeWidening): by bit moves, with the byte tables for the
-// 64 codes of a row that hold a zero, subnormal or NaN code; or
-// kByteTables, by the tables alone. Same bits.
 // The constants of the widening, loaded once per block.
 struct RowWidening {
   __m512i tlo0, tlo1, thi0, thi1, sign, affine_lo, affine_hi, exp_bias, low7,
@@ -450,28 +438,63 @@ inline void WidenPairRows(const uint8_t* rows, int stored, int pairs,
   }
 }
 
-// Requests a stored block's rows and scales: into L1 (kL1), or into L2.
-template <bool kL1>
+// The lines of one stored block (its pair rows, then its scales),
+// requested into L2 a few at a time between a block's head groups instead
+// of all at once. A burst of 64
+// requests (one dsv32 block) overruns the core's outstanding-miss capacity;
+// the scan then slowed as its keys moved from L2 to L3 and DRAM (one core
+// of an AMD EPYC without AMX: 42 ns a key at 4K keys, 50-54 ns at
+// 128K-512K). Spread over the 8 head groups of a 64-head block: 45-49 ns
+// at 128K, 46-51 at 512K (against 49-52 and 51-54, four alternated runs);
+// karat-bench-kernels' two-core dsv32 scan at 128K went from 1.34-1.45x
+// to 1.59-1.72x the FMA peak. (Those figures are from when the requests
+// went to L1 and blocks were transposed as they were decoded.) Prefetches
+// only: the same bits.
+class SpreadPrefetch {
+ public:
+  SpreadPrefetch() = default;
+  // The rows and scales of stored block `b`.
+  SpreadPrefetch(const LayerView& view, const ScanBlock& b)
+      : p_(reinterpret_cast<const char*>(view.IndexKeyBlock(b.page, b.block))),
+        scales_(reinterpret_cast<const char*>(
+            view.IndexBlockScales(b.page, b.block))),
+        bytes_(view.layout->IndexBlockBytes()) {}
+  // The lines are to be requested over `groups` calls of Step().
+  void Split(int groups) {
+    if (bytes_ == 0) return;  // nothing to request
+    step_ = (bytes_ / 64 + groups - 1) / std::max(groups, 1) * 64;
+  }
+  void Step() {
+    for (const size_t e = std::min(bytes_, off_ + step_); off_ < e; off_ += 64)
+      PrefetchLineL2(p_ + off_);
+  }
+  // Whatever Step() has not requested yet, and the scales.
+  void Finish() {
+    for (; off_ < bytes_; off_ += 64) PrefetchLineL2(p_ + off_);
+    if (scales_ != nullptr) {
+      PrefetchLineL2(scales_);
+      PrefetchLineL2(scales_ + 64);
+      scales_ = nullptr;
+    }
+  }
+
+ private:
+  const char* p_ = nullptr;
+  const char* scales_ = nullptr;
+  size_t bytes_ = 0, step_ = 0, off_ = 0;
+};
+
+// Requests a stored block's rows and scales into L1 (the tile path; the
+// vector paths request them into L2 through SpreadPrefetch).
 inline void PrefetchKeyBlock(const LayerView& view, const ScanBlock& b) {
   const char* rows =
       reinterpret_cast<const char*>(view.IndexKeyBlock(b.page, b.block));
-  const char* sc = reinterpret_cast<const char*>(view.IndexScales(b.page) +
-                                                 b.block * kKeyBlock);
+  const char* sc =
+      reinterpret_cast<const char*>(view.IndexBlockScales(b.page, b.block));
   const size_t bytes = view.layout->IndexBlockBytes();
-  for (size_t off = 0; off < bytes; off += 64) {
-    if (kL1) {
-      PrefetchLine(rows + off);
-    } else {
-      PrefetchLineL2(rows + off);
-    }
-  }
-  if (kL1) {
-    PrefetchLine(sc);
-    PrefetchLine(sc + 64);
-  } else {
-    PrefetchLineL2(sc);
-    PrefetchLineL2(sc + 64);
-  }
+  for (size_t off = 0; off < bytes; off += 64) PrefetchLine(rows + off);
+  PrefetchLine(sc);
+  PrefetchLine(sc + 64);
 }
 
 // Widens stored block `b` into kb (all 32 lanes; slots outside [b.lo,
@@ -488,7 +511,7 @@ void LoadKeyBlock(const LayerView& view, const ScanBlock& b, int dim,
   } else {
     WidenPairRows<false>(rows, stored, pairs, kb->kt.data());
   }
-  const float* sc = view.IndexScales(b.page) + b.block * kKeyBlock;
+  const float* sc = view.IndexBlockScales(b.page, b.block);
   _mm512_store_ps(kb->scale, _mm512_load_ps(sc));
   _mm512_store_ps(kb->scale + 16, _mm512_load_ps(sc + 16));
 }
@@ -570,8 +593,8 @@ inline void ScoreHeadsWidening(const uint8_t* rows, int stored, int pairs,
 
 // One query of HB <= kHeadBlock heads on the vdpbf16ps form, over stored
 // blocks[0 .. n): scores each straight from its rows (ScoreHeadsWidening)
-// and writes its lanes [lo, min(hi, limit - first)) to out; prefetches the
-// block kPrefetchBlocks ahead into L2.
+// and writes its lanes [lo, min(hi, limit - first)) to out; requests the
+// block kPrefetchBlocks ahead into L2 (SpreadPrefetch, all at once).
 template <int HB, bool kByteTables>
 void ScoreBlocksWidening(const LayerView& view, const ScanBlock* blocks, int n,
                          const IndexQuery& iq, int limit, float* out) {
@@ -584,7 +607,7 @@ void ScoreBlocksWidening(const LayerView& view, const ScanBlock* blocks, int n,
   for (int i = 0; i < n; ++i) {
     const ScanBlock& b = blocks[i];
     if (i + kPrefetchBlocks < n) {
-      PrefetchKeyBlock<false>(view, blocks[i + kPrefetchBlocks]);
+      SpreadPrefetch(view, blocks[i + kPrefetchBlocks]).Finish();
     }
     const int hi = std::min(b.hi, limit - b.first);
     if (hi <= b.lo) continue;
@@ -597,7 +620,7 @@ void ScoreBlocksWidening(const LayerView& view, const ScanBlock* blocks, int n,
       ScoreHeadsWidening<HB, kByteTables>(rows, stored, iq.pairs, qt,
                                           iq.coef.data(), &s0, &s1);
     }
-    const float* sc = view.IndexScales(b.page) + b.block * kKeyBlock;
+    const float* sc = view.IndexBlockScales(b.page, b.block);
     s0 = _mm512_mul_ps(s0, _mm512_load_ps(sc));
     s1 = _mm512_mul_ps(s1, _mm512_load_ps(sc + 16));
     StoreBlockLanes(out + b.first, b.lo, hi, s0, s1);
@@ -903,8 +926,8 @@ inline void PrefetchKeys(const LayerView& view, KeyPos p, int n, int dim) {
          blk * kKeyBlock < p.off + run; ++blk) {
       const char* k =
           reinterpret_cast<const char*>(view.IndexKeyBlock(p.page, blk));
-      const char* sc = reinterpret_cast<const char*>(view.IndexScales(p.page) +
-                                                     blk * kKeyBlock);
+      const char* sc =
+          reinterpret_cast<const char*>(view.IndexBlockScales(p.page, blk));
       if (kL2) {
         for (size_t off = 0; off < bytes; off += 256) PrefetchLineL2(k + off);
         PrefetchLineL2(sc);
@@ -1623,52 +1646,6 @@ void FinishKeyBlock(const KeyBlock& kb, const IndexQuery& iq, int lo, int hi,
 }
 #endif
 
-// The lines of one stored block (its pair rows, then its scales),
-// requested into L2 a few at a time between a block's head groups instead
-// of all at once. A burst of 64
-// requests (one dsv32 block) overruns the core's outstanding-miss capacity;
-// the scan then slowed as its keys moved from L2 to L3 and DRAM (one core
-// of an AMD EPYC without AMX: 42 ns a key at 4K keys, 50-54 ns at
-// 128K-512K). Spread over the 8 head groups of a 64-head block: 45-49 ns
-// at 128K, 46-51 at 512K (against 49-52 and 51-54, four alternated runs);
-// karat-bench-kernels' two-core dsv32 scan at 128K went from 1.34-1.45x
-// to 1.59-1.72x the FMA peak. (Those figures are from when the requests
-// went to L1 and blocks were transposed as they were decoded.) Prefetches
-// only: the same bits.
-class SpreadPrefetch {
- public:
-  SpreadPrefetch() = default;
-  // The rows and scales of stored block `b`.
-  SpreadPrefetch(const LayerView& view, const ScanBlock& b)
-      : p_(reinterpret_cast<const char*>(view.IndexKeyBlock(b.page, b.block))),
-        scales_(reinterpret_cast<const char*>(view.IndexScales(b.page) +
-                                              b.block * kKeyBlock)),
-        bytes_(view.layout->IndexBlockBytes()) {}
-  // The lines are to be requested over `groups` calls of Step().
-  void Split(int groups) {
-    if (bytes_ == 0) return;  // nothing to request
-    step_ = (bytes_ / 64 + groups - 1) / std::max(groups, 1) * 64;
-  }
-  void Step() {
-    for (const size_t e = std::min(bytes_, off_ + step_); off_ < e; off_ += 64)
-      PrefetchLineL2(p_ + off_);
-  }
-  // Whatever Step() has not requested yet, and the scales.
-  void Finish() {
-    for (; off_ < bytes_; off_ += 64) PrefetchLineL2(p_ + off_);
-    if (scales_ != nullptr) {
-      PrefetchLineL2(scales_);
-      PrefetchLineL2(scales_ + 64);
-      scales_ = nullptr;
-    }
-  }
-
- private:
-  const char* p_ = nullptr;
-  const char* scales_ = nullptr;
-  size_t bytes_ = 0, step_ = 0, off_ = 0;
-};
-
 // The vector path: scores the 32 keys of `kb` for query `iq` with
 // vdpbf16ps or, in the FMA form, with fp32 FMAs; writes lanes [lo, hi) to
 // out[lo .. hi). `ahead` is stepped once per head group and finished at
@@ -1793,7 +1770,7 @@ void ScoreKeyRange(const LayerView& view, int dim, int k_begin, int k_end,
   const bool defer = max_heads <= 32;
   auto load = [&](int blk) {
     if (blk + kPrefetchBlocks < nblocks) {
-      PrefetchKeyBlock<true>(view, blocks[blk + kPrefetchBlocks]);
+      PrefetchKeyBlock(view, blocks[blk + kPrefetchBlocks]);
     }
     LoadKeyBlock(view, blocks[blk], dim, tables, &ring[blk % kRing]);
   };

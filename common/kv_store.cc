@@ -141,11 +141,9 @@ KvLayout MakeKvLayout(const ModelConfig& config, int tokens_per_page) {
       l.index_dim > 0 ? size_t(l.IndexBlocksPerPage()) * kIndexKeyBlock : 0;
   l.kv_offset = 0;
   l.ikey_offset = AlignUp(tpp * l.kv_dim * 2, 64);
+  // (No index keys: IndexBlockBytes() is 0.)
   l.iscale_offset = AlignUp(
-      l.ikey_offset + (l.index_dim > 0 ? size_t(l.IndexBlocksPerPage()) *
-                                             l.IndexBlockBytes()
-                                       : 0),
-      64);
+      l.ikey_offset + size_t(l.IndexBlocksPerPage()) * l.IndexBlockBytes(), 64);
   l.page_bytes = AlignUp(l.iscale_offset + key_slots * 4, 64);
   return l;
 }

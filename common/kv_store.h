@@ -129,6 +129,10 @@ struct LayerView {
   const float* IndexScales(int index) const {
     return reinterpret_cast<const float*>(pages[index] + layout->iscale_offset);
   }
+  // The 32 scales of block `block` of page `index`.
+  const float* IndexBlockScales(int index, int block) const {
+    return IndexScales(index) + size_t(block) * kIndexKeyBlock;
+  }
   // Key `pos`'s index_dim codes, in dimension order, into codes[].
   void IndexKeyCodes(int pos, uint8_t* codes) const;
   float IndexScale(int pos) const {
