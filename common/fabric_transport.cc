@@ -1033,7 +1033,10 @@ absl::StatusOr<FidPtr<fid_ep>> FabricTransport::OpenEndpoint(
   // shm names an endpoint's shared memory "<pid>:<uid>:<index>": a region
   // left by a killed process whose pid this process now has makes
   // fi_enable fail with EBUSY, and the provider removes it on the way; the
-  // next endpoint (next index) opens.
+  // next endpoint (next index) opens. A killed daemon leaves one region per
+  // endpoint it had (its per-peer send endpoints too), so a few in a row
+  // may be stale.
+  constexpr int kEnableAttempts = 16;
   for (int attempt = 1;; ++attempt) {
     fid_ep* raw = nullptr;
     int rc =
@@ -1045,7 +1048,7 @@ absl::StatusOr<FidPtr<fid_ep>> FabricTransport::OpenEndpoint(
     rc = fi_ep_bind(ep.get(), &cq_->fid, FI_TRANSMIT | FI_RECV);
     if (rc != 0) return FiStatus("fi_ep_bind(cq)", rc);
     rc = fi_enable(ep.get());
-    if (rc == -FI_EBUSY && attempt < 3) {
+    if (rc == -FI_EBUSY && attempt < kEnableAttempts) {
       KLOG(Warning, kLogModule) << "fi_enable: " << FiError(rc)
                                 << " (a stale shared-memory region?); retrying";
       continue;

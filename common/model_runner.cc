@@ -349,21 +349,60 @@ absl::Status ModelRunner::SetExpertOwners(const std::vector<int>& owners,
   return absl::OkStatus();
 }
 
-absl::Status ModelRunner::ApplyExpert(int layer, int expert, const float* x,
-                                      const int32_t* rows, int n,
-                                      float* out) const {
+ExpertSnapshot ModelRunner::SnapshotExperts(int layer) const {
   const Impl& m = *impl_;
-  if (layer < 0 || layer >= m.cfg.num_hidden_layers || !m.layers[layer].moe) {
+  ExpertSnapshot snapshot;
+  snapshot.layer_ = layer;
+  snapshot.weights_.resize(size_t(m.cfg.n_routed_experts));
+  const bool moe = layer >= 0 && layer < m.cfg.num_hidden_layers &&
+                   m.layers[size_t(layer)].moe;
+  absl::ReaderMutexLock lock(&m.experts_mu);
+  snapshot.owners_ = m.owner;
+  if (moe) {
+    const auto& held = m.layers[size_t(layer)].experts;
+    for (size_t e = 0; e < held.size(); ++e) snapshot.weights_[e] = held[e];
+  }
+  return snapshot;
+}
+
+namespace {
+
+absl::Status CheckExpertCall(const ModelConfig& c,
+                             const std::vector<Layer>& layers, int layer,
+                             int expert, int n) {
+  if (layer < 0 || layer >= c.num_hidden_layers || !layers[layer].moe) {
     return absl::InvalidArgumentError(
         absl::StrCat("layer ", layer, " is not an MoE layer"));
   }
-  if (expert < 0 || expert >= m.cfg.n_routed_experts) {
+  if (expert < 0 || expert >= c.n_routed_experts) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "expert ", expert, " outside [0, ", m.cfg.n_routed_experts, ")"));
+        "expert ", expert, " outside [0, ", c.n_routed_experts, ")"));
   }
   if (n < 0) {
     return absl::InvalidArgumentError(absl::StrCat("negative row count ", n));
   }
+  return absl::OkStatus();
+}
+
+void RunExpert(const Ffn& ffn, int hidden, const float* x, const int32_t* rows,
+               int n, float* out) {
+  if (n == 0) return;
+  const size_t D = size_t(hidden);
+  thread_local std::vector<float> in, g, u;
+  in.resize(size_t(n) * D);
+  for (int i = 0; i < n; ++i) {
+    std::memcpy(&in[i * D], x + size_t(rows[i]) * D, sizeof(float) * D);
+  }
+  ffn.Apply(in.data(), n, out, &g, &u);
+}
+
+}  // namespace
+
+absl::Status ModelRunner::ApplyExpert(int layer, int expert, const float* x,
+                                      const int32_t* rows, int n,
+                                      float* out) const {
+  const Impl& m = *impl_;
+  RETURN_IF_ERROR(CheckExpertCall(m.cfg, m.layers, layer, expert, n));
   std::shared_ptr<const Ffn> ffn;
   {
     absl::ReaderMutexLock lock(&m.experts_mu);
@@ -374,14 +413,29 @@ absl::Status ModelRunner::ApplyExpert(int layer, int expert, const float* x,
         "expert ", expert, " belongs to rank ", ExpertOwner(expert),
         ", not to rank ", m.rank, " of ", m.ranks));
   }
-  if (n == 0) return absl::OkStatus();
-  const size_t D = size_t(m.cfg.hidden_size);
-  thread_local std::vector<float> in, g, u;
-  in.resize(size_t(n) * D);
-  for (int i = 0; i < n; ++i) {
-    std::memcpy(&in[i * D], x + size_t(rows[i]) * D, sizeof(float) * D);
+  RunExpert(*ffn, m.cfg.hidden_size, x, rows, n, out);
+  return absl::OkStatus();
+}
+
+absl::Status ModelRunner::ApplyExpert(const ExpertSnapshot& snapshot, int layer,
+                                      int expert, const float* x,
+                                      const int32_t* rows, int n,
+                                      float* out) const {
+  const Impl& m = *impl_;
+  RETURN_IF_ERROR(CheckExpertCall(m.cfg, m.layers, layer, expert, n));
+  if (snapshot.layer_ != layer) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("an expert snapshot of layer ", snapshot.layer_,
+                     " used for layer ", layer));
   }
-  ffn->Apply(in.data(), n, out, &g, &u);
+  if (!snapshot.holds(expert)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("expert ", expert, " belonged to rank ",
+                     snapshot.owners_[size_t(expert)], ", not to rank ", m.rank,
+                     " of ", m.ranks));
+  }
+  RunExpert(*static_cast<const Ffn*>(snapshot.weights_[size_t(expert)].get()),
+            m.cfg.hidden_size, x, rows, n, out);
   return absl::OkStatus();
 }
 

@@ -106,6 +106,28 @@ struct RunnerOptions {
   int ranks = 1;
 };
 
+// The routed experts of one MoE layer as a step sees them
+// (ModelRunner::SnapshotExperts): owner[e] of every expert and the weights
+// this rank held, taken together. It keeps those weights alive, so that a
+// step that routed by owners() computes the experts it planned to compute
+// here even when SetExpertOwners gives some back meanwhile (a lost rank
+// rejoined). Copyable; thread-safe to read.
+class ExpertSnapshot {
+ public:
+  const std::vector<int>& owners() const { return owners_; }
+  // Whether the snapshot holds expert `expert`'s weights.
+  bool holds(int expert) const {
+    return expert >= 0 && size_t(expert) < weights_.size() &&
+           weights_[size_t(expert)] != nullptr;
+  }
+
+ private:
+  friend class ModelRunner;
+  int layer_ = -1;
+  std::vector<int> owners_;
+  std::vector<std::shared_ptr<const void>> weights_;  // by expert id
+};
+
 // Holds the packed weights. Immutable after Create but for the routed
 // experts a rank holds (SetExpertOwners); Step() is thread-safe as long as
 // each caller uses its own backends (attention and experts).
@@ -133,6 +155,10 @@ class ModelRunner {
   std::vector<int> ExpertOwners() const;
   // The experts whose weights this rank holds, in increasing id.
   std::vector<int> HeldExperts() const;
+  // ExpertOwners() and the weights in MoE layer `layer` of the experts this
+  // rank holds, as one snapshot (no weights for a layer that is not an MoE
+  // layer).
+  ExpertSnapshot SnapshotExperts(int layer) const;
 
   // Expert ownership over the alive ranks (DESIGN.md §7, GPU node lost):
   // the experts `owners` gives this rank that it does not hold (the ones
@@ -158,6 +184,12 @@ class ModelRunner {
   // FAILED_PRECONDITION when this rank does not hold the expert.
   absl::Status ApplyExpert(int layer, int expert, const float* x,
                            const int32_t* rows, int n, float* out) const;
+  // The same with the weights `snapshot` (of `layer`) holds, whatever this
+  // rank holds now: FAILED_PRECONDITION for an expert the snapshot does not
+  // hold, INVALID_ARGUMENT also for a snapshot of another layer.
+  absl::Status ApplyExpert(const ExpertSnapshot& snapshot, int layer,
+                           int expert, const float* x, const int32_t* rows,
+                           int n, float* out) const;
 
   // Runs one step over `segs` and returns the logits (vocab floats) of the
   // last token of each segment, in segment order. MoE layers hand their

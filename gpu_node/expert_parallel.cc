@@ -97,6 +97,9 @@ struct ExpertParallel::Impl {
     absl::Status error;
     std::vector<int32_t> experts, counts, indices;
     std::vector<float> rows;
+    // The weights of this rank's experts when the dispatch was accepted
+    // (SetPeers may give some back before it is served).
+    ExpertSnapshot held;
   };
   // A dispatch from a node id outside the rank table, kept until SetPeers
   // names its sender or `deadline` passes.
@@ -151,6 +154,8 @@ struct ExpertParallel::Impl {
   mutable absl::Mutex peers_mu;
   std::vector<Peer> peers ABSL_GUARDED_BY(peers_mu);
   absl::flat_hash_map<uint32_t, int> rank_of_node ABSL_GUARDED_BY(peers_mu);
+  // Abort(), for the waits on peers_mu (`aborted` is mu's).
+  bool peers_aborted ABSL_GUARDED_BY(peers_mu) = false;
 
   absl::Mutex mu;
   absl::flat_hash_map<uint64_t, Pending> pending ABSL_GUARDED_BY(mu);
@@ -345,8 +350,11 @@ absl::Status ExpertParallel::Impl::Run(int mb, WaitHooks* hooks, uint64_t step,
     }
   }
   // One ownership snapshot for the whole call (SetPeers may move experts
-  // meanwhile; the combine is the same whoever computes an expert).
-  const std::vector<int> owners = runner->ExpertOwners();
+  // meanwhile; the combine is the same whoever computes an expert). It
+  // keeps the weights of this rank's experts: one that SetPeers gives back
+  // to a rejoined rank before step 2 reaches it is still computed here.
+  const ExpertSnapshot snapshot = runner->SnapshotExperts(work.layer);
+  const std::vector<int>& owners = snapshot.owners();
   absl::StatusOr<std::vector<DispatchPlan>> plans = Plan(work, owners);
   if (!plans.ok()) {
     calls_failed.fetch_add(1);
@@ -379,14 +387,20 @@ absl::Status ExpertParallel::Impl::Run(int mb, WaitHooks* hooks, uint64_t step,
   std::vector<int> local_of(size_t(work.rows), -1);
   for (const DispatchPlan& plan : *plans) {
     Peer peer;
+    bool stopped;
     {
       absl::MutexLock lock(&peers_mu);
       const int r = plan.rank;
       auto known = [this, r]() ABSL_SHARED_LOCKS_REQUIRED(peers_mu) {
-        return peers[r].known;
+        return peers[r].known || peers_aborted;
       };
       peers_mu.AwaitWithTimeout(absl::Condition(&known), options.peer_wait);
       peer = peers[r];
+      stopped = peers_aborted;
+    }
+    if (stopped) {
+      return finish(absl::UnavailableError(
+          "expert parallelism stopped: the GPU node is shutting down"));
     }
     if (!peer.known) {
       return finish(absl::UnavailableError(
@@ -467,8 +481,9 @@ absl::Status ExpertParallel::Impl::Run(int mb, WaitHooks* hooks, uint64_t step,
   for (int e = 0; e < E; ++e) {
     const std::vector<int>& rows = work.rows_of[e];
     if (rows.empty() || owners[size_t(e)] != rank) continue;
-    absl::Status s = runner->ApplyExpert(work.layer, e, work.xn, rows.data(),
-                                         int(rows.size()), (*out)[e].data());
+    absl::Status s =
+        runner->ApplyExpert(snapshot, work.layer, e, work.xn, rows.data(),
+                            int(rows.size()), (*out)[e].data());
     if (!s.ok()) return finish(s);
   }
   if (registered.empty()) return finish(absl::OkStatus());
@@ -553,6 +568,7 @@ void ExpertParallel::Impl::OnDispatch(const FrameView& frame, int from_rank,
                      " bytes; ", h.n_tokens, " rows of hidden size ", hidden,
                      " need ", size_t(h.n_tokens) * row_bytes)));
   } else {
+    job.held = runner->SnapshotExperts(int(h.layer));
     job.experts = CopyArray<int32_t>(frame.sections[0]);
     job.counts = CopyArray<int32_t>(frame.sections[1]);
     uint64_t total = 0;
@@ -563,7 +579,7 @@ void ExpertParallel::Impl::OnDispatch(const FrameView& frame, int from_rank,
         invalid(absl::InvalidArgumentError(
             absl::StrCat("MoeDispatch expert ids not increasing within [0, ",
                          c.n_routed_experts, "): ", e, " after ", prev)));
-      } else if (!runner->HoldsExpert(e)) {
+      } else if (!job.held.holds(e)) {
         invalid(absl::FailedPreconditionError(absl::StrCat(
             "MoeDispatch for expert ", e, ", which GPU rank ", rank,
             " does not hold (the ranks disagree on the expert ownership)")));
@@ -783,8 +799,8 @@ void ExpertParallel::Impl::Serve(Job& job) {
     for (size_t i = 0; i < job.experts.size() && status.ok(); ++i) {
       const int n = job.counts[i];
       status =
-          runner->ApplyExpert(int(h.layer), job.experts[i], job.rows.data(),
-                              &job.indices[k], n, &out[k * D]);
+          runner->ApplyExpert(job.held, int(h.layer), job.experts[i],
+                              job.rows.data(), &job.indices[k], n, &out[k * D]);
       k += size_t(n);
     }
     if (gate != nullptr) gate->Leave();
@@ -1053,6 +1069,10 @@ void ExpertParallel::OnFrame(const FrameView& frame, PeerId from) {
 }
 
 void ExpertParallel::Abort() {
+  {
+    absl::MutexLock lock(&impl_->peers_mu);
+    impl_->peers_aborted = true;
+  }
   absl::MutexLock lock(&impl_->mu);
   impl_->aborted = true;
   impl_->jobs.clear();

@@ -494,6 +494,21 @@ TEST_CASE("a dead or missing peer fails the step with UNAVAILABLE",
     CHECK(s.message().find("rank 1") != std::string::npos);
     CHECK(s.message().find("SetPeers") != std::string::npos);
   }
+  SECTION("Abort ends a wait for a rank's table at once") {
+    ExpertParallelOptions patient;
+    patient.peer_wait = absl::Seconds(30);
+    ExpertParallel slow(runner.get(), t0.get(), patient);
+    absl::Status s;
+    const absl::Time start = absl::Now();
+    std::thread step(
+        [&] { s = PrefillOnRank0(*runner, slow.ForMicroBatch(0, nullptr)); });
+    absl::SleepFor(absl::Milliseconds(200));  // into the wait
+    slow.Abort();
+    step.join();
+    CHECK(absl::Now() - start < absl::Seconds(10));
+    CHECK(s.code() == absl::StatusCode::kUnavailable);
+    CHECK(s.message().find("shutting down") != std::string::npos);
+  }
 
   const cluster::GpuPeer p1 = RankEntry(1, t1->LocalAddress());
   REQUIRE(ep.SetPeers({p1}).ok());
@@ -988,6 +1003,50 @@ TEST_CASE("rank tables and shardings that do not fit are refused",
   CHECK(ep.SetPeers({p, p}).code() == absl::StatusCode::kInvalidArgument);
   CHECK(ep.SetPeers({p}).ok());
   t0->Shutdown();
+}
+
+TEST_CASE("experts handed back during a step are still computed by it",
+          "[expert_parallel]") {
+  const ModelFiles& f = Files("dsa-small");  // 8 routed experts
+  auto reference = MakeRunner(f, 0, 1);
+  Cluster cluster(f, 2);
+  ModelRunner& runner = *cluster.ranks[0].runner;
+  ExpertParallel& ep = *cluster.ranks[0].ep;
+  // Rank 0 holds experts 4 and 5 of rank 1 besides its own block (rank 1
+  // was lost and came back); the table that gives them back arrives while
+  // a step of rank 0 is between its ownership snapshot and its local
+  // experts (here: as it sends its dispatches to rank 1).
+  const std::vector<int> taken{0, 0, 0, 0, 0, 0, 1, 1};
+  const std::vector<int> blocks{0, 0, 0, 0, 1, 1, 1, 1};
+  REQUIRE(runner.SetExpertOwners(taken, f).ok());
+  struct GiveBackOnSend : WaitHooks {
+    ModelRunner* runner;
+    std::vector<int> owners;
+    bool given = false;
+    absl::Status set;
+    void BeforeSend() override {
+      if (given) return;
+      given = true;
+      set = runner->SetExpertOwners(owners, ModelFiles());
+    }
+    void BeforeWait() override {}
+    void AfterWait() override {}
+  } hooks;
+  hooks.runner = &runner;
+  hooks.owners = blocks;
+  Stream stream;
+  stream.sessions = {7, 8, 9};
+  stream.decodes = 1;
+  std::vector<std::vector<float>> expected, logits;
+  REQUIRE(RunStream(*reference, nullptr, stream, &expected).ok());
+  const absl::Status s =
+      RunStream(runner, ep.ForMicroBatch(0, &hooks), stream, &logits);
+  INFO(s);
+  REQUIRE(hooks.given);
+  CHECK(hooks.set.ok());
+  CHECK(runner.HeldExperts() == std::vector<int>{0, 1, 2, 3});
+  REQUIRE(s.ok());
+  CHECK(SameBits(logits, expected));
 }
 
 }  // namespace

@@ -229,6 +229,7 @@ double NodeStat(karat::v1::Karat::Stub* stub, const std::string& node,
 // A turn streamed on its own thread; `tokens` counts what has arrived.
 struct StreamedTurn {
   std::atomic<int> tokens{0};
+  std::atomic<bool> finished{false};  // `result` is complete
   Turn result;
   grpc::ClientContext ctx;
   std::thread thread;
@@ -254,15 +255,33 @@ struct StreamedTurn {
         tokens.fetch_add(1);
       }
       result.status = reader->Finish();
+      finished.store(true);
     });
   }
-  // Bounded: a broken build fails instead of hanging.
+  // Bounded: a broken build fails instead of hanging. A turn that ends
+  // with fewer tokens fails at once, and its status is in the message.
   bool WaitFor(int n) {
-    for (int i = 0; i < 3000 && tokens.load() < n; ++i)
+    for (int i = 0; i < 3000 && tokens.load() < n && !finished.load(); ++i)
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    return tokens.load() >= n;
+    if (tokens.load() >= n) return true;
+    if (finished.load()) {
+      UNSCOPED_INFO("the turn ended after "
+                    << result.tokens.size()
+                    << " tokens: " << result.status.error_code() << " "
+                    << result.status.error_message());
+    } else {
+      UNSCOPED_INFO("no token " << n << " within 30 s");
+    }
+    return false;
   }
 };
+
+// The last `bytes` of daemon `name`'s log, for a failure's message.
+std::string LogTail(const Cluster& cluster, const std::string& name,
+                    size_t bytes = 6000) {
+  const std::string log = cluster.ReadLog(name);
+  return log.size() <= bytes ? log : log.substr(log.size() - bytes);
+}
 
 TEST_CASE("a GPU rank lost mid-turn: the turns resume, the rank rejoins",
           "[integration]") {
@@ -351,13 +370,24 @@ TEST_CASE("a GPU rank lost mid-turn: the turns resume, the rank rejoins",
     if (alive && owned("gpu1") == block && owned("gpu0") == block) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  REQUIRE(alive);
-  REQUIRE(owned("gpu0") == block);
-  REQUIRE(owned("gpu1") == block);
+  if (!alive || owned("gpu0") != block || owned("gpu1") != block) {
+    FAIL("the restarted gpu1 (alive: "
+         << alive
+         << ") and gpu0 do not hold "
+            "their blocks of experts within 30 s\n--- gpu1's log:\n"
+         << LogTail(cluster, "gpu1") << "\n--- gpu0's log:\n"
+         << LogTail(cluster, "gpu0") << "\n--- the coordinator's log:\n"
+         << LogTail(cluster, "coordinator"));
+  }
   {
     StreamedTurn a, b;
     a.Start(stub.get(), ids[0], Prompt(0, 1), 8, temperature[0]);
-    REQUIRE(a.WaitFor(1));
+    if (!a.WaitFor(1)) {
+      FAIL("no first token after gpu1 rejoined\n--- gpu0's log:\n"
+           << LogTail(cluster, "gpu0") << "\n--- gpu1's log:\n"
+           << LogTail(cluster, "gpu1") << "\n--- the coordinator's log:\n"
+           << LogTail(cluster, "coordinator"));
+    }
     b.Start(stub.get(), ids[1], Prompt(1, 1), 8, temperature[1]);
     a.thread.join();
     b.thread.join();
