@@ -2,4 +2,5 @@
 target_sources(karat_common PRIVATE
   common/fabric_transport.cc
   common/fake_transport.cc
-  common/frame.cc)
+  common/frame.cc
+  common/transport.cc)

@@ -145,28 +145,56 @@ class Transport {
 // A received message's bytes kept past the receive handler: held in the
 // transport's receive buffer where it allows (Transport::HoldMessage()) and
 // the message has at least `min_hold_bytes`, copied otherwise. Create it in
-// the handler; move it to the thread that reads the bytes.
+// the handler; move it to the thread that reads the bytes. A large message
+// the transport cannot hold (all its holds taken by a burst, or a message
+// an RMA write left in a landing zone, which must return to its sender) is
+// copied into a buffer from a process-wide pool, which keeps the buffers
+// given back to it up to kPooledCopyBuffers of them and kPooledCopyBytes in
+// all: the copy, on the transport's thread, then writes memory already
+// mapped instead of taking a page fault every 4 KiB of a fresh allocation
+// (in a virtual machine, a 160 KiB copy into fresh memory took 0.2-0.7 ms).
 class ReceivedBytes {
  public:
   static constexpr size_t kDefaultMinHoldBytes = 16 << 10;
+  static constexpr size_t kPooledCopyBuffers = 64;
+  static constexpr size_t kPooledCopyBytes = 64 << 20;
   ReceivedBytes() = default;
   ReceivedBytes(Transport* transport, std::string_view message,
                 size_t min_hold_bytes = kDefaultMinHoldBytes) {
-    if (message.size() >= min_hold_bytes) hold_ = transport->HoldMessage();
+    if (message.size() < min_hold_bytes) {
+      copy_.assign(message);
+      return;
+    }
+    hold_ = transport->HoldMessage();
     if (hold_ != nullptr) {
       held_ = message;
-    } else {
-      copy_.assign(message);
+      return;
     }
+    pooled_ = TakeCopyBuffer();
+    pooled_->assign(message);
   }
   std::string_view view() const {
-    return hold_ != nullptr ? held_ : std::string_view(copy_);
+    if (hold_ != nullptr) return held_;
+    if (pooled_ != nullptr) return *pooled_;
+    return copy_;
   }
   bool held() const { return hold_ != nullptr; }
+  // Buffers in the pool now (for tests).
+  static size_t FreeCopyBuffers();
 
  private:
+  // Gives a buffer back to the pool, or frees it where the pool would
+  // exceed its limits.
+  struct ReturnCopyBuffer {
+    void operator()(std::string* buffer) const;
+  };
+  using CopyBuffer = std::unique_ptr<std::string, ReturnCopyBuffer>;
+  // The pool's most recently returned buffer, or a new one.
+  static CopyBuffer TakeCopyBuffer();
+
   std::shared_ptr<const void> hold_;
   std::string_view held_;
+  CopyBuffer pooled_;
   std::string copy_;
 };
 

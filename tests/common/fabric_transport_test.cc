@@ -1322,6 +1322,39 @@ TEST_CASE("fake transport: ReceivedBytes copies", "[fabric]") {
   ReceivedBytes bytes(t.get(), big);
   CHECK_FALSE(bytes.held());
   CHECK(bytes.view() == big);
+  // A large copy's buffer returns to the pool and serves the next one.
+  const char* first = bytes.view().data();
+  bytes = ReceivedBytes();
+  const std::string other(300 << 10, 'y');
+  ReceivedBytes again(t.get(), other);
+  CHECK(again.view() == other);
+  CHECK(again.view().data() == first);
+  // Several at once each get a buffer of their own, and the pool keeps at
+  // most kPooledCopyBuffers of them; small messages are copied on their own.
+  const size_t n = ReceivedBytes::kPooledCopyBuffers + 4;
+  auto text = [](size_t i) {
+    return std::string(20 << 10, char('a' + i % 26));
+  };
+  std::vector<ReceivedBytes> many;
+  for (size_t i = 0; i < n; ++i) many.emplace_back(t.get(), text(i));
+  many.emplace_back(t.get(), "small");
+  CHECK(ReceivedBytes::FreeCopyBuffers() == 0);
+  for (size_t i = 0; i < n; ++i) CHECK(many[i].view() == text(i));
+  CHECK(many.back().view() == "small");
+  many.clear();
+  CHECK(ReceivedBytes::FreeCopyBuffers() == ReceivedBytes::kPooledCopyBuffers);
+  // Nor more than kPooledCopyBytes in all: a buffer that would exceed it is
+  // freed.
+  many.emplace_back(t.get(), std::string(40 << 10, 'p'));
+  CHECK(ReceivedBytes::FreeCopyBuffers() ==
+        ReceivedBytes::kPooledCopyBuffers - 1);
+  {
+    ReceivedBytes huge(t.get(),
+                       std::string(ReceivedBytes::kPooledCopyBytes, 'z'));
+    CHECK(huge.view().size() == ReceivedBytes::kPooledCopyBytes);
+  }
+  CHECK(ReceivedBytes::FreeCopyBuffers() ==
+        ReceivedBytes::kPooledCopyBuffers - 2);
 }
 
 }  // namespace
