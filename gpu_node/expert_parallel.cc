@@ -113,6 +113,11 @@ struct ExpertParallel::Impl {
     std::string why;      // for a refused one
   };
 
+  // SetPeers' table from `list`, every address added to the transport
+  // (which returns the same id for an address added again), or why it is
+  // refused.
+  absl::StatusOr<std::vector<Peer>> BuildPeerTable(
+      const std::vector<cluster::GpuPeer>& list);
   absl::Status Run(int mb, WaitHooks* hooks, uint64_t step,
                    const ExpertWork& work,
                    std::vector<std::vector<float>>* out);
@@ -918,10 +923,11 @@ void ExpertParallel::set_service_gate(ServiceGate* gate) {
 
 void ExpertParallel::set_node_id(uint32_t id) { impl_->node_id.store(id); }
 
-absl::Status ExpertParallel::SetPeers(
+absl::StatusOr<std::vector<ExpertParallel::Impl::Peer>>
+ExpertParallel::Impl::BuildPeerTable(
     const std::vector<cluster::GpuPeer>& list) {
-  Impl& m = *impl_;
-  std::vector<Impl::Peer> table(size_t(m.ranks));
+  Impl& m = *this;
+  std::vector<Peer> table(size_t(m.ranks));
   absl::flat_hash_map<uint32_t, int> by_node;
   absl::flat_hash_set<int> seen;
   for (const cluster::GpuPeer& p : list) {
@@ -944,13 +950,13 @@ absl::Status ExpertParallel::SetPeers(
           absl::StrCat("node id ", p.node_id(), " is listed for GPU ranks ",
                        by_node[p.node_id()], " and ", p.rank()));
     }
-    Impl::Peer& peer = table[size_t(p.rank())];
+    Peer& peer = table[size_t(p.rank())];
     peer.known = true;
     peer.name = p.name().empty() ? absl::StrCat("rank-", p.rank()) : p.name();
     peer.node_id = p.node_id();
     peer.address = p.fabric_address();
   }
-  for (Impl::Peer& peer : table) {
+  for (Peer& peer : table) {
     if (!peer.known) continue;
     absl::StatusOr<PeerId> id = m.transport->AddPeer(peer.name, peer.address);
     if (!id.ok()) {
@@ -960,6 +966,18 @@ absl::Status ExpertParallel::SetPeers(
     }
     peer.id = *id;
   }
+  return table;
+}
+
+absl::Status ExpertParallel::CheckPeers(
+    const std::vector<cluster::GpuPeer>& list) {
+  return impl_->BuildPeerTable(list).status();
+}
+
+absl::Status ExpertParallel::SetPeers(
+    const std::vector<cluster::GpuPeer>& list) {
+  Impl& m = *impl_;
+  ASSIGN_OR_RETURN(std::vector<Impl::Peer> table, m.BuildPeerTable(list));
   struct Released {
     Impl::Parked parked;
     int rank;
@@ -970,6 +988,7 @@ absl::Status ExpertParallel::SetPeers(
   // transport peers are failed below, so that a send blocked toward a dead
   // rank ends now instead of after the send timeout.
   std::vector<std::pair<PeerId, std::string>> dropped;
+  size_t peer_count = 0;  // ranks other than this one in the new table
   {
     absl::MutexLock lock(&m.peers_mu);
     absl::MutexLock jobs_lock(&m.mu);
@@ -1001,8 +1020,12 @@ absl::Status ExpertParallel::SetPeers(
           now.known ? "(it rejoined as another node)" : "(it was lost)",
           " while layer ", p.layer, " waited for its MoeCombine")));
     }
+    m.rank_of_node.clear();
+    for (size_t r = 0; r < table.size(); ++r) {
+      if (table[r].known) m.rank_of_node[table[r].node_id] = int(r);
+    }
+    peer_count = m.rank_of_node.size();
     m.peers = std::move(table);
-    m.rank_of_node = std::move(by_node);
     for (auto it = m.parked.begin(); it != m.parked.end();) {
       auto known = m.rank_of_node.find(it->header.src_node);
       if (known == m.rank_of_node.end()) {
@@ -1017,7 +1040,7 @@ absl::Status ExpertParallel::SetPeers(
     if (!released.empty()) ++m.parked_events;
   }
   KLOG(Info, kLogModule) << "rank " << m.rank << " of " << m.ranks << ": "
-                         << seen.size() << " GPU peers"
+                         << peer_count << " GPU peers"
                          << (released.empty()
                                  ? ""
                                  : absl::StrCat("; serving ", released.size(),

@@ -119,6 +119,11 @@ class ExpertParallel {
   // ranks), a rank or node id listed twice, or an empty fabric address; the
   // transport's error when it refuses an address.
   absl::Status SetPeers(const std::vector<cluster::GpuPeer>& peers);
+  // SetPeers' checks alone (adding the addresses to the transport, which
+  // SetPeers does again to the same effect): the GPU node checks a table
+  // before it moves any expert, so that a refused table leaves both as they
+  // were.
+  absl::Status CheckPeers(const std::vector<cluster::GpuPeer>& peers);
 
   // The expert backend of micro-batch `mb` (0 or 1) for ModelRunner::Step;
   // `hooks` (may be null) are called around each wait for other ranks.

@@ -96,6 +96,13 @@ class GpuNodeService final : public cluster::GpuNode::Service {
                         cluster::SetPeersResponse*) override {
     if (experts_ == nullptr) return grpc::Status::OK;  // the only rank
     absl::MutexLock lock(&set_peers_mu_);
+    std::vector<cluster::GpuPeer> peers(request->peers().begin(),
+                                        request->peers().end());
+    // A table that would be refused moves no expert either.
+    if (absl::Status table = experts_->CheckPeers(peers); !table.ok()) {
+      KLOG(Warning, "gpu_node") << "SetPeers refused: " << table;
+      return ToGrpc(table);
+    }
     if (request->expert_owner_size() > 0) {
       absl::Status owners = SetExpertOwners(std::vector<int>(
           request->expert_owner().begin(), request->expert_owner().end()));
@@ -104,8 +111,6 @@ class GpuNodeService final : public cluster::GpuNode::Service {
         return ToGrpc(owners);
       }
     }
-    std::vector<cluster::GpuPeer> peers(request->peers().begin(),
-                                        request->peers().end());
     return ToGrpc(experts_->SetPeers(peers));
   }
 
