@@ -113,10 +113,15 @@ struct ExpertParallel::Impl {
     std::string why;      // for a refused one
   };
 
+  // A rank table as SetPeers installs it.
+  struct PeerTable {
+    std::vector<Peer> peers;                          // by rank
+    absl::flat_hash_map<uint32_t, int> rank_of_node;  // the other ranks'
+  };
   // SetPeers' table from `list`, every address added to the transport
   // (which returns the same id for an address added again), or why it is
   // refused.
-  absl::StatusOr<std::vector<Peer>> BuildPeerTable(
+  absl::StatusOr<PeerTable> BuildPeerTable(
       const std::vector<cluster::GpuPeer>& list);
   absl::Status Run(int mb, WaitHooks* hooks, uint64_t step,
                    const ExpertWork& work,
@@ -923,12 +928,14 @@ void ExpertParallel::set_service_gate(ServiceGate* gate) {
 
 void ExpertParallel::set_node_id(uint32_t id) { impl_->node_id.store(id); }
 
-absl::StatusOr<std::vector<ExpertParallel::Impl::Peer>>
+absl::StatusOr<ExpertParallel::Impl::PeerTable>
 ExpertParallel::Impl::BuildPeerTable(
     const std::vector<cluster::GpuPeer>& list) {
   Impl& m = *this;
-  std::vector<Peer> table(size_t(m.ranks));
-  absl::flat_hash_map<uint32_t, int> by_node;
+  PeerTable result;
+  std::vector<Peer>& table = result.peers;
+  table.resize(size_t(m.ranks));
+  absl::flat_hash_map<uint32_t, int>& by_node = result.rank_of_node;
   absl::flat_hash_set<int> seen;
   for (const cluster::GpuPeer& p : list) {
     if (p.rank() < 0 || p.rank() >= m.ranks) {
@@ -966,7 +973,7 @@ ExpertParallel::Impl::BuildPeerTable(
     }
     peer.id = *id;
   }
-  return table;
+  return result;
 }
 
 absl::Status ExpertParallel::CheckPeers(
@@ -977,7 +984,8 @@ absl::Status ExpertParallel::CheckPeers(
 absl::Status ExpertParallel::SetPeers(
     const std::vector<cluster::GpuPeer>& list) {
   Impl& m = *impl_;
-  ASSIGN_OR_RETURN(std::vector<Impl::Peer> table, m.BuildPeerTable(list));
+  ASSIGN_OR_RETURN(Impl::PeerTable built, m.BuildPeerTable(list));
+  std::vector<Impl::Peer>& table = built.peers;
   struct Released {
     Impl::Parked parked;
     int rank;
@@ -1020,12 +1028,9 @@ absl::Status ExpertParallel::SetPeers(
           now.known ? "(it rejoined as another node)" : "(it was lost)",
           " while layer ", p.layer, " waited for its MoeCombine")));
     }
-    m.rank_of_node.clear();
-    for (size_t r = 0; r < table.size(); ++r) {
-      if (table[r].known) m.rank_of_node[table[r].node_id] = int(r);
-    }
-    peer_count = m.rank_of_node.size();
+    peer_count = built.rank_of_node.size();
     m.peers = std::move(table);
+    m.rank_of_node = std::move(built.rank_of_node);
     for (auto it = m.parked.begin(); it != m.parked.end();) {
       auto known = m.rank_of_node.find(it->header.src_node);
       if (known == m.rank_of_node.end()) {

@@ -276,11 +276,18 @@ struct StreamedTurn {
   }
 };
 
-// The last `bytes` of daemon `name`'s log, for a failure's message.
-std::string LogTail(const Cluster& cluster, const std::string& name,
-                    size_t bytes = 6000) {
-  const std::string log = cluster.ReadLog(name);
-  return log.size() <= bytes ? log : log.substr(log.size() - bytes);
+// The last 6000 bytes of the logs of gpu0, gpu1 and the coordinator, for
+// a failure's message.
+std::string LogTails(const Cluster& cluster) {
+  constexpr size_t kBytes = 6000;
+  std::string out;
+  for (const char* name : {"gpu0", "gpu1", "coordinator"}) {
+    const std::string log = cluster.ReadLog(name);
+    absl::StrAppend(
+        &out, "\n--- ", name, "'s log:\n",
+        log.size() <= kBytes ? log : log.substr(log.size() - kBytes));
+  }
+  return out;
 }
 
 TEST_CASE("a GPU rank lost mid-turn: the turns resume, the rank rejoins",
@@ -372,21 +379,14 @@ TEST_CASE("a GPU rank lost mid-turn: the turns resume, the rank rejoins",
   }
   if (!alive || owned("gpu0") != block || owned("gpu1") != block) {
     FAIL("the restarted gpu1 (alive: "
-         << alive
-         << ") and gpu0 do not hold "
-            "their blocks of experts within 30 s\n--- gpu1's log:\n"
-         << LogTail(cluster, "gpu1") << "\n--- gpu0's log:\n"
-         << LogTail(cluster, "gpu0") << "\n--- the coordinator's log:\n"
-         << LogTail(cluster, "coordinator"));
+         << alive << ") and gpu0 do not hold their blocks of experts within "
+         << "30 s" << LogTails(cluster));
   }
   {
     StreamedTurn a, b;
     a.Start(stub.get(), ids[0], Prompt(0, 1), 8, temperature[0]);
     if (!a.WaitFor(1)) {
-      FAIL("no first token after gpu1 rejoined\n--- gpu0's log:\n"
-           << LogTail(cluster, "gpu0") << "\n--- gpu1's log:\n"
-           << LogTail(cluster, "gpu1") << "\n--- the coordinator's log:\n"
-           << LogTail(cluster, "coordinator"));
+      FAIL("no first token after gpu1 rejoined" << LogTails(cluster));
     }
     b.Start(stub.get(), ids[1], Prompt(1, 1), 8, temperature[1]);
     a.thread.join();
