@@ -53,7 +53,9 @@ class MagicPigAttention final : public SparseAttention {
         tables_(a.lsh_tables),
         sink_(a.sink),
         local_(a.local),
-        planes_(std::move(planes)) {}
+        planes_(std::move(planes)),
+        planes_t_(
+            TransposePlanes(planes_, a.lsh_bits * a.lsh_tables, s.head_dim)) {}
   const char* name() const override { return "gqa_dense/magicpig"; }
   std::unique_ptr<MethodLayerState> NewLayerState() const override {
     return std::make_unique<PigState>();
@@ -104,10 +106,9 @@ class MagicPigAttention final : public SparseAttention {
     heads->resize(H);
     // Per head: its buckets, |q|, and the sink tokens first.
     thread_local std::vector<uint32_t> qcodes;
-    thread_local std::vector<float> qnorm, k;
+    thread_local std::vector<float> qnorm;
     qcodes.resize(size_t(H) * tables_);
     qnorm.resize(H);
-    k.resize(d);
     for (int h = 0; h < H; ++h) {
       const float* qh = q + size_t(h) * shapes_.q_dim;
       Hash(qh, &qcodes[size_t(h) * tables_]);
@@ -123,14 +124,10 @@ class MagicPigAttention final : public SparseAttention {
       }
     }
     // A middle token retrieved for head h: its logit offset from the angle
-    // between the query and the centred key.
-    auto retrieve = [&](int h, int g, int t) {
-      const float* qh = q + size_t(h) * shapes_.q_dim;
+    // between the query and the centred key, whose dot product `dot` is
+    // the fma chain over increasing c of q[c] (k[c] - mean[c]) from +0.
+    auto retrieve = [&](int h, int g, int t, float dot) {
       const float qn = qnorm[h];
-      Bf16ToFloat(view.Kv(t) + GqaEntry::K(shapes_, g), d, k.data());
-      const float* mean = &st->mean[size_t(g) * d];
-      float dot = 0.0f;
-      for (int c = 0; c < d; ++c) dot = std::fma(qh[c], k[c] - mean[c], dot);
       const float kn = st->norms[size_t(t) * hkv + g];
       double cosv =
           qn > 0.0f && kn > 0.0f ? double(dot) / (double(qn) * kn) : 0.0;
@@ -192,14 +189,36 @@ class MagicPigAttention final : public SparseAttention {
           }
         }
       }
+      // The retrieved tokens' dot products 16 at a time: their keys
+      // transposed and widened into an L1 tile (one lane per token), each
+      // lane's chain the scalar one; the next 16 keys requested meanwhile.
+      const float* mean = &st->mean[size_t(g) * d];
+      float* tile = EntryTileScratch(d);
+      const size_t k_off = GqaEntry::K(shapes_, g);
       for (int i = 0; i < group; ++i) {
         const std::vector<int>& ts = hit[i];
-        for (size_t j = 0; j < ts.size(); ++j) {
-          if (j + 8 < ts.size()) {
-            PrefetchEntryLines<true>(
-                view.Kv(ts[j + 8]) + GqaEntry::K(shapes_, g), size_t(d) * 2);
+        const int h = g * group + i;
+        const float* qh = q + size_t(h) * shapes_.q_dim;
+        const int n = static_cast<int>(ts.size());
+        for (int j0 = 0; j0 < n; j0 += 16) {
+          const int cnt = std::min(16, n - j0);
+          for (int j = j0 + 16; j < std::min(n, j0 + 32); ++j) {
+            PrefetchEntryLines<true>(view.Kv(ts[j]) + k_off, size_t(d) * 2);
           }
-          retrieve(g * group + i, g, ts[j]);
+          const uint16_t* kp[16];
+          for (int j = 0; j < cnt; ++j) kp[j] = view.Kv(ts[j0 + j]) + k_off;
+          LoadEntryTile(kp, cnt, d, tile, 16);
+          __m512 acc = _mm512_setzero_ps();
+          for (int c = 0; c < d; ++c) {
+            acc = _mm512_fmadd_ps(
+                _mm512_set1_ps(qh[c]),
+                _mm512_sub_ps(_mm512_load_ps(tile + size_t(c) * 16),
+                              _mm512_set1_ps(mean[c])),
+                acc);
+          }
+          alignas(64) float dots[16];
+          _mm512_store_ps(dots, acc);
+          for (int j = 0; j < cnt; ++j) retrieve(h, g, ts[j0 + j], dots[j]);
         }
       }
     }
@@ -215,20 +234,63 @@ class MagicPigAttention final : public SparseAttention {
   }
 
  private:
-  // Bucket of `x` in every table: bit b of table j is
-  // (hyperplane j*K + b) . x > 0.
+  // Bucket of `x` in every table: per table j, bit b set where plane j K + b
+  // has dot > 0 with x, the dot being the fma chain over increasing c from +0
+  // (plane[c] x[c]). Sixteen planes a vector (planes_t_), four vectors' chains
+  // interleaved.
   void Hash(const float* x, uint32_t* codes) const {
     const int d = shapes_.head_dim;
-    for (int j = 0; j < tables_; ++j) {
-      uint32_t code = 0;
-      for (int b = 0; b < bits_; ++b) {
-        const float* plane = &planes_[size_t(j * bits_ + b) * d];
-        float dot = 0.0f;
-        for (int c = 0; c < d; ++c) dot = std::fma(plane[c], x[c], dot);
-        if (dot > 0.0f) code |= uint32_t(1) << b;
+    const int planes = tables_ * bits_;
+    const int nvec = (planes + 15) / 16;
+    const size_t ld = size_t(nvec) * 16;
+    std::fill(codes, codes + tables_, 0u);
+    auto set_bits = [&](int k0, __mmask16 positive) {
+      for (uint32_t m = positive; m != 0; m &= m - 1) {
+        const int k = k0 + __builtin_ctz(m);
+        codes[k / bits_] |= uint32_t(1) << (k % bits_);
       }
-      codes[j] = code;
+    };
+    int v0 = 0;
+    for (; v0 + 4 <= nvec; v0 += 4) {
+      __m512 dot[4];
+      for (int i = 0; i < 4; ++i) dot[i] = _mm512_setzero_ps();
+      for (int c = 0; c < d; ++c) {
+        const __m512 xc = _mm512_set1_ps(x[c]);
+        const float* row = &planes_t_[size_t(c) * ld + size_t(v0) * 16];
+        for (int i = 0; i < 4; ++i) {
+          dot[i] = _mm512_fmadd_ps(_mm512_loadu_ps(row + 16 * i), xc, dot[i]);
+        }
+      }
+      for (int i = 0; i < 4; ++i) {
+        const int k0 = (v0 + i) * 16;
+        set_bits(k0, _mm512_mask_cmp_ps_mask(FirstLanes16(planes - k0), dot[i],
+                                             _mm512_setzero_ps(), _CMP_GT_OQ));
+      }
     }
+    for (; v0 < nvec; ++v0) {
+      __m512 dot = _mm512_setzero_ps();
+      for (int c = 0; c < d; ++c) {
+        dot = _mm512_fmadd_ps(
+            _mm512_loadu_ps(&planes_t_[size_t(c) * ld + size_t(v0) * 16]),
+            _mm512_set1_ps(x[c]), dot);
+      }
+      const int k0 = v0 * 16;
+      set_bits(k0, _mm512_mask_cmp_ps_mask(FirstLanes16(planes - k0), dot,
+                                           _mm512_setzero_ps(), _CMP_GT_OQ));
+    }
+  }
+
+  // planes ([n][d]) as [d][n rounded up to 16], the padding zero.
+  static std::vector<float> TransposePlanes(const std::vector<float>& planes,
+                                            int n, int d) {
+    const size_t ld = size_t(n + 15) / 16 * 16;
+    std::vector<float> t(size_t(d) * ld, 0.0f);
+    for (int k = 0; k < n && size_t(k + 1) * d <= planes.size(); ++k) {
+      for (int c = 0; c < d; ++c) {
+        t[size_t(c) * ld + k] = planes[size_t(k) * d + c];
+      }
+    }
+    return t;
   }
 
   // With `pool`, the blocks of 16 tokens are split over its cores (each
@@ -270,21 +332,15 @@ class MagicPigAttention final : public SparseAttention {
         for (int j = 0; j < cnt; ++j) {
           st->norms[size_t(t0 + j) * hkv + g] = norm[j];
         }
-        for (int tb = 0; tb < tables_; ++tb) {
-          __m512i code = _mm512_setzero_si512();
-          for (int b = 0; b < bits_; ++b) {
-            const float* plane = &planes_[size_t(tb * bits_ + b) * d];
-            __m512 dot = _mm512_setzero_ps();
-            for (int c = 0; c < d; ++c) {
-              dot = _mm512_fmadd_ps(_mm512_set1_ps(plane[c]),
-                                    _mm512_load_ps(tile + size_t(c) * 16), dot);
-            }
-            code = _mm512_mask_or_epi32(
-                code, _mm512_cmp_ps_mask(dot, _mm512_setzero_ps(), _CMP_GT_OQ),
-                code, _mm512_set1_epi32(int(1u << b)));
-          }
-          _mm512_storeu_si512(&code_buf[size_t(tb) * 16], code);
+        // Hyperplanes kPlanes at a time: independent chains, interleaved
+        // so that the FMA latency is hidden.
+        std::fill(code_buf.begin(), code_buf.end(), 0u);
+        const int planes = tables_ * bits_;
+        int k0 = 0;
+        for (; k0 + kPlanes <= planes; k0 += kPlanes) {
+          PlaneSigns<kPlanes>(k0, tile, d, code_buf.data());
         }
+        for (; k0 < planes; ++k0) PlaneSigns<1>(k0, tile, d, code_buf.data());
         uint32_t* out = &st->codes[g][size_t(t0) * tables_];
         for (int j = 0; j < cnt; ++j) {
           for (int tb = 0; tb < tables_; ++tb) {
@@ -297,8 +353,38 @@ class MagicPigAttention final : public SparseAttention {
     cost->flops += double(to - from) * hkv * tables_ * bits_ * d * 2;
   }
 
+  // Hyperplanes [k0, k0 + kN) over a tile of 16 centred keys: per key the
+  // fma chain of Hash(), from +0 over increasing channels; bit k % bits_ of
+  // table k / bits_'s code (code_buf[table * 16 + lane]) set where it is
+  // positive.
+  static constexpr int kPlanes = 8;
+  template <int kN>
+  void PlaneSigns(int k0, const float* tile, int d, uint32_t* code_buf) const {
+    __m512 dot[kN];
+    for (int i = 0; i < kN; ++i) dot[i] = _mm512_setzero_ps();
+    const float* plane = &planes_[size_t(k0) * d];
+    for (int c = 0; c < d; ++c) {
+      const __m512 x = _mm512_load_ps(tile + size_t(c) * 16);
+      for (int i = 0; i < kN; ++i) {
+        dot[i] = _mm512_fmadd_ps(_mm512_set1_ps(plane[size_t(i) * d + c]), x,
+                                 dot[i]);
+      }
+    }
+    for (int i = 0; i < kN; ++i) {
+      const int k = k0 + i;
+      uint32_t* code = &code_buf[size_t(k / bits_) * 16];
+      const __m512i bit = _mm512_set1_epi32(int(1u << (k % bits_)));
+      _mm512_storeu_si512(
+          code, _mm512_mask_or_epi32(
+                    _mm512_loadu_si512(code),
+                    _mm512_cmp_ps_mask(dot[i], _mm512_setzero_ps(), _CMP_GT_OQ),
+                    _mm512_loadu_si512(code), bit));
+    }
+  }
+
   const int bits_, tables_, sink_, local_;
-  const std::vector<float> planes_;  // K*L x d
+  const std::vector<float> planes_;    // K*L x d
+  const std::vector<float> planes_t_;  // d x K*L (rounded up to 16)
 };
 
 }  // namespace

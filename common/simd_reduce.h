@@ -108,11 +108,17 @@ inline void LoadEntryTile(const uint16_t* const* entries, int count, int kv_dim,
   }
 }
 
-// A 64-byte aligned scratch tile of this thread for LoadEntryTile(...,
-// kv_dim = dim, ld = 16); valid until the thread's next call.
-inline float* EntryTileScratch(int dim) {
+// Floats of one tile of LoadEntryTile(..., kv_dim = dim, ld = 16), a
+// multiple of 16, so tiles laid end to end stay 64-byte aligned.
+inline size_t EntryTileFloats(int dim) {
+  return size_t((dim + 31) / 32 * 32) * 16;
+}
+
+// A 64-byte aligned scratch of `tiles` such tiles of this thread,
+// EntryTileFloats(dim) apart; valid until the thread's next call.
+inline float* EntryTileScratch(int dim, int tiles = 1) {
   thread_local std::vector<float> buf;
-  buf.resize(size_t((dim + 31) / 32 * 32) * 16 + 16);
+  buf.resize(EntryTileFloats(dim) * tiles + 16);
   return reinterpret_cast<float*>(
       (reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
 }

@@ -53,20 +53,26 @@ void WeightedValues(const uint16_t* const* v, int n, const float* const* p,
   // the entries.
   constexpr int kMaxVectors = 16;
   constexpr int kVectors = kDv > 0 ? kDv : kMaxVectors;
+  // Value rows are requested this many entries ahead: far enough for a
+  // dense selection streaming from DRAM (~2 ns an entry at d = 64, so 8
+  // ahead was well short of a miss), and the first ones before the loop,
+  // for the short selections of the sparse methods.
+  constexpr int kAhead = 32;
   const int dv = (d + 15) / 16;
   for (int base = 0; base < dv; base += kVectors) {
     const int nv = kDv > 0 ? kDv : std::min(kVectors, dv - base);
+    const size_t row_bytes =
+        size_t(std::min(d, 16 * (base + nv)) - 16 * base) * 2;
     __m512 acc[kHeads][kVectors];
     for (int i = 0; i < kHeads; ++i) {
       for (int c = 0; c < nv; ++c) acc[i][c] = _mm512_setzero_ps();
     }
+    for (int j = 0; j < std::min(n, kAhead); ++j) {
+      PrefetchEntryLines<true>(v[j] + 16 * base, row_bytes);
+    }
     for (int j = 0; j < n; ++j) {
-      // The entries are scattered for the sparse methods: their value rows
-      // are requested a few entries ahead.
-      if (j + 8 < n) {
-        PrefetchEntryLines<true>(
-            v[j + 8] + 16 * base,
-            size_t(std::min(d, 16 * (base + nv)) - 16 * base) * 2);
+      if (j + kAhead < n) {
+        PrefetchEntryLines<true>(v[j + kAhead] + 16 * base, row_bytes);
       }
       __m512 pj[kHeads];
       for (int i = 0; i < kHeads; ++i) pj[i] = _mm512_set1_ps(p[i][j]);
@@ -103,6 +109,41 @@ void WeightedValuesHeads(const uint16_t* const* v, int n, const float* const* p,
   for (; h < heads; ++h) WeightedValues<1, kDv>(v, n, p + h, d, out + h);
 }
 
+// Score chains over a span of kScoreTiles tiles of 16 entries (LoadEntryTile
+// layout, tile t at tile + t * tile_floats) for kHeads query heads (head i's
+// query at q + i * q_stride): out[i * out_stride + 16 t + l] = fma chain
+// over c of q_i[c] e_{16t+l}[c] from +0, as the scalar chain. The
+// kHeads x kScoreTiles chains are independent and run interleaved, so the
+// FMA latency is hidden (one chain at a time waits ~4 cycles per channel).
+constexpr int kScoreTiles = 4;
+constexpr int kScoreSpan = 16 * kScoreTiles;
+
+template <int kHeads>
+void ScoreSpan(const float* q, size_t q_stride, const float* tile,
+               size_t tile_floats, int d, float* out, size_t out_stride) {
+  __m512 acc[kHeads][kScoreTiles];
+  for (int i = 0; i < kHeads; ++i) {
+    for (int t = 0; t < kScoreTiles; ++t) acc[i][t] = _mm512_setzero_ps();
+  }
+  for (int c = 0; c < d; ++c) {
+    __m512 x[kScoreTiles];
+    for (int t = 0; t < kScoreTiles; ++t) {
+      x[t] = _mm512_load_ps(tile + t * tile_floats + size_t(c) * 16);
+    }
+    for (int i = 0; i < kHeads; ++i) {
+      const __m512 qc = _mm512_set1_ps(q[i * q_stride + c]);
+      for (int t = 0; t < kScoreTiles; ++t) {
+        acc[i][t] = _mm512_fmadd_ps(qc, x[t], acc[i][t]);
+      }
+    }
+  }
+  for (int i = 0; i < kHeads; ++i) {
+    for (int t = 0; t < kScoreTiles; ++t) {
+      _mm512_storeu_ps(out + i * out_stride + 16 * t, acc[i][t]);
+    }
+  }
+}
+
 }  // namespace
 
 void SparseAttention::Attend(const LayerView& view, const float* q,
@@ -124,7 +165,8 @@ void SparseAttention::Attend(const LayerView& view, const float* q,
   thread_local std::vector<const uint16_t*> kp, vp;
   thread_local std::vector<float> sc_buf;
   thread_local std::vector<float*> p, o;
-  float* tile = EntryTileScratch(d);
+  const size_t tile_floats = EntryTileFloats(d);
+  float* tile = EntryTileScratch(d, kScoreTiles);
   double bytes = 0, flops = 0;
   const __m512 vscale = _mm512_set1_ps(s.softmax_scale);
   for (int h0 = 0; h0 < s.heads;) {
@@ -142,7 +184,7 @@ void SparseAttention::Attend(const LayerView& view, const float* q,
       h0 = h1;
       continue;
     }
-    const int npad = (n + 15) / 16 * 16;
+    const int npad = (n + kScoreSpan - 1) / kScoreSpan * kScoreSpan;
     kp.resize(n);
     vp.resize(n);
     for (int j = 0; j < n; ++j) {
@@ -152,21 +194,26 @@ void SparseAttention::Attend(const LayerView& view, const float* q,
     }
     bytes += double(n) * d * 2 * 2;
     sc_buf.resize(size_t(nh) * npad);
-    // Scores, 16 entries at a time.
-    for (int j0 = 0; j0 < n; j0 += 16) {
-      // The next block's keys.
-      for (int j = j0 + 16; j < std::min(n, j0 + 32); ++j) {
+    // Scores, kScoreSpan entries (kScoreTiles tiles of 16) at a time.
+    for (int j0 = 0; j0 < n; j0 += kScoreSpan) {
+      // The next span's keys.
+      for (int j = j0 + kScoreSpan; j < std::min(n, j0 + 2 * kScoreSpan); ++j) {
         PrefetchEntryLines<true>(kp[j], size_t(d) * 2);
       }
-      LoadEntryTile(kp.data() + j0, std::min(16, n - j0), d, tile, 16);
-      for (int i = 0; i < nh; ++i) {
-        const float* qh = q + size_t(h0 + i) * s.q_dim;
-        __m512 acc = _mm512_setzero_ps();
-        for (int c = 0; c < d; ++c) {
-          acc = _mm512_fmadd_ps(_mm512_set1_ps(qh[c]),
-                                _mm512_load_ps(tile + size_t(c) * 16), acc);
-        }
-        _mm512_storeu_ps(&sc_buf[size_t(i) * npad + j0], acc);
+      for (int t = 0; t < kScoreTiles; ++t) {
+        const int first = j0 + 16 * t;
+        LoadEntryTile(kp.data() + std::min(first, n - 1),
+                      std::clamp(n - first, 0, 16), d, tile + t * tile_floats,
+                      16);
+      }
+      int i = 0;
+      for (; i + 2 <= nh; i += 2) {
+        ScoreSpan<2>(q + size_t(h0 + i) * s.q_dim, s.q_dim, tile, tile_floats,
+                     d, &sc_buf[size_t(i) * npad + j0], npad);
+      }
+      if (i < nh) {
+        ScoreSpan<1>(q + size_t(h0 + i) * s.q_dim, s.q_dim, tile, tile_floats,
+                     d, &sc_buf[size_t(i) * npad + j0], npad);
       }
     }
     // Softmax weights, per head.
