@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "common/core_pool.h"
 #include "common/huge_page_vector.h"
@@ -33,16 +34,21 @@ class PigState final : public MethodLayerState {
   // until then the layer attends densely and no key is hashed.
   bool fixed = false;
   std::vector<float> mean;  // Hkv x d
-  // Per KV head, positions x L: Select streams one KV head's at a time.
-  std::vector<HugePageVector<uint32_t>> codes;
+  // Per KV head, positions x L buckets of CodeWidth(K) bytes each (one
+  // byte for K <= 8, four otherwise): Select streams one KV head's at a
+  // time.
+  std::vector<HugePageVector<uint8_t>> codes;
   std::vector<float> norms;  // positions x Hkv: |centred key|
   size_t bytes() const override {
     size_t code_bytes = 0;
-    for (const auto& c : codes) code_bytes += c.size() * sizeof(uint32_t);
+    for (const auto& c : codes) code_bytes += c.size();
     return mean.size() * sizeof(float) + code_bytes +
            norms.size() * sizeof(float);
   }
 };
+
+// Bytes of one stored bucket: K <= 8 bits fit in a byte.
+int CodeWidth(int bits) { return bits <= 8 ? 1 : 4; }
 
 class MagicPigAttention final : public SparseAttention {
  public:
@@ -106,6 +112,7 @@ class MagicPigAttention final : public SparseAttention {
     heads->resize(H);
     // Per head: its buckets, |q|, and the sink tokens first.
     thread_local std::vector<uint32_t> qcodes;
+    thread_local std::vector<uint8_t> qbytes;
     thread_local std::vector<float> qnorm;
     qcodes.resize(size_t(H) * tables_);
     qnorm.resize(H);
@@ -140,18 +147,55 @@ class MagicPigAttention final : public SparseAttention {
     };
     // The middle tokens, once per KV head for all of its query heads: a
     // token is retrieved when its bucket equals the query's in at least two
-    // tables, counted 16 tables to a vector compare (the query's buckets in
-    // registers where they fit). The retrieved tokens are collected first
+    // tables: one byte compare per table, 64 tables to a vector (K <= 8),
+    // or 16 tables of 32-bit buckets to a vector; the query's buckets in
+    // registers where they fit. The retrieved tokens are collected first
     // and their offsets computed after, each token's key requested a few
     // tokens ahead: those keys are scattered over the cache.
+    const int width = CodeWidth(bits_);
+    const size_t row = size_t(tables_) * width;  // bytes per token
+    if (width == 1) {
+      qbytes.resize(qcodes.size());
+      for (size_t i = 0; i < qcodes.size(); ++i) {
+        qbytes[i] = static_cast<uint8_t>(qcodes[i]);
+      }
+    }
     const int nv = (tables_ + 15) / 16;
     thread_local std::vector<std::vector<int>> hit;
     hit.resize(group);
     for (int g = 0; g < hkv; ++g) {
       for (auto& v : hit) v.clear();
-      const uint32_t* qg = &qcodes[size_t(g) * group * tables_];
-      const uint32_t* codes = st->codes[g].data();
-      if (nv <= 2 && group <= 8) {
+      const uint8_t* codes = st->codes[g].data();
+      if (width == 1 && tables_ <= 64 && group <= 8) {
+        const __mmask64 m =
+            tables_ == 64 ? ~__mmask64(0) : (__mmask64(1) << tables_) - 1;
+        __m512i qv[8];
+        for (int i = 0; i < group; ++i) {
+          qv[i] = _mm512_maskz_loadu_epi8(
+              m, &qbytes[(size_t(g) * group + i) * tables_]);
+        }
+        for (int t = sink_; t < mid_end; ++t) {
+          const uint8_t* kc = codes + size_t(t) * row;
+          PrefetchLine(kc + 16 * row);
+          const __m512i k = _mm512_maskz_loadu_epi8(m, kc);
+          for (int i = 0; i < group; ++i) {
+            const int hits =
+                __builtin_popcountll(_mm512_mask_cmpeq_epi8_mask(m, k, qv[i]));
+            if (hits >= 2) hit[i].push_back(t);
+          }
+        }
+      } else if (width == 1) {
+        for (int t = sink_; t < mid_end; ++t) {
+          const uint8_t* kc = codes + size_t(t) * row;
+          for (int i = 0; i < group; ++i) {
+            const uint8_t* qc = &qbytes[(size_t(g) * group + i) * tables_];
+            int hits = 0;
+            for (int j = 0; j < tables_; ++j) hits += kc[j] == qc[j];
+            if (hits >= 2) hit[i].push_back(t);
+          }
+        }
+      } else if (nv <= 2 && group <= 8) {
+        const uint32_t* qg = &qcodes[size_t(g) * group * tables_];
         const __mmask16 m0 = FirstLanes16(tables_);
         const __mmask16 m1 =
             tables_ > 16 ? FirstLanes16(tables_ - 16) : __mmask16(0);
@@ -161,8 +205,8 @@ class MagicPigAttention final : public SparseAttention {
           q1[i] = _mm512_maskz_loadu_epi32(m1, qg + size_t(i) * tables_ + 16);
         }
         for (int t = sink_; t < mid_end; ++t) {
-          const uint32_t* kc = codes + size_t(t) * tables_;
-          PrefetchEntryLines<true>(kc + 16 * tables_, size_t(tables_) * 4);
+          const auto* kc = reinterpret_cast<const uint32_t*>(codes + t * row);
+          PrefetchEntryLines<true>(kc + 16 * tables_, row);
           const __m512i k0 = _mm512_maskz_loadu_epi32(m0, kc);
           const __m512i k1 = _mm512_maskz_loadu_epi32(m1, kc + 16);
           for (int i = 0; i < group; ++i) {
@@ -174,8 +218,9 @@ class MagicPigAttention final : public SparseAttention {
           }
         }
       } else {
+        const uint32_t* qg = &qcodes[size_t(g) * group * tables_];
         for (int t = sink_; t < mid_end; ++t) {
-          const uint32_t* kc = codes + size_t(t) * tables_;
+          const auto* kc = reinterpret_cast<const uint32_t*>(codes + t * row);
           for (int i = 0; i < group; ++i) {
             const uint32_t* qc = qg + size_t(i) * tables_;
             int hits = 0;
@@ -191,7 +236,8 @@ class MagicPigAttention final : public SparseAttention {
       }
       // The retrieved tokens' dot products 16 at a time: their keys
       // transposed and widened into an L1 tile (one lane per token), each
-      // lane's chain the scalar one; the next 16 keys requested meanwhile.
+      // lane's chain the scalar one; the next 16 keys and key norms
+      // requested meanwhile (the norms are scattered too: a miss each).
       const float* mean = &st->mean[size_t(g) * d];
       float* tile = EntryTileScratch(d);
       const size_t k_off = GqaEntry::K(shapes_, g);
@@ -200,10 +246,14 @@ class MagicPigAttention final : public SparseAttention {
         const int h = g * group + i;
         const float* qh = q + size_t(h) * shapes_.q_dim;
         const int n = static_cast<int>(ts.size());
+        for (int j = 0; j < std::min(n, 16); ++j) {
+          PrefetchLine(&st->norms[size_t(ts[j]) * hkv + g]);
+        }
         for (int j0 = 0; j0 < n; j0 += 16) {
           const int cnt = std::min(16, n - j0);
           for (int j = j0 + 16; j < std::min(n, j0 + 32); ++j) {
             PrefetchEntryLines<true>(view.Kv(ts[j]) + k_off, size_t(d) * 2);
+            PrefetchLine(&st->norms[size_t(ts[j]) * hkv + g]);
           }
           const uint16_t* kp[16];
           for (int j = 0; j < cnt; ++j) kp[j] = view.Kv(ts[j0 + j]) + k_off;
@@ -229,7 +279,7 @@ class MagicPigAttention final : public SparseAttention {
         sel.bias.push_back(0.0f);
       }
     }
-    cost->bytes += double(mid_end - sink_) * hkv * tables_ * 4;
+    cost->bytes += double(mid_end - sink_) * hkv * row;
     cost->flops += double(H) * tables_ * bits_ * d * 2;
   }
 
@@ -298,8 +348,9 @@ class MagicPigAttention final : public SparseAttention {
   void HashKeys(const LayerView& view, int from, int to, PigState* st,
                 KernelCost* cost, CorePool* pool) const {
     const int hkv = shapes_.kv_heads, d = shapes_.head_dim;
+    const int width = CodeWidth(bits_);
     st->codes.resize(hkv);
-    for (auto& c : st->codes) c.resize(size_t(to) * tables_);
+    for (auto& c : st->codes) c.resize(size_t(to) * tables_ * width);
     st->norms.resize(size_t(to) * hkv);
     // 16 tokens at a time per KV head: their keys transposed and widened
     // into an L1 tile (one lane per token) and centred there, then every
@@ -341,10 +392,15 @@ class MagicPigAttention final : public SparseAttention {
           PlaneSigns<kPlanes>(k0, tile, d, code_buf.data());
         }
         for (; k0 < planes; ++k0) PlaneSigns<1>(k0, tile, d, code_buf.data());
-        uint32_t* out = &st->codes[g][size_t(t0) * tables_];
+        uint8_t* out = &st->codes[g][size_t(t0) * tables_ * width];
         for (int j = 0; j < cnt; ++j) {
           for (int tb = 0; tb < tables_; ++tb) {
-            out[size_t(j) * tables_ + tb] = code_buf[size_t(tb) * 16 + j];
+            const uint32_t code = code_buf[size_t(tb) * 16 + j];
+            if (width == 1) {
+              out[size_t(j) * tables_ + tb] = static_cast<uint8_t>(code);
+            } else {
+              std::memcpy(&out[(size_t(j) * tables_ + tb) * 4], &code, 4);
+            }
           }
         }
       }

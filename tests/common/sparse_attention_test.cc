@@ -595,77 +595,93 @@ TEST_CASE("a segment's tokens on a core pool give the same outputs and costs",
 
 TEST_CASE("magicpig: retrieved set and weights equal brute force",
           "[attention]") {
-  ModelConfig c = *PresetConfig("llama-small-magicpig");
-  c.attention.lsh_bits = 2;  // coarse buckets, so that keys are retrieved
-  c.attention.lsh_tables = 6;
-  const AttentionConfig& a = c.attention;
-  const int n = 80;
-  RandomLayer r(c, n);  // one prefill: the centring mean is fixed
-  const int d = c.head_dim, hkv = c.num_key_value_heads;
-  const int group = c.num_attention_heads / hkv;
-  // The method's hyperplanes are the first Gauss() draws of the rng.
-  std::mt19937 rng2(7);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  std::vector<float> planes(size_t(a.lsh_bits) * a.lsh_tables * d);
-  for (float& x : planes) x = nd(rng2);
-  std::vector<std::vector<float>> mean(hkv, std::vector<float>(d, 0.0f));
-  for (int t = a.sink; t < n - a.local; ++t) {
-    for (int g = 0; g < hkv; ++g) {
-      auto k = r.Key(t, g);
-      for (int i = 0; i < d; ++i) mean[g][i] += k[i];
+  // Coarse buckets, so that random keys are retrieved; more tables than one
+  // vector compare takes (byte buckets); and buckets wider than a byte,
+  // stored in 32 bits. Half of the heads query with a centred key, which
+  // shares its buckets in every table.
+  const int bits_tables[][2] = {{2, 6}, {6, 70}, {10, 12}};
+  for (const auto& bt : bits_tables) {
+    DYNAMIC_SECTION("K " << bt[0] << ", L " << bt[1]) {
+      ModelConfig c = *PresetConfig("llama-small-magicpig");
+      c.attention.lsh_bits = bt[0];
+      c.attention.lsh_tables = bt[1];
+      const AttentionConfig& a = c.attention;
+      const int n = 80;
+      RandomLayer r(c, n);  // one prefill: the centring mean is fixed
+      const int d = c.head_dim, hkv = c.num_key_value_heads;
+      const int group = c.num_attention_heads / hkv;
+      // The method's hyperplanes are the first Gauss() draws of the rng.
+      std::mt19937 rng2(7);
+      std::normal_distribution<float> nd(0.0f, 1.0f);
+      std::vector<float> planes(size_t(a.lsh_bits) * a.lsh_tables * d);
+      for (float& x : planes) x = nd(rng2);
+      std::vector<std::vector<float>> mean(hkv, std::vector<float>(d, 0.0f));
+      for (int t = a.sink; t < n - a.local; ++t) {
+        for (int g = 0; g < hkv; ++g) {
+          auto k = r.Key(t, g);
+          for (int i = 0; i < d; ++i) mean[g][i] += k[i];
+        }
+      }
+      for (auto& m : mean) {
+        for (float& x : m) x /= float(n - a.local - a.sink);
+      }
+      auto bucket = [&](const float* x, int j) {
+        uint32_t code = 0;
+        for (int b = 0; b < a.lsh_bits; ++b) {
+          if (Dot(&planes[size_t(j * a.lsh_bits + b) * d], x, d) > 0) {
+            code |= 1u << b;
+          }
+        }
+        return code;
+      };
+      int retrieved_total = 0;
+      const int pos = n - 1;
+      std::vector<float> q = r.Gauss(size_t(c.num_attention_heads) * d);
+      for (int h = 0; h < c.num_attention_heads; h += 2) {
+        auto k = r.Key(a.sink + 3 * h, h / group);
+        for (int i = 0; i < d; ++i)
+          q[size_t(h) * d + i] = k[i] - mean[h / group][i];
+      }
+      auto heads = r.Select(pos, q);
+      for (int h = 0; h < c.num_attention_heads; ++h) {
+        const float* qh = &q[size_t(h) * d];
+        std::vector<int32_t> want;
+        std::vector<float> bias;
+        for (int t = 0; t <= pos; ++t) {
+          if (t < a.sink || t > pos - a.local) {
+            want.push_back(t);
+            bias.push_back(0.0f);
+            continue;
+          }
+          auto k = r.Key(t, h / group);
+          for (int i = 0; i < d; ++i) k[i] -= mean[h / group][i];
+          int hits = 0;
+          for (int j = 0; j < a.lsh_tables; ++j) {
+            hits += bucket(qh, j) == bucket(k.data(), j);
+          }
+          if (hits < 2) continue;
+          // Clamped: a query equal to the key can round just past 1.
+          const double cosv = std::clamp<double>(
+              Dot(qh, k.data(), d) / (std::sqrt(Dot(qh, qh, d)) *
+                                      std::sqrt(Dot(k.data(), k.data(), d))),
+              -1.0, 1.0);
+          const double p = std::pow(1 - std::acos(cosv) / M_PI, a.lsh_bits);
+          const double w = 1 - std::pow(1 - p, a.lsh_tables - 1) *
+                                   (a.lsh_tables * p + 1 - p);
+          want.push_back(t);
+          bias.push_back(float(-std::log(w + 1e-4)));
+          ++retrieved_total;
+        }
+        REQUIRE(heads[h].positions == want);
+        for (size_t j = 0; j < bias.size(); ++j) {
+          CHECK(heads[h].bias[j] == Approx(bias[j]).epsilon(1e-4).margin(1e-4));
+        }
+      }
+      CHECK(retrieved_total > 0);
+      CHECK(retrieved_total < c.num_attention_heads *
+                                  (n - a.sink - a.local));  // and it drops some
     }
   }
-  for (auto& m : mean) {
-    for (float& x : m) x /= float(n - a.local - a.sink);
-  }
-  auto bucket = [&](const float* x, int j) {
-    uint32_t code = 0;
-    for (int b = 0; b < a.lsh_bits; ++b) {
-      if (Dot(&planes[size_t(j * a.lsh_bits + b) * d], x, d) > 0) {
-        code |= 1u << b;
-      }
-    }
-    return code;
-  };
-  int retrieved_total = 0;
-  const int pos = n - 1;
-  std::vector<float> q = r.Gauss(size_t(c.num_attention_heads) * d);
-  auto heads = r.Select(pos, q);
-  for (int h = 0; h < c.num_attention_heads; ++h) {
-    const float* qh = &q[size_t(h) * d];
-    std::vector<int32_t> want;
-    std::vector<float> bias;
-    for (int t = 0; t <= pos; ++t) {
-      if (t < a.sink || t > pos - a.local) {
-        want.push_back(t);
-        bias.push_back(0.0f);
-        continue;
-      }
-      auto k = r.Key(t, h / group);
-      for (int i = 0; i < d; ++i) k[i] -= mean[h / group][i];
-      int hits = 0;
-      for (int j = 0; j < a.lsh_tables; ++j) {
-        hits += bucket(qh, j) == bucket(k.data(), j);
-      }
-      if (hits < 2) continue;
-      const double cosv =
-          Dot(qh, k.data(), d) /
-          (std::sqrt(Dot(qh, qh, d)) * std::sqrt(Dot(k.data(), k.data(), d)));
-      const double p = std::pow(1 - std::acos(cosv) / M_PI, a.lsh_bits);
-      const double w =
-          1 - std::pow(1 - p, a.lsh_tables - 1) * (a.lsh_tables * p + 1 - p);
-      want.push_back(t);
-      bias.push_back(float(-std::log(w + 1e-4)));
-      ++retrieved_total;
-    }
-    REQUIRE(heads[h].positions == want);
-    for (size_t j = 0; j < bias.size(); ++j) {
-      CHECK(heads[h].bias[j] == Approx(bias[j]).epsilon(1e-4).margin(1e-4));
-    }
-  }
-  CHECK(retrieved_total > 0);
-  CHECK(retrieved_total <
-        c.num_attention_heads * (n - a.sink - a.local));  // and it drops some
 }
 
 // ClusterKV's clustering of tokens [from, to) of KV head g and its take for
