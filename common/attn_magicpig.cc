@@ -289,44 +289,35 @@ class MagicPigAttention final : public SparseAttention {
   // (plane[c] x[c]). Sixteen planes a vector (planes_t_), four vectors' chains
   // interleaved.
   void Hash(const float* x, uint32_t* codes) const {
-    const int d = shapes_.head_dim;
-    const int planes = tables_ * bits_;
-    const int nvec = (planes + 15) / 16;
-    const size_t ld = size_t(nvec) * 16;
+    const int nvec = (tables_ * bits_ + 15) / 16;
     std::fill(codes, codes + tables_, 0u);
-    auto set_bits = [&](int k0, __mmask16 positive) {
+    int v0 = 0;
+    for (; v0 + 4 <= nvec; v0 += 4) QueryPlaneSigns<4>(x, v0, codes);
+    for (; v0 < nvec; ++v0) QueryPlaneSigns<1>(x, v0, codes);
+  }
+
+  // Hash()'s planes [16 v0, 16 (v0 + kN)): their bits set in `codes`.
+  template <int kN>
+  void QueryPlaneSigns(const float* x, int v0, uint32_t* codes) const {
+    const int d = shapes_.head_dim, planes = tables_ * bits_;
+    const size_t ld = size_t(planes + 15) / 16 * 16;
+    __m512 dot[kN];
+    for (int i = 0; i < kN; ++i) dot[i] = _mm512_setzero_ps();
+    for (int c = 0; c < d; ++c) {
+      const __m512 xc = _mm512_set1_ps(x[c]);
+      const float* row = &planes_t_[size_t(c) * ld + size_t(v0) * 16];
+      for (int i = 0; i < kN; ++i) {
+        dot[i] = _mm512_fmadd_ps(_mm512_loadu_ps(row + 16 * i), xc, dot[i]);
+      }
+    }
+    for (int i = 0; i < kN; ++i) {
+      const int k0 = (v0 + i) * 16;
+      const __mmask16 positive = _mm512_mask_cmp_ps_mask(
+          FirstLanes16(planes - k0), dot[i], _mm512_setzero_ps(), _CMP_GT_OQ);
       for (uint32_t m = positive; m != 0; m &= m - 1) {
         const int k = k0 + __builtin_ctz(m);
         codes[k / bits_] |= uint32_t(1) << (k % bits_);
       }
-    };
-    int v0 = 0;
-    for (; v0 + 4 <= nvec; v0 += 4) {
-      __m512 dot[4];
-      for (int i = 0; i < 4; ++i) dot[i] = _mm512_setzero_ps();
-      for (int c = 0; c < d; ++c) {
-        const __m512 xc = _mm512_set1_ps(x[c]);
-        const float* row = &planes_t_[size_t(c) * ld + size_t(v0) * 16];
-        for (int i = 0; i < 4; ++i) {
-          dot[i] = _mm512_fmadd_ps(_mm512_loadu_ps(row + 16 * i), xc, dot[i]);
-        }
-      }
-      for (int i = 0; i < 4; ++i) {
-        const int k0 = (v0 + i) * 16;
-        set_bits(k0, _mm512_mask_cmp_ps_mask(FirstLanes16(planes - k0), dot[i],
-                                             _mm512_setzero_ps(), _CMP_GT_OQ));
-      }
-    }
-    for (; v0 < nvec; ++v0) {
-      __m512 dot = _mm512_setzero_ps();
-      for (int c = 0; c < d; ++c) {
-        dot = _mm512_fmadd_ps(
-            _mm512_loadu_ps(&planes_t_[size_t(c) * ld + size_t(v0) * 16]),
-            _mm512_set1_ps(x[c]), dot);
-      }
-      const int k0 = v0 * 16;
-      set_bits(k0, _mm512_mask_cmp_ps_mask(FirstLanes16(planes - k0), dot,
-                                           _mm512_setzero_ps(), _CMP_GT_OQ));
     }
   }
 
@@ -335,7 +326,7 @@ class MagicPigAttention final : public SparseAttention {
                                             int n, int d) {
     const size_t ld = size_t(n + 15) / 16 * 16;
     std::vector<float> t(size_t(d) * ld, 0.0f);
-    for (int k = 0; k < n && size_t(k + 1) * d <= planes.size(); ++k) {
+    for (int k = 0; k < n; ++k) {
       for (int c = 0; c < d; ++c) {
         t[size_t(c) * ld + k] = planes[size_t(k) * d + c];
       }
