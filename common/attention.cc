@@ -1912,8 +1912,8 @@ int CompressAtLeast(const float* scores, int n, float t, int32_t* out,
   for (; s + 16 <= n; s += 16) {
     const __m512 x = _mm512_loadu_ps(scores + s);
     const __mmask16 m = _mm512_cmp_ps_mask(x, vt, _CMP_GE_OQ);
-    _mm512_mask_compressstoreu_epi32(out + count, m, idx);
-    _mm512_mask_compressstoreu_ps(out_scores + count, m, x);
+    CompressStore16(out + count, m, idx);
+    CompressStore16(out_scores + count, m, x);
     count += __builtin_popcount(m);
     idx = _mm512_add_epi32(idx, step);
   }
@@ -2090,7 +2090,7 @@ float KthHighest(const float* vals, int n, int k) {
         const __m512i x = _mm512_load_si512(cur + i);
         const __mmask16 keep =
             _mm512_cmpeq_epi32_mask(_mm512_and_si512(x, d2), p2);
-        _mm512_mask_compressstoreu_epi32(next + out, keep, x);
+        CompressStore16(next + out, keep, x);
         out += __builtin_popcount(keep);
       }
       // Pad to whole vectors with key 0: it shares the decided bits only
@@ -2109,7 +2109,8 @@ float KthHighest(const float* vals, int n, int k) {
 
 // Writes the positions cand[i] whose vals[i] > v and, of those equal to v,
 // the lowest ones, k in all at most, in candidate order; returns how many
-// (k when v is the k-th highest of vals). vals has room for 16 more.
+// (k when v is the k-th highest of vals). vals has room for 16 more, and
+// out for k + 16 (CompressStore16).
 int CutAt(const float* vals, const int32_t* cand, int n, int k, float v,
           int32_t* out) {
   const __m512 vv = _mm512_set1_ps(v);
@@ -2132,8 +2133,7 @@ int CutAt(const float* vals, const int32_t* cand, int n, int k, float v,
       --ties;
     }
     if (count + __builtin_popcount(take) > k) break;  // not the k-th: stop
-    _mm512_mask_compressstoreu_epi32(out + count, take,
-                                     _mm512_maskz_loadu_epi32(m, cand + i));
+    CompressStore16(out + count, take, _mm512_maskz_loadu_epi32(m, cand + i));
     count += __builtin_popcount(take);
   }
   return count;
@@ -2198,7 +2198,7 @@ void SelectTopK(const float* scores, int n, int k, std::vector<int32_t>* out) {
                      std::greater<float>());
     v = sorted[k - 1];
   }
-  out->resize(size_t(k));
+  out->resize(size_t(k) + 16);
   const int got = CutAt(vals.data(), cand, nc, k, v, out->data());
   out->resize(size_t(got));
 }

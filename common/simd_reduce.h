@@ -46,6 +46,22 @@ inline __mmask16 FirstLanes16(int64_t n) {
   return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
 }
 
+// Lanes m of v, packed to the front, stored at out[0 ..): all 16 lanes
+// are written (those past popcount(m) hold zeros), so out needs room for
+// 16. The compress runs in a register and the store is a plain one: a
+// compress straight to memory (vpcompress{d,ps} m512{k}) is microcoded on
+// AMD Zen 4, where a 128K-score SelectTopK took 316-363 us with it against
+// 32 us with this pair; Intel's cores run the two forms at a similar rate.
+inline void CompressStore16(int32_t* out, __mmask16 m, __m512i v) {
+  _mm512_storeu_si512(out, _mm512_maskz_compress_epi32(m, v));
+}
+inline void CompressStore16(uint32_t* out, __mmask16 m, __m512i v) {
+  _mm512_storeu_si512(out, _mm512_maskz_compress_epi32(m, v));
+}
+inline void CompressStore16(float* out, __mmask16 m, __m512 v) {
+  _mm512_storeu_ps(out, _mm512_maskz_compress_ps(m, v));
+}
+
 // GCC 12 reports its own AVX-512 intrinsic headers (_mm512_undefined_*)
 // as (maybe-)uninitialized where these are inlined.
 #pragma GCC diagnostic push
