@@ -21,3 +21,11 @@ foreach(variant amx noamx)
     set_tests_properties(${name} PROPERTIES LABELS build TIMEOUT 300)
   endforeach()
 endforeach()
+
+# The kernels' object code holds no instruction form that a supported CPU
+# runs in microcode far below its usual rate (tests/kernel_forms.sh: a
+# vector compress straight to memory, which AMD Zen 4 microcodes).
+add_test(NAME kernel_forms
+  COMMAND bash ${PROJECT_SOURCE_DIR}/tests/kernel_forms.sh ${CMAKE_OBJDUMP}
+    $<TARGET_FILE:karat_common>)
+set_tests_properties(kernel_forms PROPERTIES LABELS build TIMEOUT 120)
