@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -51,11 +52,10 @@ inline __mmask16 FirstLanes16(int64_t n) {
 // 16. The compress runs in a register and the store is a plain one: a
 // compress straight to memory (vpcompress{d,ps} m512{k}) is microcoded on
 // AMD Zen 4, where a 128K-score SelectTopK took 316-363 us with it against
-// 32 us with this pair; Intel's cores run the two forms at a similar rate.
-inline void CompressStore16(int32_t* out, __mmask16 m, __m512i v) {
-  _mm512_storeu_si512(out, _mm512_maskz_compress_epi32(m, v));
-}
-inline void CompressStore16(uint32_t* out, __mmask16 m, __m512i v) {
+// 32 us with this pair (tests/kernel_forms.sh keeps it out of the kernels).
+template <typename Int>
+inline void CompressStore16(Int* out, __mmask16 m, __m512i v) {
+  static_assert(std::is_integral_v<Int> && sizeof(Int) == 4);
   _mm512_storeu_si512(out, _mm512_maskz_compress_epi32(m, v));
 }
 inline void CompressStore16(float* out, __mmask16 m, __m512 v) {
