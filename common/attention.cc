@@ -12,6 +12,7 @@
 #include <functional>
 #include <new>
 #include <numeric>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -1799,6 +1800,26 @@ void ScoreKeyRange(const LayerView& view, int dim, int k_begin, int k_end,
 #endif
 }
 
+// The queries as a pool worker reads them: its own copy (per thread,
+// reused), not the calling thread's. The scan reads every query's code
+// pairs again for each block (dsv32: 16 KiB, per head group); on a worker
+// they now come from memory only its own core touches. Read from the
+// caller's allocation, two cores were slow for some placements of it and
+// not others: on an AMD EPYC (Zen 5) VM, with one and the same query
+// buffer, one core scanned 64K dsv32 keys in 2.2-2.4 ms while two cores
+// took 2.9-3.8 ms for 128K instead of 2.3-2.5; which placements did so
+// followed earlier allocations (karat-bench-kernels' 128K scan after the
+// 1K and 16K rows' Selects), and neither the buffer's alignment nor the
+// worker's own scratch explained it. With its own copy the worker was
+// never slow. The copy is exact: the same bits.
+const IndexQuery* OwnQueries(const IndexQuery* queries, int nq,
+                             std::thread::id caller) {
+  if (std::this_thread::get_id() == caller) return queries;
+  thread_local std::vector<IndexQuery> own;
+  own.assign(queries, queries + nq);
+  return own.data();
+}
+
 }  // namespace
 
 bool IndexerUsesTileUnit() { return CurrentIndexPath() == IndexPath::kTiles; }
@@ -1874,11 +1895,12 @@ void IndexerScoreQueries(const LayerView& view, int nq, const uint8_t* q_codes,
     max_limit = std::max(max_limit, limit[i]);
     work += double(limit[i]) * heads * dim;
   }
-  ParallelFor(PoolFor(pool, work), max_limit, kKeyBlock,
-              [&](int64_t b, int64_t e) {
-                ScoreKeyRange(view, dim, int(b), int(e), queries.data(), nq,
-                              limit, out);
-              });
+  const std::thread::id caller = std::this_thread::get_id();
+  ParallelFor(
+      PoolFor(pool, work), max_limit, kKeyBlock, [&](int64_t b, int64_t e) {
+        ScoreKeyRange(view, dim, int(b), int(e),
+                      OwnQueries(queries.data(), nq, caller), nq, limit, out);
+      });
 }
 
 void IndexerScore(const LayerView& view, int n, const uint8_t* q_codes,
@@ -1889,9 +1911,11 @@ void IndexerScore(const LayerView& view, int n, const uint8_t* q_codes,
                     &iq);
   float* out[1] = {scores};
   const int limit[1] = {n};
+  const std::thread::id caller = std::this_thread::get_id();
   ParallelFor(PoolFor(pool, double(n) * heads * dim), n, kKeyBlock,
               [&](int64_t b, int64_t e) {
-                ScoreKeyRange(view, dim, int(b), int(e), &iq, 1, limit, out);
+                ScoreKeyRange(view, dim, int(b), int(e),
+                              OwnQueries(&iq, 1, caller), 1, limit, out);
               });
 }
 
