@@ -399,6 +399,16 @@ std::string Cluster::ReadLog(const std::string& name) const {
 
 // --- Client side ------------------------------------------------------------
 
+grpc::Status SetLink(karat::cluster::Admin::Stub* admin,
+                     karat::cluster::LinkConfig link,
+                     karat::cluster::SetLinkResponse* resp) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  karat::cluster::SetLinkRequest req;
+  *req.mutable_link() = std::move(link);
+  return admin->SetLink(&ctx, req, resp);
+}
+
 Turn Generate(karat::v1::Karat::Stub* stub, const std::string& session,
               const std::string& prompt, int max_new_tokens, float temperature,
               int cancel_after) {

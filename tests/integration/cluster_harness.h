@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "cluster.grpc.pb.h"
 #include "karat.grpc.pb.h"
 
 namespace karat::testing {
@@ -125,6 +126,11 @@ std::vector<std::vector<Turn>> RunConversations(const Cluster& cluster,
 void CheckAgainstReference(const std::string& model_dir,
                            const std::vector<std::vector<Turn>>& got,
                            const Conversations& conv, int turns = -1);
+
+// Admin.SetLink with `link` (30 s deadline); the reply in *resp.
+grpc::Status SetLink(karat::cluster::Admin::Stub* admin,
+                     karat::cluster::LinkConfig link,
+                     karat::cluster::SetLinkResponse* resp);
 
 // Runs `argv` to completion; returns its exit status and combined output.
 int RunCommand(const std::vector<std::string>& argv, std::string* output);

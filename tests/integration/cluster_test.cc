@@ -172,16 +172,14 @@ TEST_CASE("bad requests get clear statuses and sessions survive",
     // layers), so the first turn outlasts that wait on any machine.
     auto admin = cluster::Admin::NewStub(grpc::CreateChannel(
         cluster.coordinator_address(), grpc::InsecureChannelCredentials()));
-    {
-      grpc::ClientContext actx;
-      cluster::SetLinkRequest lreq;
-      lreq.mutable_link()->set_source("gpu0");
-      lreq.mutable_link()->set_destination("karat0");
-      lreq.mutable_link()->set_latency_us(5000);
-      cluster::SetLinkResponse lresp;
-      REQUIRE(admin->SetLink(&actx, lreq, &lresp).ok());
-      REQUIRE(lresp.not_applied_size() == 0);
-    }
+    cluster::LinkConfig slow;
+    slow.set_source("gpu0");
+    slow.set_destination("karat0");
+    slow.set_latency_us(5000);
+    cluster::SetLinkResponse lresp;
+    REQUIRE(SetLink(admin.get(), slow, &lresp).ok());
+    REQUIRE(lresp.not_applied_size() == 0);
+    constexpr int kFirstTokens = 40;
     const std::string id = NewSession(stub.get(), 4);
     std::atomic<bool> started{false};
     Turn first;
@@ -191,7 +189,7 @@ TEST_CASE("bad requests get clear statuses and sessions survive",
       GenerateRequest req;
       req.set_session_id(id);
       req.set_prompt("a long generation");
-      req.set_max_new_tokens(40);
+      req.set_max_new_tokens(kFirstTokens);
       auto reader = s2->Generate(&ctx, req);
       GenerateResponse ev;
       while (reader->Read(&ev)) {
@@ -206,7 +204,7 @@ TEST_CASE("bad requests get clear statuses and sessions survive",
     while (!started) std::this_thread::sleep_for(std::chrono::milliseconds(5));
     Turn second = Generate(stub.get(), id, "again", 4, 0);
     t.join();
-    if (!first.tokens.empty() && int(first.tokens.size()) < 40 &&
+    if (!first.tokens.empty() && int(first.tokens.size()) < kFirstTokens &&
         first.tokens.back() == kEosToken) {
       WARN("the first generation ended before the second call was made");
     } else {

@@ -307,15 +307,6 @@ std::vector<int32_t> GenerateIds(karat::v1::Karat::Stub* stub,
   return tokens;
 }
 
-grpc::Status SetLink(cluster::Admin::Stub* admin, cluster::LinkConfig link,
-                     cluster::SetLinkResponse* resp) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-  cluster::SetLinkRequest req;
-  *req.mutable_link() = std::move(link);
-  return admin->SetLink(&ctx, req, resp);
-}
-
 std::map<std::string, double> NodeStats(karat::v1::Karat::Stub* stub,
                                         const std::string& node) {
   grpc::ClientContext ctx;
