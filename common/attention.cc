@@ -2270,10 +2270,12 @@ void SelectTopK(const float* scores, int n, int k, std::vector<int32_t>* out) {
 // score FMAs, 21% the transposes, 11% softmax, 9% the chunk requests).
 // Two cores take ~65 us with the entries in cache, but when the machine
 // is busy the second core often joins only after the first has taken
-// every chunk. Tried and dropped (no change beyond the noise, one core,
-// from DRAM, bit-identical): requesting the next chunk's lines one at a
-// time from inside the score and weighted-sum loops (every 1, 2 or 3
-// iterations) instead of all at once before the chunk.
+// every chunk. There, requesting the next chunk's lines one at a time
+// from inside the score and weighted-sum loops (every 1, 2 or 3
+// iterations) instead of all at once before the chunk made no difference
+// beyond the noise (one core, from DRAM); on an AMD EPYC (Zen 5) VM,
+// requests spread that way (AttendChunk) cut two cores' cold call by a
+// sixth.
 // On two cores, from DRAM (best of 20, caches evicted by a 1 GiB read):
 // the entries alone 34-43 us in most runs, the call 118-175 us, the call
 // with its entries read just before (into the other core's cache for half
@@ -2281,9 +2283,9 @@ void SelectTopK(const float* scores, int n, int k, std::vector<int32_t>* out) {
 // score passes ~46-70 us, the weighted sums ~22-33 us, the softmax ~5-7 us.
 // So the cold arithmetic itself runs slower than warm, and it did so too
 // with each chunk's lines loaded (not prefetched) just before it: 78-113 us
-// of chunk work per core against 57-86 warm. Also tried here, no change
-// beyond the noise: the next chunk's lines queued and requested one per
-// weighted-sum entry and 16 per score step (both cores).
+// of chunk work per core against 57-86 warm. Also tried on that machine,
+// no change beyond the noise: the next chunk's lines queued and requested
+// one per weighted-sum entry and 16 per score step (both cores).
 
 namespace {
 
@@ -2333,16 +2335,56 @@ constexpr int kEntryBlock = 16;
 // does not depend on the number of cores.
 constexpr int kAttendChunk = kMlaAttendChunk;
 
+// Cache lines of selected entries, requested a few at a time from inside
+// Attend's loops (Issue) instead of all at once: a burst of hundreds of
+// requests overruns the core's outstanding misses, and the requests it
+// cannot take wait in the load queue or are lost.
+class LineRequests {
+ public:
+  void Clear() {
+    lines_.clear();
+    next_ = 0;
+  }
+  // Every line of entry `e` of `bytes` bytes (entries need not start on a
+  // line).
+  void AddEntry(const void* e, size_t bytes) {
+    const uintptr_t first = reinterpret_cast<uintptr_t>(e) & ~uintptr_t(63);
+    const uintptr_t last =
+        (reinterpret_cast<uintptr_t>(e) + bytes - 1) & ~uintptr_t(63);
+    for (uintptr_t p = first; p <= last; p += 64) lines_.push_back(p);
+  }
+  // Requests the next `k` lines (if any are left) into L1 (kL1) or L2.
+  template <bool kL1>
+  void Issue(size_t k) {
+    const size_t e = std::min(lines_.size(), next_ + k);
+    for (; next_ < e; ++next_) {
+      const void* p = reinterpret_cast<const void*>(lines_[next_]);
+      if constexpr (kL1) {
+        PrefetchLine(p);
+      } else {
+        PrefetchLineL2(p);
+      }
+    }
+  }
+
+ private:
+  std::vector<uintptr_t> lines_;
+  size_t next_ = 0;
+};
+
 // Scores of a 32-entry tile (two blocks side by side, tile[d * 32 + j]) for
 // heads [h, h + HB): s[h][0..31] = (q[h] . e) * scale. Two blocks per q
 // broadcast keep the loads below the FMA rate.
+// Requests two of `l1`'s lines into L1 per dimension.
 template <int HB>
 inline void TileScores(const float* tile, int kv_dim, const float* q, int q_dim,
-                       float scale, float* s, size_t s_stride, bool second) {
+                       float scale, float* s, size_t s_stride, bool second,
+                       LineRequests* l1) {
   __m512 acc0[HB], acc1[HB];
 #pragma GCC unroll 16
   for (int i = 0; i < HB; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
   for (int d = 0; d < kv_dim; ++d) {
+    l1->Issue<true>(2);
     const __m512 t0 = _mm512_load_ps(tile + size_t(d) * 32);
     const __m512 t1 = _mm512_load_ps(tile + size_t(d) * 32 + 16);
 #pragma GCC unroll 16
@@ -2365,10 +2407,11 @@ inline void TileScores(const float* tile, int kv_dim, const float* q, int q_dim,
 
 // o[h][d0 .. d0 + 16 NV) = sum_j p[h][j] e_j for heads [h, h + HB) (fma
 // chain in selection order); entries widened from bf16 as they are read.
+// Requests two of `l2`'s lines (if given) into L2 per entry.
 template <int NV, int HB>
 void WeightedSum(const uint16_t* const* entries, int nsel, const float* p,
-                 size_t p_stride, int d0, int width, float* o,
-                 size_t o_stride) {
+                 size_t p_stride, int d0, int width, float* o, size_t o_stride,
+                 LineRequests* l2 = nullptr) {
   __m512 acc[HB][NV];
 #pragma GCC unroll 32
   for (int h = 0; h < HB; ++h) {
@@ -2376,6 +2419,7 @@ void WeightedSum(const uint16_t* const* entries, int nsel, const float* p,
     for (int i = 0; i < NV; ++i) acc[h][i] = _mm512_setzero_ps();
   }
   for (int j = 0; j < nsel; ++j) {
+    if (l2 != nullptr) l2->Issue<false>(2);
     const uint16_t* e = entries[j] + d0;
     __m512 ph[HB];
 #pragma GCC unroll 16
@@ -2404,10 +2448,12 @@ void WeightedSum(const uint16_t* const* entries, int nsel, const float* p,
 }
 
 // Dims [d0, d0 + 32) of entries [0, n), widened from bf16 once into
-// wide[j * 32 ..], for WeightedSumWide.
-void WidenEntryChunk(const uint16_t* const* entries, int n, int d0,
-                     float* wide) {
+// wide[j * 32 ..], for WeightedSumWide; requests two of `l2`'s lines into
+// L2 per entry.
+void WidenEntryChunk(const uint16_t* const* entries, int n, int d0, float* wide,
+                     LineRequests* l2) {
   for (int j = 0; j < n; ++j) {
+    l2->Issue<false>(2);
     const uint16_t* e = entries[j] + d0;
     for (int i = 0; i < 2; ++i) {
       _mm512_store_si512(
@@ -2521,20 +2567,35 @@ namespace {
 // One chunk of the selection (entries ent[0, n), n <= kAttendChunk) for
 // every head: scores, the chunk's max m[h], p = KernelExp(s - m[h]), the
 // 16-lane denominator z[h] and the unnormalised sums o[h][0, lora) (stride
-// lora). `ahead` entries from ent[0] may be prefetched. s: heads x kAttendChunk
-// scratch; tile: the transposed entry tile; wide: kAttendChunk x 32 floats.
-void AttendChunk(const uint16_t* const* ent, int n, int ahead, const float* q,
-                 const AttnShapes& shapes, float* s, float* tile, float* wide,
-                 float* m, float* z, float* o) {
+// lora). The entries the core computes next, nxt[0, nn) (the next chunk it
+// claimed; none if nn is 0), are requested meanwhile: the 32 entries after
+// the current pair's into L1 during the pair's scores (two lines per
+// dimension: the next pair's entries come from this chunk, the last
+// pair's from the next chunk), and the next chunk's others into L2 during
+// the weighted sums (two lines per entry and pass). Requested all at once
+// before each pair and chunk instead, the misses of an entry mostly did
+// not overlap the arithmetic: on an AMD EPYC (Zen 5) VM, dsa-tiny's 2048
+// entries of 128K, from DRAM, took 72-78 us on two cores against ~30 warm
+// and ~25 to merely read them; spread this way, 62-66 us. s: heads x
+// kAttendChunk scratch; tile: the transposed entry tile; wide:
+// kAttendChunk x 32 floats; l1, l2: the requests' scratch.
+void AttendChunk(const uint16_t* const* ent, int n, const uint16_t* const* nxt,
+                 int nn, const float* q, const AttnShapes& shapes, float* s,
+                 float* tile, float* wide, float* m, float* z, float* o,
+                 LineRequests* l1, LineRequests* l2) {
   const int heads = shapes.heads, kv_dim = shapes.kv_dim;
   const size_t s_stride = kAttendChunk;
+  const size_t entry_bytes = size_t(kv_dim) * 2;
   // Scores, 32 entries (two 16-entry blocks) per tile.
   for (int j0 = 0; j0 < n; j0 += 32) {
     const bool second = j0 + 16 < n;
-    // The next pair's entries, scattered over the pages: prefetched so
-    // that their misses overlap this pair's arithmetic.
-    for (int j = j0 + 32; j < std::min(ahead, j0 + 64); ++j) {
-      PrefetchEntryLines<true>(ent[j], size_t(kv_dim) * 2);
+    l1->Clear();
+    for (int j = j0 + 32; j < j0 + 64; ++j) {
+      if (j < n) {
+        l1->AddEntry(ent[j], entry_bytes);
+      } else if (j - n < nn) {
+        l1->AddEntry(nxt[j - n], entry_bytes);
+      }
     }
     LoadEntryTile(ent + j0, std::min(kEntryBlock, n - j0), kv_dim, tile, 32);
     if (second) {
@@ -2545,12 +2606,12 @@ void AttendChunk(const uint16_t* const* ent, int n, int ahead, const float* q,
     for (; h + 8 <= heads; h += 8) {
       TileScores<8>(tile, kv_dim, q + size_t(h) * shapes.q_dim, shapes.q_dim,
                     shapes.softmax_scale, s + h * s_stride + j0, s_stride,
-                    second);
+                    second, l1);
     }
     for (; h < heads; ++h) {
       TileScores<1>(tile, kv_dim, q + size_t(h) * shapes.q_dim, shapes.q_dim,
                     shapes.softmax_scale, s + h * s_stride + j0, s_stride,
-                    second);
+                    second, l1);
     }
   }
   // The chunk's softmax numerators.
@@ -2585,8 +2646,12 @@ void AttendChunk(const uint16_t* const* ent, int n, int ahead, const float* q,
   const size_t os = size_t(lora);
   const int full_groups = heads / 8;
   const int chunks = lora / 32;
+  // The next chunk's entries that the last pair's scores did not request.
+  l2->Clear();
+  for (int j = (n - 1) / 32 * 32 + 64 - n; j < nn; ++j)
+    l2->AddEntry(nxt[j], entry_bytes);
   for (int c = 0; c < chunks && full_groups > 1; ++c) {
-    WidenEntryChunk(ent, n, c * 32, wide);
+    WidenEntryChunk(ent, n, c * 32, wide, l2);
     for (int g = 0; g < full_groups; ++g) {
       WeightedSumWide(wide, n, s + size_t(g) * 8 * s_stride, s_stride,
                       o + size_t(g) * 8 * os + c * 32, os);
@@ -2595,7 +2660,7 @@ void AttendChunk(const uint16_t* const* ent, int n, int ahead, const float* q,
   for (int g = 0; g < full_groups; ++g) {
     for (int c = 0; c < chunks && full_groups == 1; ++c) {
       WeightedSum<2, 8>(ent, n, s + size_t(g) * 8 * s_stride, s_stride, c * 32,
-                        32, o + size_t(g) * 8 * os + c * 32, os);
+                        32, o + size_t(g) * 8 * os + c * 32, os, l2);
     }
     if (chunks * 32 < lora) {
       WeightedSumTail<8>(ent, n, s + size_t(g) * 8 * s_stride, s_stride,
@@ -3173,35 +3238,34 @@ void MlaAttend(const LayerView& view, const int32_t* sel, int nsel,
   } else {
     ParallelFor(pool, parts, 1, [&](int64_t, int64_t) {
       thread_local AlignedVector<float> tile, scratch, wide;
+      thread_local LineRequests l1, l2;
       tile.resize(tile_size);
       scratch.resize(s_size);
       wide.resize(size_t(kAttendChunk) * 32);
-      // A chunk's entry addresses once (a page-table lookup each), each
-      // entry's lines requested into L2 right away: the
-      // entries are scattered over the pages, and asking for all of them
-      // at once lets their misses overlap. A core claims its next chunk
-      // and requests it before computing the current one, so those misses
-      // also overlap the arithmetic.
-      auto request = [&](int c) {
-        if (c >= nchunks) return;
+      // A chunk's entry addresses once (a page-table lookup each). A core
+      // claims its next chunk before computing the current one, so that
+      // the next chunk's entries, scattered over the pages, are requested
+      // while it computes (AttendChunk).
+      auto addresses = [&](int c) {
+        if (c >= nchunks) return 0;
         const int j0 = c * kAttendChunk;
         const int n = std::min(kAttendChunk, nsel - j0);
         EntryAddresses(view, sel + j0, n, entries_out + j0);
-        for (int j = j0; j < j0 + n; ++j) {
-          PrefetchEntryLines<false>(entries_out[j], size_t(shapes.kv_dim) * 2);
-        }
+        return n;
       };
       int c = next.fetch_add(1, std::memory_order_relaxed);
-      request(c);
+      int n = addresses(c);
       while (c < nchunks) {
         const int c_next = next.fetch_add(1, std::memory_order_relaxed);
-        request(c_next);
+        const int n_next = addresses(c_next);
         const int j0 = c * kAttendChunk;
-        const int n = std::min(kAttendChunk, nsel - j0);
-        AttendChunk(ent + j0, n, n, q, shapes, scratch.data(), tile.data(),
-                    wide.data(), mx + c * heads, zs + c * heads,
-                    part + size_t(c) * heads * lora);
+        const uint16_t* const* ent_next =
+            n_next > 0 ? ent + size_t(c_next) * kAttendChunk : nullptr;
+        AttendChunk(ent + j0, n, ent_next, n_next, q, shapes, scratch.data(),
+                    tile.data(), wide.data(), mx + c * heads, zs + c * heads,
+                    part + size_t(c) * heads * lora, &l1, &l2);
         c = c_next;
+        n = n_next;
       }
     });
   }
