@@ -2289,47 +2289,6 @@ void SelectTopK(const float* scores, int n, int k, std::vector<int32_t>* out) {
 
 namespace {
 
-// KernelExp's constants: Cody-Waite split of ln 2 and a degree-7 minimax
-// polynomial on [-ln2/2, ln2/2] (Cephes expf).
-constexpr float kLog2e = 1.44269504088896341f;
-constexpr float kLn2Hi = 0.693359375f;
-constexpr float kLn2Lo = -2.12194440e-4f;
-constexpr float kExpP[6] = {1.9875691500e-4f, 1.3981999507e-3f,
-                            8.3334519073e-3f, 4.1665795894e-2f,
-                            1.6666665459e-1f, 5.0000001201e-1f};
-
-// KernelExp on 16 lanes, operation for operation.
-inline __m512 KernelExp16(__m512 x) {
-  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  const __mmask16 tiny =
-      _mm512_cmp_ps_mask(x, _mm512_set1_ps(-104.0f), _CMP_LT_OQ);
-  const __m512 xc = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
-  const __m512 n =
-      _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(kLog2e)),
-                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Hi), xc);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Lo), r);
-  __m512 p = _mm512_set1_ps(kExpP[0]);
-  for (int i = 1; i < 6; ++i)
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpP[i]));
-  __m512 y = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
-  y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
-  __m512 e = _mm512_scalef_ps(y, n);
-  e = _mm512_mask_mov_ps(e, tiny, _mm512_setzero_ps());
-  return _mm512_mask_mov_ps(e, nan, x);
-}
-
-// The softmax denominator's lane tree: (l + l+8), (l + l+4), (l + l+2),
-// (l + l+1), from lane 0's side.
-inline float LaneTreeSum(__m512 v) {
-  alignas(64) float z[16];
-  _mm512_store_ps(z, v);
-  for (int w = 8; w >= 1; w /= 2) {
-    for (int l = 0; l < w; ++l) z[l] = z[l] + z[l + w];
-  }
-  return z[0];
-}
-
 constexpr int kEntryBlock = 16;
 // Entries per softmax chunk (MlaAttend): a fixed size, so the result
 // does not depend on the number of cores.
@@ -2552,11 +2511,11 @@ float KernelExp(float x) {
   if (x != x) return x;
   if (x < -104.0f) return 0.0f;
   const float xc = std::min(x, 88.0f);
-  const float n = std::nearbyint(xc * kLog2e);
-  float r = std::fma(n, -kLn2Hi, xc);
-  r = std::fma(n, -kLn2Lo, r);
-  float p = kExpP[0];
-  for (int i = 1; i < 6; ++i) p = std::fma(p, r, kExpP[i]);
+  const float n = std::nearbyint(xc * kExpLog2e);
+  float r = std::fma(n, -kExpLn2Hi, xc);
+  r = std::fma(n, -kExpLn2Lo, r);
+  float p = kExpPoly[0];
+  for (int i = 1; i < 6; ++i) p = std::fma(p, r, kExpPoly[i]);
   float y = std::fma(p, r * r, r);
   y = y + 1.0f;
   return std::ldexp(y, int(n));

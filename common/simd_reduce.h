@@ -1,7 +1,7 @@
 // AVX-512 pieces shared by the sparse-attention kernels: lane sums, a
 // running top-k, the lane mask of a vector loop's tail, the 16 x 16
-// transpose that turns 16 gathered entries into one lane each, and cache
-// line prefetches. Each is a fixed
+// transpose that turns 16 gathered entries into one lane each, the
+// softmax's exp and denominator, and cache line prefetches. Each is a fixed
 // sequence of operations, so a kernel that uses it stays a pure function of its
 // inputs (DESIGN.md §6).
 #pragma once
@@ -140,6 +140,48 @@ inline float* EntryTileScratch(int dim, int tiles = 1) {
 }
 
 #pragma GCC diagnostic pop
+
+// KernelExp's constants: Cody-Waite split of ln 2 and a degree-7 minimax
+// polynomial on [-ln2/2, ln2/2] (Cephes expf).
+inline constexpr float kExpLog2e = 1.44269504088896341f;
+inline constexpr float kExpLn2Hi = 0.693359375f;
+inline constexpr float kExpLn2Lo = -2.12194440e-4f;
+inline constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f,
+                                      8.3334519073e-3f, 4.1665795894e-2f,
+                                      1.6666665459e-1f, 5.0000001201e-1f};
+
+// KernelExp (attention.h) on 16 lanes, operation for operation.
+inline __m512 KernelExp16(__m512 x) {
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  const __mmask16 tiny =
+      _mm512_cmp_ps_mask(x, _mm512_set1_ps(-104.0f), _CMP_LT_OQ);
+  const __m512 xc = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
+  const __m512 n =
+      _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(kExpLog2e)),
+                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kExpLn2Hi), xc);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kExpLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i)
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
+  __m512 y = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
+  y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
+  __m512 e = _mm512_scalef_ps(y, n);
+  e = _mm512_mask_mov_ps(e, tiny, _mm512_setzero_ps());
+  return _mm512_mask_mov_ps(e, nan, x);
+}
+
+// The attention kernels' softmax denominator: 16 partial sums combined by
+// the lane tree (l + l+8), (l + l+4), (l + l+2), (l + l+1), from lane 0's
+// side.
+inline float LaneTreeSum(__m512 v) {
+  alignas(64) float z[16];
+  _mm512_store_ps(z, v);
+  for (int w = 8; w >= 1; w /= 2) {
+    for (int l = 0; l < w; ++l) z[l] = z[l] + z[l + w];
+  }
+  return z[0];
+}
 
 // A prefetch the compiler keeps: GCC treats _mm_prefetch as free of side
 // effects and deletes a loop that does nothing else.

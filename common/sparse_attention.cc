@@ -154,8 +154,10 @@ void SparseAttention::Attend(const LayerView& view, const float* q,
   const int group = s.heads / s.kv_heads;
   // Per head h, over its selected positions j in increasing order:
   //   s_j = fma chain over c of q[c] k_j[c] from +0, then s_j * scale
-  //   (+ bias_j); m = max_j s_j; p_j = exp(s_j - m), z = sum_j p_j in
-  //   increasing j, p_j *= 1 / z; o[c] = fma chain over j of p_j v_j[c].
+  //   (+ bias_j); m = max_j s_j; p_j = KernelExp(s_j - m) (attention.h);
+  //   z = 16 partial sums (p_j into lane j % 16, in increasing j) combined
+  //   by the lane tree (LaneTreeSum), as MlaAttend's chunk denominators;
+  //   p_j *= 1 / z; o[c] = fma chain over j of p_j v_j[c].
   // Heads of a KV group that select the same positions are served together:
   // their entries are gathered once, 16 at a time, transposed and widened
   // into an L1 tile (one lane per entry), over which every head's score
@@ -236,11 +238,16 @@ void SparseAttention::Attend(const LayerView& view, const float* q,
         vm = _mm512_mask_max_ps(vm, valid, x, vm);
       }
       const float m = _mm512_reduce_max_ps(vm);
-      float z = 0.0f;
-      for (int j = 0; j < n; ++j) {
-        sh[j] = std::exp(sh[j] - m);
-        z += sh[j];
+      const __m512 vmv = _mm512_set1_ps(m);
+      __m512 vz = _mm512_setzero_ps();
+      for (int j = 0; j < n; j += 16) {
+        const __m512 e = _mm512_maskz_mov_ps(
+            FirstLanes16(n - j),
+            KernelExp16(_mm512_sub_ps(_mm512_loadu_ps(sh + j), vmv)));
+        _mm512_storeu_ps(sh + j, e);
+        vz = _mm512_add_ps(vz, e);
       }
+      const float z = LaneTreeSum(vz);
       const __m512 inv = _mm512_set1_ps(1.0f / z);
       for (int j = 0; j < n; j += 16) {
         _mm512_storeu_ps(sh + j, _mm512_mul_ps(_mm512_loadu_ps(sh + j), inv));

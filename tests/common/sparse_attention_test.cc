@@ -474,12 +474,16 @@ void ScalarAttend(const AttnShapes& s, const LayerView& view, const float* q,
       if (!sel.bias.empty()) p[j] += sel.bias[j];
       m = std::max(m, p[j]);
     }
-    float z = 0.0f;
+    // The denominator: p_j into lane j % 16 in order, then the lane tree.
+    float lanes[16] = {};
     for (size_t j = 0; j < n; ++j) {
-      p[j] = std::exp(p[j] - m);
-      z += p[j];
+      p[j] = KernelExp(p[j] - m);
+      lanes[j % 16] += p[j];
     }
-    const float inv = 1.0f / z;
+    for (int w = 8; w >= 1; w /= 2) {
+      for (int l = 0; l < w; ++l) lanes[l] = lanes[l] + lanes[l + w];
+    }
+    const float inv = 1.0f / lanes[0];
     float* oh = out + size_t(h) * s.out_dim;
     std::fill(oh, oh + d, 0.0f);
     for (size_t j = 0; j < n; ++j) {
