@@ -115,7 +115,16 @@ class SparseAttention {
   // `out` receives H x d floats.
   void Attend(const LayerView& view, const float* q,
               const std::vector<HeadSelection>& heads, float* out,
-              KernelCost* cost) const;
+              KernelCost* cost) const {
+    AttendHeads(view, q, heads, 0, shapes_.heads, out, cost);
+  }
+  // Attend for query heads [h_begin, h_end) only (both multiples of
+  // H / Hkv: whole KV groups); out's other heads are left as they are.
+  // Heads are computed independently, so splitting them over cores gives
+  // the same bits.
+  void AttendHeads(const LayerView& view, const float* q,
+                   const std::vector<HeadSelection>& heads, int h_begin,
+                   int h_end, float* out, KernelCost* cost) const;
 
  protected:
   explicit SparseAttention(const AttnShapes& shapes) : shapes_(shapes) {}

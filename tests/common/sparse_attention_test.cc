@@ -567,7 +567,8 @@ TEST_CASE("a segment's tokens on a core pool give the same outputs and costs",
       x.state = NewAttentionSessionState(**method, c.num_hidden_layers);
     }
     const int layer = c.num_hidden_layers - 1;  // a sparse layer
-    // A prefill in two segments, then three decode steps.
+    // A prefill in two segments, then three decode steps (one token: its
+    // Attend is split over the pool by KV group).
     const std::pair<int, int> segments[] = {
         {0, 700}, {700, 301}, {1001, 1}, {1002, 1}, {1003, 1}};
     for (const auto& [start, n] : segments) {
