@@ -7,7 +7,7 @@
 //                      [--receive-buffers N] [--posted-receives N]
 //                      [--no-table] [--no-ingest]
 //                      [--ingest-tokens N] [--ingest-chunk N] [--spin-us N]
-//                      [--one-send-endpoint]
+//                      [--one-send-endpoint] [--window N]
 //
 // For every provider and message size, two processes (this one and a forked
 // child):
@@ -18,13 +18,18 @@
 //     usec/xfer).
 //   * bandwidth: one-way stream of messages from the parent's main thread;
 //     the child acknowledges the last one. MB/s = 1e6 bytes per second.
-//     "MB/s" sends with SendShared() (large messages without a copy) the
-//     way the daemons do: with RmaPays(provider) (tcp), messages from
+//     "MB/s" sends the way the daemons do: with SendSharedAsync() (large
+//     messages without a copy), at most --window (default 8) in flight;
+//     with RmaPays(provider) (tcp), messages from
 //     FabricOptions::rma_threshold on are written by RMA into the receiver's
-//     landing zone; otherwise (shm) they go as plain messages. "alt" is the
-//     other way (shm with RMA, tcp with plain messages), "copy" Send(),
-//     which copies each message into a transport buffer first. The latency
-//     column uses the daemons' way too.
+//     landing zone (where the provider does not order a send after a
+//     write, FI_ORDER_SAW, such a send waits for its write's completion);
+//     otherwise (shm) they go as plain messages. "alt" is the other way
+//     (shm with RMA, tcp with plain messages), "wait" SendShared(), each
+//     send waiting for its completion (before this table had the
+//     asynchronous column, its "MB/s"), "copy" Send(), which copies each
+//     message into a transport buffer first. The latency column uses
+//     SendShared().
 //   * fi_pingpong: `fi_pingpong -e rdm -p PROVIDER -S SIZE -I ITERS` server
 //     and client on localhost; its usec/xfer and MB/sec columns. A client
 //     gets 2 min; a server that outlives SIGTERM by 3 s is killed.
@@ -56,7 +61,7 @@
 // every stored byte; "store ms" is the child's own decode + store time within
 // the timed turn. Two bounds, each the time the same KV bytes take at a
 // streaming bandwidth measured in this run (same provider, same RMA
-// setting, SendShared() back to back): "hot" streams one frame-sized buffer
+// setting, the table's "MB/s" way): "hot" streams one frame-sized buffer
 // again and again (cache-hot on both sides), "cold" cycles through the
 // turn's distinct frames, as the ingestion reads them. The goal is a hot
 // ratio (ingest ms / hot bound ms) <= 2.
@@ -95,9 +100,11 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// kBandwidth streams with SendShared() (zero copy for large messages),
-// kBandwidthCopy with Send() (copies every message).
-enum class Mode { kLatency, kBandwidth, kBandwidthCopy };
+// kBandwidth streams with SendSharedAsync(), at most g_window messages in
+// flight (zero copy for large messages; the daemons' way), kBandwidthWait
+// with SendShared(), each send waiting for its completion, kBandwidthCopy
+// with Send() (copies every message).
+enum class Mode { kLatency, kBandwidth, kBandwidthWait, kBandwidthCopy };
 
 struct Result {
   double latency_us = 0;  // one-way
@@ -142,6 +149,7 @@ std::optional<std::string> ReadString(int fd) {
 int g_receive_buffers = FabricOptions().receive_buffers;
 int g_posted_receives = FabricOptions().posted_receives;
 int g_spin_us = FabricOptions().spin_us;
+int g_window = 8;
 bool g_send_endpoint_per_peer = FabricOptions().send_endpoint_per_peer;
 
 FabricOptions Options(const std::string& provider, size_t size,
@@ -224,6 +232,8 @@ std::optional<Result> MeasureOurs(
       std::atomic<PeerId> child{kUnknownPeer};
       absl::Mutex mu;
       int pongs = 0;
+      int in_flight = 0;  // kBandwidth's asynchronous sends
+      bool send_failed = false;
       bool finished = false;
       Clock::time_point start, end;
       std::string ping(size, 'p');
@@ -279,21 +289,45 @@ std::optional<Result> MeasureOurs(
               start = Clock::now();
               bytes = 0;
               for (int i = 0; i < iters && ok; ++i) {
-                if (mode == Mode::kBandwidth && cycle != nullptr) {
-                  const auto& m = (*cycle)[i % cycle->size()];
+                const std::shared_ptr<const std::string>& m =
+                    cycle != nullptr ? (*cycle)[i % cycle->size()] : shared;
+                if (mode == Mode::kBandwidth) {
+                  bytes += static_cast<double>(m->size());
+                  {
+                    absl::MutexLock lock(&mu);
+                    auto room = [&]() { return in_flight < g_window; };
+                    mu.Await(absl::Condition(&room));
+                    ++in_flight;
+                  }
+                  ok = transport
+                           ->SendSharedAsync(*id, m,
+                                             [&](absl::Status status) {
+                                               absl::MutexLock lock(&mu);
+                                               --in_flight;
+                                               if (!status.ok())
+                                                 send_failed = true;
+                                             })
+                           .ok();
+                  if (!ok) {
+                    absl::MutexLock lock(&mu);
+                    --in_flight;  // not posted: no callback
+                  }
+                } else if (mode == Mode::kBandwidthWait) {
                   bytes += static_cast<double>(m->size());
                   ok = transport->SendShared(*id, m).ok();
-                } else if (mode == Mode::kBandwidth) {
-                  bytes += static_cast<double>(size);
-                  ok = transport->SendShared(*id, shared).ok();
                 } else {
                   bytes += static_cast<double>(size);
                   ok = transport->Send(*id, ping.data(), ping.size()).ok();
                 }
               }
               mu.Lock();
-              auto acked = [&pongs, round]() { return pongs > round; };
-              ok = ok && mu.AwaitWithTimeout(absl::Condition(&acked), bound);
+              // Acknowledged, and every asynchronous send's callback run
+              // (they refer to this frame's variables).
+              auto acked = [&pongs, &in_flight, round]() {
+                return pongs > round && in_flight == 0;
+              };
+              ok = ok && mu.AwaitWithTimeout(absl::Condition(&acked), bound) &&
+                   !send_failed;
             }
             if (ok) {
               const double s =
@@ -897,6 +931,8 @@ int Main(int argc, char** argv) {
       if (!absl::SimpleAtoi(value(), &ingest_chunk) || ingest_chunk < 1) {
         return 2;
       }
+    } else if (flag == "--window") {
+      if (!absl::SimpleAtoi(value(), &g_window) || g_window < 1) return 2;
     } else if (flag == "--repeat") {
       if (!absl::SimpleAtoi(value(), &repeat) || repeat < 1) return 2;
     } else {
@@ -906,7 +942,7 @@ int Main(int argc, char** argv) {
                    "[--repeat N] [--receive-buffers N] "
                    "[--posted-receives N] [--no-table] "
                    "[--no-ingest] [--ingest-tokens N] [--ingest-chunk N] "
-                   "[--spin-us N] [--one-send-endpoint]\n");
+                   "[--spin-us N] [--one-send-endpoint] [--window N]\n");
       return 2;
     }
   }
@@ -916,15 +952,17 @@ int Main(int argc, char** argv) {
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   if (table) {
     std::printf(
-        "%-4s %6s | %10s %10s %6s | %10s %10s %6s | %10s %6s | %10s %6s\n",
+        "%-4s %6s | %10s %10s %6s | %10s %10s %6s | %10s %6s | %10s %6s | "
+        "%10s %6s\n",
         "prov", "size", "lat us", "fi lat us", "ratio", "MB/s", "fi MB/s",
-        "ratio", "alt MB/s", "ratio", "copy MB/s", "ratio");
+        "ratio", "alt MB/s", "ratio", "wait MB/s", "ratio", "copy MB/s",
+        "ratio");
     int port = 47700 + static_cast<int>(getpid() % 1000);
     for (const std::string& provider : providers) {
       for (size_t size : sizes) {
         const int iters = Iterations(size, quick);
         const int lat_iters = std::max(20, iters / 4);
-        std::optional<Result> lat, bw, bw_msg, bw_copy, theirs;
+        std::optional<Result> lat, bw, bw_msg, bw_wait, bw_copy, theirs;
         for (int r = 0; r < repeat; ++r) {
           const bool rma = RmaPays(provider);
           auto l = MeasureOurs(provider, Mode::kLatency, size, lat_iters,
@@ -935,6 +973,9 @@ int Main(int argc, char** argv) {
           auto m =
               MeasureOurs(provider, Mode::kBandwidth, size, iters, 0, !rma);
           if (m && (!bw_msg || m->mbps > bw_msg->mbps)) bw_msg = m;
+          auto w =
+              MeasureOurs(provider, Mode::kBandwidthWait, size, iters, 0, rma);
+          if (w && (!bw_wait || w->mbps > bw_wait->mbps)) bw_wait = w;
           auto c =
               MeasureOurs(provider, Mode::kBandwidthCopy, size, iters, 0, rma);
           if (c && (!bw_copy || c->mbps > bw_copy->mbps)) bw_copy = c;
@@ -954,21 +995,24 @@ int Main(int argc, char** argv) {
           return a && b && *b > 0 ? absl::StrFormat("%6.2f", *a / *b)
                                   : std::string("   n/a");
         };
-        std::optional<double> our_lat, fi_lat, our_bw, msg_bw, copy_bw, fi_bw;
+        std::optional<double> our_lat, fi_lat, our_bw, msg_bw, wait_bw,
+            copy_bw, fi_bw;
         if (lat) our_lat = lat->latency_us;
         if (bw) our_bw = bw->mbps;
         if (bw_msg) msg_bw = bw_msg->mbps;
+        if (bw_wait) wait_bw = bw_wait->mbps;
         if (bw_copy) copy_bw = bw_copy->mbps;
         if (theirs) {
           fi_lat = theirs->latency_us;
           fi_bw = theirs->mbps;
         }
-        std::printf("%-4s %6s | %s %s %s | %s %s %s | %s %s | %s %s\n",
+        std::printf("%-4s %6s | %s %s %s | %s %s %s | %s %s | %s %s | %s %s\n",
                     provider.c_str(), SizeName(size).c_str(),
                     fmt(our_lat).c_str(), fmt(fi_lat).c_str(),
                     ratio(our_lat, fi_lat).c_str(), fmt(our_bw).c_str(),
                     fmt(fi_bw).c_str(), ratio(our_bw, fi_bw).c_str(),
                     fmt(msg_bw).c_str(), ratio(msg_bw, fi_bw).c_str(),
+                    fmt(wait_bw).c_str(), ratio(wait_bw, fi_bw).c_str(),
                     fmt(copy_bw).c_str(), ratio(copy_bw, fi_bw).c_str());
         std::fflush(stdout);
       }
