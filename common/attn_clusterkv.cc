@@ -225,7 +225,7 @@ class ClusterKvAttention final : public SparseAttention {
 
   void Select(const LayerView& view, int pos, const float* q,
               const MethodLayerState* state, std::vector<HeadSelection>* heads,
-              KernelCost* cost) const override {
+              KernelCost* cost, CorePool*) const override {
     const auto* st = static_cast<const ClusterState*>(state);
     const int clustered = std::max(0, st->clustered_upto - sink_);
     if (clustered <= budget_ || pos < st->clustered_upto) {

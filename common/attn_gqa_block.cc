@@ -86,7 +86,7 @@ class GqaBlockAttention final : public SparseAttention {
 
   void Select(const LayerView& view, int pos, const float* q,
               const MethodLayerState* state, std::vector<HeadSelection>* heads,
-              KernelCost* cost) const override {
+              KernelCost* cost, CorePool*) const override {
     const int cur = pos / block_;
     if (cur <= topk_) {  // every block is taken
       SelectDense(pos, heads);

@@ -11,7 +11,8 @@ class GqaDenseAttention final : public SparseAttention {
   const char* name() const override { return "gqa_dense/dense"; }
   bool SparseLayer(int) const override { return false; }
   void Select(const LayerView&, int pos, const float*, const MethodLayerState*,
-              std::vector<HeadSelection>* heads, KernelCost*) const override {
+              std::vector<HeadSelection>* heads, KernelCost*,
+              CorePool*) const override {
     SelectDense(pos, heads);
   }
 };

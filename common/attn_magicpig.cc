@@ -100,7 +100,7 @@ class MagicPigAttention final : public SparseAttention {
 
   void Select(const LayerView& view, int pos, const float* q,
               const MethodLayerState* state, std::vector<HeadSelection>* heads,
-              KernelCost* cost) const override {
+              KernelCost* cost, CorePool* pool) const override {
     const auto* st = static_cast<const PigState*>(state);
     const int mid_end = pos - local_ + 1;  // middle: [sink, mid_end)
     if (!st->fixed || mid_end <= sink_) {
@@ -108,7 +108,6 @@ class MagicPigAttention final : public SparseAttention {
       return;
     }
     const int H = shapes_.heads, hkv = shapes_.kv_heads, d = shapes_.head_dim;
-    const int group = H / hkv;
     heads->resize(H);
     // Per head: its buckets, |q|, and the sink tokens first.
     thread_local std::vector<uint32_t> qcodes;
@@ -130,18 +129,96 @@ class MagicPigAttention final : public SparseAttention {
         sel.bias.push_back(0.0f);
       }
     }
+    const int width = CodeWidth(bits_);
+    const size_t row = size_t(tables_) * width;  // bytes per token
+    if (width == 1) {
+      qbytes.resize(qcodes.size());
+      for (size_t i = 0; i < qcodes.size(); ++i) {
+        qbytes[i] = static_cast<uint8_t>(qcodes[i]);
+      }
+    }
+    // The calling thread's buffers, named here: inside the pool's loop a
+    // thread_local would be the worker's own.
+    const PigQuery pq{q, qcodes.data(), qbytes.data(), qnorm.data()};
+    // The middle tokens, in token ranges over the pool's cores where the
+    // scan repays waking them: each range's retrieved tokens, in order,
+    // then the ranges' in order, so the selections are the same.
+    const double work = double(mid_end - sink_) * H * tables_;
+    const int parts = pool != nullptr && work >= pool->min_parallel_work()
+                          ? std::min(pool->cores(), mid_end - sink_)
+                          : 1;
+    if (parts <= 1) {
+      RetrieveRange(view, *st, pq, sink_, mid_end, heads);
+    } else {
+      thread_local std::vector<std::vector<HeadSelection>> part_sel;
+      std::vector<std::vector<HeadSelection>>& ps = part_sel;
+      ps.resize(size_t(parts));
+      for (auto& p : ps) {
+        p.resize(H);
+        for (HeadSelection& sel : p) {
+          sel.positions.clear();
+          sel.bias.clear();
+        }
+      }
+      const int span = mid_end - sink_;
+      pool->ParallelFor(parts, 1, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) {
+          const int t0 = sink_ + int(int64_t(span) * i / parts);
+          const int t1 = sink_ + int(int64_t(span) * (i + 1) / parts);
+          RetrieveRange(view, *st, pq, t0, t1, &ps[size_t(i)]);
+        }
+      });
+      for (int h = 0; h < H; ++h) {
+        HeadSelection& sel = (*heads)[h];
+        for (const auto& p : ps) {
+          const HeadSelection& part = p[size_t(h)];
+          sel.positions.insert(sel.positions.end(), part.positions.begin(),
+                               part.positions.end());
+          sel.bias.insert(sel.bias.end(), part.bias.begin(), part.bias.end());
+        }
+      }
+    }
+    for (int h = 0; h < H; ++h) {
+      HeadSelection& sel = (*heads)[h];
+      for (int t = mid_end; t <= pos; ++t) {
+        sel.positions.push_back(t);
+        sel.bias.push_back(0.0f);
+      }
+    }
+    cost->bytes += double(mid_end - sink_) * hkv * row;
+    cost->flops += double(H) * tables_ * bits_ * d * 2;
+  }
+
+ private:
+  // The calling thread's query data for RetrieveRange.
+  struct PigQuery {
+    const float* q;          // H x q_dim
+    const uint32_t* qcodes;  // H x L buckets
+    const uint8_t* qbytes;   // the same, a byte each (K <= 8)
+    const float* qnorm;      // H: |q|
+  };
+
+  // The middle tokens [t_begin, t_end) that share at least two of the
+  // query's buckets, per head in increasing position, appended to
+  // (*out)[h] with their logit offsets.
+  void RetrieveRange(const LayerView& view, const PigState& st,
+                     const PigQuery& pq, int t_begin, int t_end,
+                     std::vector<HeadSelection>* out) const {
+    const int H = shapes_.heads, hkv = shapes_.kv_heads, d = shapes_.head_dim;
+    const int group = H / hkv;
+    (void)H;
     // A middle token retrieved for head h: its logit offset from the angle
     // between the query and the centred key, whose dot product `dot` is
     // the fma chain over increasing c of q[c] (k[c] - mean[c]) from +0.
     auto retrieve = [&](int h, int g, int t, float dot) {
-      const float qn = qnorm[h];
-      const float kn = st->norms[size_t(t) * hkv + g];
+      const float qn = pq.qnorm[h];
+      const float kn = st.norms[size_t(t) * hkv + g];
       double cosv =
           qn > 0.0f && kn > 0.0f ? double(dot) / (double(qn) * kn) : 0.0;
       cosv = std::clamp(cosv, -1.0, 1.0);
       const double w =
           MagicPigRetrievalProbability(std::acos(cosv), bits_, tables_);
-      HeadSelection& sel = (*heads)[h];
+      HeadSelection& sel = (*out)[h];
       sel.positions.push_back(t);
       sel.bias.push_back(static_cast<float>(-std::log(w + 1e-4)));
     };
@@ -154,27 +231,21 @@ class MagicPigAttention final : public SparseAttention {
     // tokens ahead: those keys are scattered over the cache.
     const int width = CodeWidth(bits_);
     const size_t row = size_t(tables_) * width;  // bytes per token
-    if (width == 1) {
-      qbytes.resize(qcodes.size());
-      for (size_t i = 0; i < qcodes.size(); ++i) {
-        qbytes[i] = static_cast<uint8_t>(qcodes[i]);
-      }
-    }
     const int nv = (tables_ + 15) / 16;
     thread_local std::vector<std::vector<int>> hit;
     hit.resize(group);
     for (int g = 0; g < hkv; ++g) {
       for (auto& v : hit) v.clear();
-      const uint8_t* codes = st->codes[g].data();
+      const uint8_t* codes = st.codes[g].data();
       if (width == 1 && tables_ <= 64 && group <= 8) {
         const __mmask64 m =
             tables_ == 64 ? ~__mmask64(0) : (__mmask64(1) << tables_) - 1;
         __m512i qv[8];
         for (int i = 0; i < group; ++i) {
           qv[i] = _mm512_maskz_loadu_epi8(
-              m, &qbytes[(size_t(g) * group + i) * tables_]);
+              m, &pq.qbytes[(size_t(g) * group + i) * tables_]);
         }
-        for (int t = sink_; t < mid_end; ++t) {
+        for (int t = t_begin; t < t_end; ++t) {
           const uint8_t* kc = codes + size_t(t) * row;
           PrefetchLine(kc + 16 * row);
           const __m512i k = _mm512_maskz_loadu_epi8(m, kc);
@@ -185,17 +256,17 @@ class MagicPigAttention final : public SparseAttention {
           }
         }
       } else if (width == 1) {
-        for (int t = sink_; t < mid_end; ++t) {
+        for (int t = t_begin; t < t_end; ++t) {
           const uint8_t* kc = codes + size_t(t) * row;
           for (int i = 0; i < group; ++i) {
-            const uint8_t* qc = &qbytes[(size_t(g) * group + i) * tables_];
+            const uint8_t* qc = &pq.qbytes[(size_t(g) * group + i) * tables_];
             int hits = 0;
             for (int j = 0; j < tables_; ++j) hits += kc[j] == qc[j];
             if (hits >= 2) hit[i].push_back(t);
           }
         }
       } else if (nv <= 2 && group <= 8) {
-        const uint32_t* qg = &qcodes[size_t(g) * group * tables_];
+        const uint32_t* qg = &pq.qcodes[size_t(g) * group * tables_];
         const __mmask16 m0 = FirstLanes16(tables_);
         const __mmask16 m1 =
             tables_ > 16 ? FirstLanes16(tables_ - 16) : __mmask16(0);
@@ -204,7 +275,7 @@ class MagicPigAttention final : public SparseAttention {
           q0[i] = _mm512_maskz_loadu_epi32(m0, qg + size_t(i) * tables_);
           q1[i] = _mm512_maskz_loadu_epi32(m1, qg + size_t(i) * tables_ + 16);
         }
-        for (int t = sink_; t < mid_end; ++t) {
+        for (int t = t_begin; t < t_end; ++t) {
           const auto* kc = reinterpret_cast<const uint32_t*>(codes + t * row);
           PrefetchEntryLines<true>(kc + 16 * tables_, row);
           const __m512i k0 = _mm512_maskz_loadu_epi32(m0, kc);
@@ -218,8 +289,8 @@ class MagicPigAttention final : public SparseAttention {
           }
         }
       } else {
-        const uint32_t* qg = &qcodes[size_t(g) * group * tables_];
-        for (int t = sink_; t < mid_end; ++t) {
+        const uint32_t* qg = &pq.qcodes[size_t(g) * group * tables_];
+        for (int t = t_begin; t < t_end; ++t) {
           const auto* kc = reinterpret_cast<const uint32_t*>(codes + t * row);
           for (int i = 0; i < group; ++i) {
             const uint32_t* qc = qg + size_t(i) * tables_;
@@ -238,22 +309,22 @@ class MagicPigAttention final : public SparseAttention {
       // transposed and widened into an L1 tile (one lane per token), each
       // lane's chain the scalar one; the next 16 keys and key norms
       // requested meanwhile (the norms are scattered too: a miss each).
-      const float* mean = &st->mean[size_t(g) * d];
+      const float* mean = &st.mean[size_t(g) * d];
       float* tile = EntryTileScratch(d);
       const size_t k_off = GqaEntry::K(shapes_, g);
       for (int i = 0; i < group; ++i) {
         const std::vector<int>& ts = hit[i];
         const int h = g * group + i;
-        const float* qh = q + size_t(h) * shapes_.q_dim;
+        const float* qh = pq.q + size_t(h) * shapes_.q_dim;
         const int n = static_cast<int>(ts.size());
         for (int j = 0; j < std::min(n, 16); ++j) {
-          PrefetchLine(&st->norms[size_t(ts[j]) * hkv + g]);
+          PrefetchLine(&st.norms[size_t(ts[j]) * hkv + g]);
         }
         for (int j0 = 0; j0 < n; j0 += 16) {
           const int cnt = std::min(16, n - j0);
           for (int j = j0 + 16; j < std::min(n, j0 + 32); ++j) {
             PrefetchEntryLines<true>(view.Kv(ts[j]) + k_off, size_t(d) * 2);
-            PrefetchLine(&st->norms[size_t(ts[j]) * hkv + g]);
+            PrefetchLine(&st.norms[size_t(ts[j]) * hkv + g]);
           }
           const uint16_t* kp[16];
           for (int j = 0; j < cnt; ++j) kp[j] = view.Kv(ts[j0 + j]) + k_off;
@@ -272,18 +343,8 @@ class MagicPigAttention final : public SparseAttention {
         }
       }
     }
-    for (int h = 0; h < H; ++h) {
-      HeadSelection& sel = (*heads)[h];
-      for (int t = mid_end; t <= pos; ++t) {
-        sel.positions.push_back(t);
-        sel.bias.push_back(0.0f);
-      }
-    }
-    cost->bytes += double(mid_end - sink_) * hkv * row;
-    cost->flops += double(H) * tables_ * bits_ * d * 2;
   }
 
- private:
   // Bucket of `x` in every table: per table j, bit b set where plane j K + b
   // has dot > 0 with x, the dot being the fma chain over increasing c from +0
   // (plane[c] x[c]). Sixteen planes a vector (planes_t_), four vectors' chains

@@ -142,7 +142,7 @@ class QuestAttention final : public SparseAttention {
 
   void Select(const LayerView& view, int pos, const float* q,
               const MethodLayerState* state, std::vector<HeadSelection>* heads,
-              KernelCost* cost) const override {
+              KernelCost* cost, CorePool*) const override {
     const int cur = pos / page_;
     if (cur + 1 <= budget_) {  // the pages number at most page_budget
       SelectDense(pos, heads);

@@ -422,7 +422,9 @@ absl::Status RunAttentionLayer(const SparseAttention& method, int layer,
         const int pos = pos_start + i;
         const float* q = in.q + size_t(i) * s.heads * s.q_dim;
         if (sparse) {
-          method.Select(view, pos, q, st, &heads, &rc);
+          // A lone token (a decode step) lends the method the pool.
+          method.Select(view, pos, q, st, &heads, &rc,
+                        ranges == 1 ? pool : nullptr);
         } else {
           method.SelectDense(pos, &heads);
         }

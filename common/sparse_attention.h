@@ -102,10 +102,14 @@ class SparseAttention {
                             KernelCost* cost, CorePool* pool) const {}
   // Score + Select for the token at `pos` (its entry already stored) with
   // query `q` (H x q_dim floats). Fills heads[h] for every query head.
+  // `pool` (may be null; RunAttentionLayer lends it for a lone token) lends
+  // the device's cores; the selections must not depend on it. MagicPIG
+  // splits its scan over them; the other methods select on the calling
+  // thread.
   virtual void Select(const LayerView& view, int pos, const float* q,
                       const MethodLayerState* state,
-                      std::vector<HeadSelection>* heads,
-                      KernelCost* cost) const = 0;
+                      std::vector<HeadSelection>* heads, KernelCost* cost,
+                      CorePool* pool) const = 0;
 
   // Every position <= pos, for every head (layers that do not select).
   void SelectDense(int pos, std::vector<HeadSelection>* heads) const;

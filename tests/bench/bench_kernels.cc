@@ -660,10 +660,11 @@ bool BenchGqaMethod(const char* preset, const char* label, const int* contexts,
     LayerView view = cache.View(0);
     view.length = ctx + 1;
     KernelCost cost;  // what one Select reads and computes
-    (*method)->Select(view, ctx, q.data(), state(0), &heads[0], &cost);
+    (*method)->Select(view, ctx, q.data(), state(0), &heads[0], &cost, nullptr);
     const double select = best_pass([&](int s) {
       KernelCost unused;
-      (*method)->Select(view, ctx, q.data(), state(s), &heads[s], &unused);
+      (*method)->Select(view, ctx, q.data(), state(s), &heads[s], &unused,
+                        nullptr);
     });
     // Per Select, amortised over the sessions run on both cores; none where
     // the method scores nothing (dense: every position).

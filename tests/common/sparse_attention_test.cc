@@ -103,11 +103,12 @@ struct RandomLayer {
                 k.data());
     return k;
   }
-  std::vector<HeadSelection> Select(int pos, const std::vector<float>& q) {
+  std::vector<HeadSelection> Select(int pos, const std::vector<float>& q,
+                                    CorePool* pool = nullptr) {
     std::vector<HeadSelection> heads;
     KernelCost cost;
     method->Select(View(), pos, q.data(), state->layers[kLayer].get(), &heads,
-                   &cost);
+                   &cost, pool);
     return heads;
   }
 };
@@ -685,6 +686,18 @@ TEST_CASE("magicpig: retrieved set and weights equal brute force",
       CHECK(retrieved_total > 0);
       CHECK(retrieved_total < c.num_attention_heads *
                                   (n - a.sink - a.local));  // and it drops some
+      // The scan split over a pool's cores by token range (threshold 0, so
+      // always) selects the same positions with the same offsets.
+      for (int cores : {2, 3, 7}) {
+        CAPTURE(cores);
+        CorePool pool(cores, 0);
+        auto split = r.Select(pos, q, &pool);
+        REQUIRE(split.size() == heads.size());
+        for (size_t h = 0; h < heads.size(); ++h) {
+          CHECK(split[h].positions == heads[h].positions);
+          CHECK(split[h].bias == heads[h].bias);
+        }
+      }
     }
   }
 }
