@@ -225,7 +225,7 @@ class ClusterKvAttention final : public SparseAttention {
 
   void Select(const LayerView& view, int pos, const float* q,
               const MethodLayerState* state, std::vector<HeadSelection>* heads,
-              KernelCost* cost, CorePool*) const override {
+              KernelCost* cost, CorePool* pool) const override {
     const auto* st = static_cast<const ClusterState*>(state);
     const int clustered = std::max(0, st->clustered_upto - sink_);
     if (clustered <= budget_ || pos < st->clustered_upto) {
@@ -235,9 +235,39 @@ class ClusterKvAttention final : public SparseAttention {
     const int H = shapes_.heads, d = shapes_.head_dim;
     const int group = H / shapes_.kv_heads;
     heads->resize(H);
+    // Heads are independent: split over the pool's cores where the
+    // centroids to score repay waking them (the same selections).
+    double work = 0;
+    for (const auto& cl : st->heads) work += double(cl.size()) * d * group;
+    const int parts = pool != nullptr && work >= pool->min_parallel_work()
+                          ? std::min(pool->cores(), H)
+                          : 1;
+    if (parts <= 1) {
+      SelectHeads(*st, pos, q, 0, H, heads, cost);
+      return;
+    }
+    std::vector<KernelCost> part_cost(static_cast<size_t>(parts));
+    pool->ParallelFor(parts, 1, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        SelectHeads(*st, pos, q, int(int64_t(H) * i / parts),
+                    int(int64_t(H) * (i + 1) / parts), heads,
+                    &part_cost[size_t(i)]);
+      }
+    });
+    for (const KernelCost& c : part_cost) *cost += c;
+  }
+
+ private:
+  // Select's take for query heads [h_begin, h_end) into (*heads)[h].
+  void SelectHeads(const ClusterState& state, int pos, const float* q,
+                   int h_begin, int h_end, std::vector<HeadSelection>* heads,
+                   KernelCost* cost) const {
+    const ClusterState* st = &state;
+    const int d = shapes_.head_dim;
+    const int group = shapes_.heads / shapes_.kv_heads;
     thread_local std::vector<float> score;
     thread_local std::vector<int> order;
-    for (int h = 0; h < H; ++h) {
+    for (int h = h_begin; h < h_end; ++h) {
       const std::vector<Cluster>& cl = st->heads[h / group];
       const float* qh = q + size_t(h) * shapes_.q_dim;
       const int k = int(cl.size());
@@ -296,7 +326,6 @@ class ClusterKvAttention final : public SparseAttention {
     }
   }
 
- private:
   const int sink_, size_, budget_, iters_;
 };
 

@@ -142,7 +142,7 @@ class QuestAttention final : public SparseAttention {
 
   void Select(const LayerView& view, int pos, const float* q,
               const MethodLayerState* state, std::vector<HeadSelection>* heads,
-              KernelCost* cost, CorePool*) const override {
+              KernelCost* cost, CorePool* pool) const override {
     const int cur = pos / page_;
     if (cur + 1 <= budget_) {  // the pages number at most page_budget
       SelectDense(pos, heads);
@@ -150,12 +150,43 @@ class QuestAttention final : public SparseAttention {
     }
     const auto* st = static_cast<const QuestState*>(state);
     const int H = shapes_.heads, hkv = shapes_.kv_heads, d = shapes_.head_dim;
+    heads->resize(H);
+    // KV heads are independent (each reads its own part of every group of
+    // pages): split over the pool's cores where the bounds repay waking
+    // them. The same selections.
+    const double work = double(cur) * H * d;
+    const int parts = pool != nullptr && work >= pool->min_parallel_work()
+                          ? std::min(pool->cores(), hkv)
+                          : 1;
+    if (parts <= 1) {
+      SelectKvHeads(*st, pos, q, 0, hkv, heads);
+    } else {
+      pool->ParallelFor(parts, 1, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) {
+          SelectKvHeads(*st, pos, q, int(int64_t(hkv) * i / parts),
+                        int(int64_t(hkv) * (i + 1) / parts), heads);
+        }
+      });
+    }
+    cost->bytes += double(cur) * hkv * 2 * d * sizeof(float);
+    cost->flops += double(cur) * H * d * 2;
+  }
+
+ private:
+  // Select's take for the query heads of KV heads [g_begin, g_end), into
+  // (*heads)[h] (sized already).
+  void SelectKvHeads(const QuestState& state, int pos, const float* q,
+                     int g_begin, int g_end,
+                     std::vector<HeadSelection>* heads) const {
+    const QuestState* st = &state;
+    const int cur = pos / page_;
+    const int H = shapes_.heads, hkv = shapes_.kv_heads, d = shapes_.head_dim;
     const int heads_per_kv = H / hkv;
+    const int h_begin = g_begin * heads_per_kv, h_end = g_end * heads_per_kv;
     const size_t per_kv = size_t(d) * 2 * kGroupPages;
     const size_t per_group = size_t(hkv) * per_kv;
     const int groups = (cur + kGroupPages - 1) / kGroupPages;
     const size_t stride = size_t(groups) * kGroupPages;
-    heads->resize(H);
     // Per query head and channel, q and the offset of the vector its sign
     // picks; then one pass over the groups serves every query head. For
     // the usual small budgets each head's top pages are kept as its bounds
@@ -168,7 +199,7 @@ class QuestAttention final : public SparseAttention {
     thread_local std::vector<RunningTopK> tops;
     q_buf.resize(size_t(H) * d);
     pick_buf.resize(size_t(H) * d);
-    for (int h = 0; h < H; ++h) {
+    for (int h = h_begin; h < h_end; ++h) {
       for (int c = 0; c < d; ++c) {
         const float x = q[size_t(h) * shapes_.q_dim + c];
         q_buf[size_t(h) * d + c] = x;
@@ -186,7 +217,7 @@ class QuestAttention final : public SparseAttention {
     const char* pf_end =
         reinterpret_cast<const char*>(meta + size_t(groups) * per_group);
     for (int G = 0; G < groups; ++G) {
-      for (int g = 0; g < hkv; ++g) {
+      for (int g = g_begin; g < g_end; ++g) {
         const float* kv = meta + size_t(G) * per_group + size_t(g) * per_kv;
         const char* pf = reinterpret_cast<const char*>(kv) + kPrefetchAhead;
         for (int h0 = g * heads_per_kv; h0 < (g + 1) * heads_per_kv; h0 += 4) {
@@ -221,7 +252,7 @@ class QuestAttention final : public SparseAttention {
       }
     }
     std::vector<int32_t> top;
-    for (int h = 0; h < H; ++h) {
+    for (int h = h_begin; h < h_end; ++h) {
       if (running) {
         tops[h].Take(&top);
       } else {
@@ -236,11 +267,8 @@ class QuestAttention final : public SparseAttention {
         for (int t = p * page_; t < end; ++t) sel.positions.push_back(t);
       }
     }
-    cost->bytes += double(cur) * hkv * 2 * d * sizeof(float);
-    cost->flops += double(cur) * H * d * 2;
   }
 
- private:
   const int page_, budget_;
 };
 

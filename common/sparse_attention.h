@@ -104,8 +104,9 @@ class SparseAttention {
   // query `q` (H x q_dim floats). Fills heads[h] for every query head.
   // `pool` (may be null; RunAttentionLayer lends it for a lone token) lends
   // the device's cores; the selections must not depend on it. MagicPIG
-  // splits its scan over them; the other methods select on the calling
-  // thread.
+  // splits its scan over them by token range, Quest by KV head, ClusterKV
+  // by query head; gqa_block (one pass reads every KV head's block sums)
+  // selects on the calling thread.
   virtual void Select(const LayerView& view, int pos, const float* q,
                       const MethodLayerState* state,
                       std::vector<HeadSelection>* heads, KernelCost* cost,

@@ -317,6 +317,13 @@ TEST_CASE("quest: selection equals brute force across page groups",
         }
         CHECK(heads[h].positions == want);
       }
+      // Split over a pool's cores by KV head (threshold 0, so always where
+      // there are two): the same selections.
+      CorePool pool(3, 0);
+      auto split = r.Select(pos, q, &pool);
+      for (int h = 0; h < H; ++h) {
+        CHECK(split[h].positions == heads[h].positions);
+      }
     }
   }
 }
@@ -798,6 +805,15 @@ TEST_CASE("clusterkv: clusters and take equal the scalar k-means",
         std::sort(want.begin(), want.end());
         CHECK(heads[h].positions ==
               std::vector<int32_t>(want.begin(), want.end()));
+      }
+      // Split over a pool's cores by head (threshold 0, so always): the
+      // same take.
+      for (int cores : {2, 3}) {
+        CorePool pool(cores, 0);
+        auto split = r.Select(n, q, &pool);
+        for (int h = 0; h < H; ++h) {
+          CHECK(split[h].positions == heads[h].positions);
+        }
       }
     }
   }
