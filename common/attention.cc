@@ -1941,10 +1941,11 @@ namespace {
 // out[0 ..) and their scores into out_scores[0 ..) (room for n + 16 each);
 // returns their count.
 int CompressAtLeast(const float* scores, int n, float t, int32_t* out,
-                    float* out_scores) {
+                    float* out_scores, int first = 0) {
   const __m512 vt = _mm512_set1_ps(t);
-  __m512i idx =
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i idx = _mm512_add_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(first));
   const __m512i step = _mm512_set1_epi32(16);
   int s = 0, count = 0;
   for (; s + 16 <= n; s += 16) {
@@ -1958,11 +1959,16 @@ int CompressAtLeast(const float* scores, int n, float t, int32_t* out,
   for (; s < n; ++s) {
     if (scores[s] >= t) {
       out_scores[count] = scores[s];
-      out[count++] = s;
+      out[count++] = first + s;
     }
   }
   return count;
 }
+
+// From this many scores on, SelectTopK's compress runs on the pool's cores
+// (each over the range of scores it has just written, in a scan split the
+// same way), the ranges' candidates then put back in order.
+constexpr int kParallelSelect = 32768;
 
 // Small k: one pass that keeps the k best so far in a binary heap whose
 // root is the worst of them (lowest score; of equal scores, the highest
@@ -2179,7 +2185,8 @@ int CutAt(const float* vals, const int32_t* cand, int n, int k, float v,
 
 }  // namespace
 
-void SelectTopK(const float* scores, int n, int k, std::vector<int32_t>* out) {
+void SelectTopK(const float* scores, int n, int k, std::vector<int32_t>* out,
+                CorePool* pool) {
   out->clear();
   if (n <= 0) return;
   if (k >= n) {
@@ -2197,11 +2204,18 @@ void SelectTopK(const float* scores, int n, int k, std::vector<int32_t>* out) {
   // score (a vector compress), so that with high probability at least k
   // pass; when fewer do, every position. The threshold only sets how much
   // work the exact cut below does, never its result.
+  const int parts = pool != nullptr && n >= kParallelSelect
+                        ? std::min({pool->cores(), n / kKeyBlock, 64})
+                        : 1;
+  // Each part compresses into its own stretch of the buffers, 16 apart (a
+  // compress store writes whole vectors).
+  const size_t room = size_t(n) + 16 * size_t(parts + 1);
   thread_local std::vector<int32_t> cand_buf;
   thread_local std::vector<float> vals;  // the candidates' scores
-  if (cand_buf.size() < size_t(n) + 16) cand_buf.resize(size_t(n) + 16);
-  if (vals.size() < size_t(n) + 16) vals.resize(size_t(n) + 16);
+  if (cand_buf.size() < room) cand_buf.resize(room);
+  if (vals.size() < room) vals.resize(room);
   int32_t* cand = cand_buf.data();
+  float* cand_vals = vals.data();
   int nc = 0;
   if (n >= kMinSampledTopK && int64_t(k) * 4 <= n) {
     const int m = TopKSampleSize(n, k);
@@ -2211,7 +2225,30 @@ void SelectTopK(const float* scores, int n, int k, std::vector<int32_t>* out) {
     if (rank < m && !AnyNan(vals.data(), m)) {
       const float t = KthHighest(vals.data(), m, rank + 1);
       // Every candidate is >= t, so none is NaN.
-      nc = CompressAtLeast(scores, n, t, cand, vals.data());
+      if (parts <= 1) {
+        nc = CompressAtLeast(scores, n, t, cand, cand_vals);
+      } else {
+        // Ranges of whole key blocks, as the scan splits its keys.
+        int counts[64];
+        auto begin_of = [&](int p) {
+          return int(int64_t(n / kKeyBlock) * p / parts) * kKeyBlock;
+        };
+        pool->ParallelFor(parts, 1, [&](int64_t b, int64_t e) {
+          for (int64_t p = b; p < e; ++p) {
+            const int s0 = begin_of(int(p));
+            const int s1 = p + 1 == parts ? n : begin_of(int(p) + 1);
+            const size_t at = size_t(s0) + 16 * size_t(p);
+            counts[p] = CompressAtLeast(scores + s0, s1 - s0, t, cand + at,
+                                        cand_vals + at, s0);
+          }
+        });
+        for (int p = 0; p < parts; ++p) {
+          const size_t at = size_t(begin_of(p)) + 16 * size_t(p);
+          std::memmove(cand + nc, cand + at, size_t(counts[p]) * 4);
+          std::memmove(cand_vals + nc, cand_vals + at, size_t(counts[p]) * 4);
+          nc += counts[p];
+        }
+      }
     }
   }
   bool nan = false;
@@ -3312,12 +3349,17 @@ absl::Status RunIndexer(const AttnShapes& shapes, int layer, int pos_start,
                         in.q_scales + size_t(c0) * hi,
                         in.weights + size_t(c0) * hi, hi, di, limit.data(),
                         outs.data(), pool);
-    ParallelFor(pool, nq, 1, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) {
-        SelectTopK(outs[i], limit[i], shapes.index_topk,
-                   &sel->per_token[c0 + i]);
-      }
-    });
+    if (nq == 1) {  // a decode step: its Select takes the cores
+      SelectTopK(outs[0], limit[0], shapes.index_topk, &sel->per_token[c0],
+                 pool);
+    } else {
+      ParallelFor(pool, nq, 1, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) {
+          SelectTopK(outs[i], limit[i], shapes.index_topk,
+                     &sel->per_token[c0 + i]);
+        }
+      });
+    }
     bytes += double(ctx_max) * (di + 4) + double(nq) * hi * (di + 8);
   }
   if (cost != nullptr) {

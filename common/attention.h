@@ -164,7 +164,10 @@ void ForceCodeWidening(CodeWidening widening);
 void ResetCodeWidening();
 // Positions of the min(k, n) highest scores, ties to the lower position,
 // -0.0 == +0.0; returned in increasing position order.
-void SelectTopK(const float* scores, int n, int k, std::vector<int32_t>* out);
+// `pool` (may be null) lends cores to the pass over all n scores where n is
+// large (kParallelSelect); the result does not depend on it.
+void SelectTopK(const float* scores, int n, int k, std::vector<int32_t>* out,
+                CorePool* pool = nullptr);
 // exp as the attention kernels compute it, a fixed function (vectorised
 // lane for lane): NaN stays NaN; x < -104 gives 0; else, with x' = min(x,
 // 88), n = nearbyint(x' * log2(e)), r = x' - n ln2 (two fmas, ln2 split

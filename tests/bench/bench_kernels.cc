@@ -36,7 +36,9 @@
 // 128 + 16 (8 heads) and 512 + 64 (128 heads). KV and index keys live in the
 // device page arena (huge pages), and every timed Score and Attend run
 // follows a 1 GiB read sweep that evicts the caches, so they read from DRAM
-// as a device would (Select reads the scores the scan just wrote); --warm
+// as a device would (Select reads the scores the scan just wrote, with the
+// pool, as a device's decode step does: from 32K scores on its cores each
+// compress their part); --warm
 // times them with the caches as the previous run left them instead.
 // Attend rows also give the time to merely read the same selected entries
 // ("the gather alone": both cores, every line, prefetched ahead, cold like
@@ -816,7 +818,7 @@ int main(int argc, char** argv) {
       // Select.
       std::vector<int32_t> sel;
       const double tsel = BestOf(reps, 1.0, [&] {
-        SelectTopK(scores.data(), ctx, a.index_topk, &sel);
+        SelectTopK(scores.data(), ctx, a.index_topk, &sel, &pool);
       });
       rows.push_back({Kind::kSelect, sh.name, ctx, tsel, double(ctx),
                       double(ctx) * 4, 0, a.index_topk, ts});

@@ -823,8 +823,12 @@ TEST_CASE("top-k: sampled threshold and exact cut equal brute force",
   std::uniform_real_distribution<float> d(-1, 1);
   // k > 64 takes the exact cut (a bitwise search for the k-th score) over
   // every position or, from 512 scores on with k <= n / 4, over those at or
-  // above a sampled threshold (the sample size depends on n and k).
-  for (const int n : {100, 300, 512, 1000, 2048, 4095, 5000, 20000, 131072}) {
+  // above a sampled threshold (the sample size depends on n and k). From
+  // 32768 scores on, a pool's cores compress ranges of them (pools of 2
+  // and 3, and sizes off the 32-key grid).
+  CorePool pool2(2, 0), pool3(3, 0);
+  for (const int n :
+       {100, 300, 512, 1000, 2048, 4095, 5000, 20000, 32768, 40007, 131072}) {
     for (const int k : {1, 65, 100, 128, 2048}) {
       for (int pattern = 0; pattern < 6; ++pattern) {
         std::vector<float> s(n);
@@ -853,7 +857,13 @@ TEST_CASE("top-k: sampled threshold and exact cut equal brute force",
         std::vector<int32_t> top;
         SelectTopK(s.data(), n, k, &top);
         INFO("n " << n << ", k " << k << ", pattern " << pattern);
-        CHECK(top == BruteTopK(s, k));
+        const std::vector<int32_t> want = BruteTopK(s, k);
+        CHECK(top == want);
+        for (CorePool* pool : {&pool2, &pool3}) {
+          std::vector<int32_t> split;
+          SelectTopK(s.data(), n, k, &split, pool);
+          CHECK(split == want);
+        }
       }
     }
   }
