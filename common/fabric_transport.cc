@@ -165,6 +165,11 @@ constexpr absl::Duration kIdleAfter = absl::Seconds(1);
 constexpr absl::Duration kIdlePollBackoff = absl::Milliseconds(5);
 // Empty polls between two sched_yield() calls while spinning (a power of 2).
 constexpr uint32_t kSpinsPerYield = 64;
+// Empty polls between two reads of the clock while spinning (a power of 2
+// dividing kSpinsPerYield).
+constexpr uint32_t kSpinsPerClock = 16;
+static_assert(kSpinsPerYield % kSpinsPerClock == 0,
+              "a yield comes after a clock read");
 // Completions read per fi_cq_read call.
 constexpr int kCqBatch = 16;
 // Idle send operations kept for reuse, with their buffers.
@@ -1717,9 +1722,13 @@ void FabricTransport::ProgressLoop() {
     }
     // Recent traffic and no sender polling: keep polling without sleeping,
     // letting other runnable threads of the host go first now and then.
+    // The clock is read every kSpinsPerClock polls only (a read costs
+    // about as much as the rest of an empty poll).
     if (spin_ns > 0 && polling_senders_.load(std::memory_order_relaxed) == 0 &&
-        NowNs() - last_activity_ns_.load(std::memory_order_relaxed) < spin_ns) {
-      if ((++idle_spins & (kSpinsPerYield - 1)) == 0) {
+        ((++idle_spins & (kSpinsPerClock - 1)) != 0 ||
+         NowNs() - last_activity_ns_.load(std::memory_order_relaxed) <
+             spin_ns)) {
+      if ((idle_spins & (kSpinsPerYield - 1)) == 0) {
         sched_yield();
       } else {
         CpuRelax();
