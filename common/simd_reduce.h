@@ -208,6 +208,46 @@ inline void PrefetchEntryLines(const void* e, size_t bytes) {
   }
 }
 
+// Cache lines of selected entries, requested a few at a time from inside
+// an attend's loops (Issue) instead of all at once: a burst of hundreds of
+// requests overruns the core's outstanding misses, and the requests it
+// cannot take wait in the load queue or are lost.
+class LineRequests {
+ public:
+  void Clear() {
+    lines_.clear();
+    next_ = 0;
+  }
+  // Every line of entry `e` of `bytes` bytes (entries need not start on a
+  // line).
+  void AddEntry(const void* e, size_t bytes) {
+    const uintptr_t first = reinterpret_cast<uintptr_t>(e) & ~uintptr_t(63);
+    const uintptr_t last =
+        (reinterpret_cast<uintptr_t>(e) + bytes - 1) & ~uintptr_t(63);
+    for (uintptr_t p = first; p <= last; p += 64) lines_.push_back(p);
+  }
+  // Requests the next `k` lines (if any are left) into L1 (kL1) or L2.
+  template <bool kL1>
+  void Issue(size_t k) {
+    const size_t e = std::min(lines_.size(), next_ + k);
+    for (; next_ < e; ++next_) {
+      const void* p = reinterpret_cast<const void*>(lines_[next_]);
+      if constexpr (kL1) {
+        PrefetchLine(p);
+      } else {
+        PrefetchLineL2(p);
+      }
+    }
+  }
+
+ private:
+  std::vector<uintptr_t> lines_;
+  size_t next_ = 0;
+};
+
+// Scores of a 32-entry tile (two blocks side by side, tile[d * 32 + j]) for
+// heads [h, h + HB): s[h][0..31] = (q[h] . e) * scale. Two blocks per q
+// broadcast keep the loads below the FMA rate.
 // SelectTopK (attention.h) for small k (0 < k <= 64, k < n), run while
 // the scores are produced in position order, so that they need not be
 // stored: a binary heap of the k best so far whose root is the worst kept
