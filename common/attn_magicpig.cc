@@ -206,7 +206,6 @@ class MagicPigAttention final : public SparseAttention {
                      std::vector<HeadSelection>* out) const {
     const int H = shapes_.heads, hkv = shapes_.kv_heads, d = shapes_.head_dim;
     const int group = H / hkv;
-    (void)H;
     // A middle token retrieved for head h: its logit offset from the angle
     // between the query and the centred key, whose dot product `dot` is
     // the fma chain over increasing c of q[c] (k[c] - mean[c]) from +0.
