@@ -140,12 +140,6 @@ using AlignedVector = std::vector<T, Aligned64Allocator<T>>;
 
 constexpr int kKeyBlock = 32;
 
-// Waking the other cores costs a few microseconds: a kernel with less work
-// than the pool's threshold (in multiply-adds) runs on the calling thread
-// alone. The split never changes the result, only where it is computed.
-CorePool* PoolFor(CorePool* pool, double work) {
-  return pool != nullptr && work >= pool->min_parallel_work() ? pool : nullptr;
-}
 constexpr int kHeadBlock = 8;
 constexpr int kFmaHeadBlock = 12;
 
@@ -3156,6 +3150,15 @@ void MlaAttend(const LayerView& view, const int32_t* sel, int nsel,
 #else
   const bool tiles = false;
 #endif
+  // Chunk c's entry addresses (a page-table lookup each), into
+  // entries_out; returns its entry count (0 past the last chunk).
+  auto addresses = [&](int c) {
+    if (c >= nchunks) return 0;
+    const int j0 = c * kAttendChunk;
+    const int n = std::min(kAttendChunk, nsel - j0);
+    EntryAddresses(view, sel + j0, n, entries_out + j0);
+    return n;
+  };
   if (tiles) {
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
     const TileAttendDims t(shapes);
@@ -3168,19 +3171,13 @@ void MlaAttend(const LayerView& view, const int32_t* sel, int nsel,
     ParallelFor(pool, parts, 1, [&](int64_t, int64_t) {
       thread_local TileAttendScratch scratch;
       scratch.Size(t);
-      auto addresses = [&](int c) {
-        const int j0 = c * kAttendChunk;
-        const int n = std::min(kAttendChunk, nsel - j0);
-        EntryAddresses(view, sel + j0, n, entries_out + j0);
-        return n;
-      };
       // Each core claims its next chunk before working on the current one,
       // so that the next chunk's entries can be prefetched meanwhile.
       int c = next.fetch_add(1, std::memory_order_relaxed);
-      int n = c < nchunks ? addresses(c) : 0;
+      int n = addresses(c);
       while (c < nchunks) {
         const int c2 = next.fetch_add(1, std::memory_order_relaxed);
-        const int n2 = c2 < nchunks ? addresses(c2) : 0;
+        const int n2 = addresses(c2);
         AttendChunkTiles(ent + size_t(c) * kAttendChunk, n,
                          ent + size_t(std::min(c2, nchunks - 1)) * kAttendChunk,
                          n2, qb, shapes, t, &scratch, mx + c * heads,
@@ -3198,17 +3195,9 @@ void MlaAttend(const LayerView& view, const int32_t* sel, int nsel,
       tile.resize(tile_size);
       scratch.resize(s_size);
       wide.resize(size_t(kAttendChunk) * 32);
-      // A chunk's entry addresses once (a page-table lookup each). A core
-      // claims its next chunk before computing the current one, so that
-      // the next chunk's entries, scattered over the pages, are requested
-      // while it computes (AttendChunk).
-      auto addresses = [&](int c) {
-        if (c >= nchunks) return 0;
-        const int j0 = c * kAttendChunk;
-        const int n = std::min(kAttendChunk, nsel - j0);
-        EntryAddresses(view, sel + j0, n, entries_out + j0);
-        return n;
-      };
+      // A core claims its next chunk before computing the current one, so
+      // that the next chunk's entries, scattered over the pages, are
+      // requested while it computes (AttendChunk).
       int c = next.fetch_add(1, std::memory_order_relaxed);
       int n = addresses(c);
       while (c < nchunks) {

@@ -237,31 +237,21 @@ class ClusterKvAttention final : public SparseAttention {
     heads->resize(H);
     // Heads are independent: split over the pool's cores where the
     // centroids to score repay waking them (the same selections).
-    double work = 0;
-    for (const auto& cl : st->heads) work += double(cl.size()) * d * group;
-    const int parts = pool != nullptr && work >= pool->min_parallel_work()
-                          ? std::min(pool->cores(), H)
-                          : 1;
-    if (parts <= 1) {
-      SelectHeads(*st, pos, q, 0, H, heads, cost);
-      return;
-    }
-    std::vector<KernelCost> part_cost(static_cast<size_t>(parts));
-    pool->ParallelFor(parts, 1, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) {
-        SelectHeads(*st, pos, q, int(int64_t(H) * i / parts),
-                    int(int64_t(H) * (i + 1) / parts), heads,
-                    &part_cost[size_t(i)]);
-      }
+    // Centroids scored, over every query head.
+    double centroids = 0;
+    for (const auto& cl : st->heads) centroids += double(cl.size()) * group;
+    ParallelFor(PoolFor(pool, centroids * d), H, 1, [&](int64_t b, int64_t e) {
+      SelectHeads(*st, pos, q, int(b), int(e), heads);
     });
-    for (const KernelCost& c : part_cost) *cost += c;
+    cost->flops += centroids * d * 2;
+    cost->bytes += centroids * d * 4;
   }
 
  private:
   // Select's take for query heads [h_begin, h_end) into (*heads)[h].
   void SelectHeads(const ClusterState& state, int pos, const float* q,
-                   int h_begin, int h_end, std::vector<HeadSelection>* heads,
-                   KernelCost* cost) const {
+                   int h_begin, int h_end,
+                   std::vector<HeadSelection>* heads) const {
     const ClusterState* st = &state;
     const int d = shapes_.head_dim;
     const int group = shapes_.heads / shapes_.kv_heads;
@@ -321,8 +311,6 @@ class ClusterKvAttention final : public SparseAttention {
         sel.positions.push_back(t);
       }
       std::sort(sel.positions.begin(), sel.positions.end());
-      cost->flops += double(cl.size()) * d * 2;
-      cost->bytes += double(cl.size()) * d * 4;
     }
   }
 

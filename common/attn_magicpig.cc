@@ -143,10 +143,9 @@ class MagicPigAttention final : public SparseAttention {
     // The middle tokens, in token ranges over the pool's cores where the
     // scan repays waking them: each range's retrieved tokens, in order,
     // then the ranges' in order, so the selections are the same.
-    const double work = double(mid_end - sink_) * H * tables_;
-    const int parts = pool != nullptr && work >= pool->min_parallel_work()
-                          ? std::min(pool->cores(), mid_end - sink_)
-                          : 1;
+    CorePool* split = PoolFor(pool, double(mid_end - sink_) * H * tables_);
+    const int parts =
+        split != nullptr ? std::min(split->cores(), mid_end - sink_) : 1;
     if (parts <= 1) {
       RetrieveRange(view, *st, pq, sink_, mid_end, heads);
     } else {
@@ -161,7 +160,7 @@ class MagicPigAttention final : public SparseAttention {
         }
       }
       const int span = mid_end - sink_;
-      pool->ParallelFor(parts, 1, [&](int64_t b, int64_t e) {
+      split->ParallelFor(parts, 1, [&](int64_t b, int64_t e) {
         for (int64_t i = b; i < e; ++i) {
           const int t0 = sink_ + int(int64_t(span) * i / parts);
           const int t1 = sink_ + int(int64_t(span) * (i + 1) / parts);

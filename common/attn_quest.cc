@@ -9,6 +9,7 @@
 #include <cmath>
 #include <limits>
 
+#include "common/core_pool.h"
 #include "common/huge_page_vector.h"
 #include "common/numeric.h"
 #include "common/simd_reduce.h"
@@ -154,20 +155,10 @@ class QuestAttention final : public SparseAttention {
     // KV heads are independent (each reads its own part of every group of
     // pages): split over the pool's cores where the bounds repay waking
     // them. The same selections.
-    const double work = double(cur) * H * d;
-    const int parts = pool != nullptr && work >= pool->min_parallel_work()
-                          ? std::min(pool->cores(), hkv)
-                          : 1;
-    if (parts <= 1) {
-      SelectKvHeads(*st, pos, q, 0, hkv, heads);
-    } else {
-      pool->ParallelFor(parts, 1, [&](int64_t b, int64_t e) {
-        for (int64_t i = b; i < e; ++i) {
-          SelectKvHeads(*st, pos, q, int(int64_t(hkv) * i / parts),
-                        int(int64_t(hkv) * (i + 1) / parts), heads);
-        }
-      });
-    }
+    ParallelFor(PoolFor(pool, double(cur) * H * d), hkv, 1,
+                [&](int64_t b, int64_t e) {
+                  SelectKvHeads(*st, pos, q, int(b), int(e), heads);
+                });
     cost->bytes += double(cur) * hkv * 2 * d * sizeof(float);
     cost->flops += double(cur) * H * d * 2;
   }

@@ -66,6 +66,14 @@ class CorePool {
   std::vector<std::thread> threads_;
 };
 
+// Waking the other cores costs a few microseconds: a kernel with less work
+// than the pool's threshold (in multiply-adds) runs on the calling thread
+// alone (null is returned for it; so is a null pool). The split never
+// changes the result, only where it is computed.
+inline CorePool* PoolFor(CorePool* pool, double work) {
+  return pool != nullptr && work >= pool->min_parallel_work() ? pool : nullptr;
+}
+
 // Runs fn over [0, n_items) on `pool`, or on the calling thread in one call
 // when `pool` is null (the reference engine's path: same ranges' arithmetic,
 // same bits).

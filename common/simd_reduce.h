@@ -192,20 +192,26 @@ inline void PrefetchLineL2(const void* p) {
   asm volatile("prefetcht2 %0" : : "m"(*static_cast<const char*>(p)));
 }
 
-// Requests every cache line that an entry of `bytes` bytes at `e` touches
-// (entries need not start on a line) into L1 (kL1) or L2.
-template <bool kL1>
-inline void PrefetchEntryLines(const void* e, size_t bytes) {
+// Calls fn(line address) for every cache line that an entry of `bytes`
+// bytes at `e` touches (entries need not start on a line).
+template <typename Fn>
+inline void ForEachLine(const void* e, size_t bytes, Fn fn) {
   const uintptr_t first = reinterpret_cast<uintptr_t>(e) & ~uintptr_t(63);
   const uintptr_t last =
       (reinterpret_cast<uintptr_t>(e) + bytes - 1) & ~uintptr_t(63);
-  for (uintptr_t p = first; p <= last; p += 64) {
+  for (uintptr_t p = first; p <= last; p += 64) fn(p);
+}
+
+// Requests every cache line of an entry (ForEachLine) into L1 (kL1) or L2.
+template <bool kL1>
+inline void PrefetchEntryLines(const void* e, size_t bytes) {
+  ForEachLine(e, bytes, [](uintptr_t p) {
     if constexpr (kL1) {
       PrefetchLine(reinterpret_cast<const void*>(p));
     } else {
       PrefetchLineL2(reinterpret_cast<const void*>(p));
     }
-  }
+  });
 }
 
 // Cache lines of selected entries, requested a few at a time from inside
@@ -218,13 +224,9 @@ class LineRequests {
     lines_.clear();
     next_ = 0;
   }
-  // Every line of entry `e` of `bytes` bytes (entries need not start on a
-  // line).
+  // Every line of entry `e` of `bytes` bytes (ForEachLine).
   void AddEntry(const void* e, size_t bytes) {
-    const uintptr_t first = reinterpret_cast<uintptr_t>(e) & ~uintptr_t(63);
-    const uintptr_t last =
-        (reinterpret_cast<uintptr_t>(e) + bytes - 1) & ~uintptr_t(63);
-    for (uintptr_t p = first; p <= last; p += 64) lines_.push_back(p);
+    ForEachLine(e, bytes, [this](uintptr_t p) { lines_.push_back(p); });
   }
   // Requests the next `k` lines (if any are left) into L1 (kL1) or L2.
   template <bool kL1>

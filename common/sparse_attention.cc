@@ -405,22 +405,16 @@ absl::Status RunAttentionLayer(const SparseAttention& method, int layer,
     for (const HeadSelection& h : heads) {
       work += double(h.positions.size()) * s.head_dim * 2;
     }
-    const int parts =
-        ranges == 1 && pool != nullptr && work >= pool->min_parallel_work()
-            ? std::min(pool->cores(), s.kv_heads)
-            : 1;
-    if (parts <= 1) {
+    CorePool* split = ranges == 1 ? PoolFor(pool, work) : nullptr;
+    if (split == nullptr) {
       method.Attend(view, q, heads, o, rc);
       return;
     }
-    part_cost.assign(size_t(parts), KernelCost());
-    pool->ParallelFor(parts, 1, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) {
-        const int g0 = int(int64_t(s.kv_heads) * i / parts);
-        const int g1 = int(int64_t(s.kv_heads) * (i + 1) / parts);
-        method.AttendHeads(view, q, heads, g0 * group, g1 * group, o,
-                           &part_cost[size_t(i)]);
-      }
+    // Each range of KV groups adds its cost at its first group's slot.
+    part_cost.assign(size_t(s.kv_heads), KernelCost());
+    split->ParallelFor(s.kv_heads, 1, [&](int64_t b, int64_t e) {
+      method.AttendHeads(view, q, heads, int(b) * group, int(e) * group, o,
+                         &part_cost[size_t(b)]);
     });
     for (const KernelCost& pc : part_cost) *rc += pc;
   };
