@@ -6,10 +6,12 @@
 // which saves two thread hand-offs per message. Whoever reads it marks sends
 // complete and appends received messages to one queue (received_) that only
 // the progress thread delivers from, in order; a sender that queued a
-// message wakes the progress thread if it sleeps. A Send() from inside the
-// receive handler runs on the progress thread itself, so it reads the CQ on
-// its own while waiting; what it reads is delivered after the handler
-// returns: handlers never nest and order is kept.
+// message wakes the progress thread if it sleeps. The progress thread's own
+// polls hand what they read straight to delivery while that queue is empty
+// (a ping-pong's message then skips the queue and its lock). A Send() from
+// inside the receive handler runs on the progress thread itself, so it reads
+// the CQ on its own while waiting; what it reads is queued and delivered
+// after the handler returns: handlers never nest and order is kept.
 //
 // Spinning. After a completion, and while a sender waits, the CQ is polled
 // without sleeping for FabricOptions::spin_us (a sender adds the expected
@@ -163,13 +165,13 @@ constexpr absl::Duration kMaxPollBackoff = absl::Milliseconds(1);
 // no CPU; the first message after idleness waits at most that long.
 constexpr absl::Duration kIdleAfter = absl::Seconds(1);
 constexpr absl::Duration kIdlePollBackoff = absl::Milliseconds(5);
-// Empty polls between two sched_yield() calls while spinning (a power of 2).
-constexpr uint32_t kSpinsPerYield = 64;
-// Empty polls between two reads of the clock while spinning (a power of 2
-// dividing kSpinsPerYield).
+// Empty polls between two reads of the clock while spinning (a power of 2).
 constexpr uint32_t kSpinsPerClock = 16;
-static_assert(kSpinsPerYield % kSpinsPerClock == 0,
-              "a yield comes after a clock read");
+// Spinning, the progress thread lets other runnable threads of the host go
+// first (sched_yield) once per this long. A yield costs ~0.4 us here; one
+// every 64 polls (~5 us) was 5-10% of the spin, and a message that came
+// during one waited for it: 4 KiB ping-pong 0.45 -> 0.42 us one way.
+constexpr int64_t kYieldEveryNs = 50'000;
 // Completions read per fi_cq_read call.
 constexpr int kCqBatch = 16;
 // Idle send operations kept for reuse, with their buffers.
@@ -504,15 +506,25 @@ class FabricTransport final : public Transport {
   // Reads completions until the CQ is empty; returns how many were handled.
   // Received messages are queued in received_ for the progress thread. With
   // `try_only`, returns 0 at once when another thread is reading the CQ.
-  int DrainCompletions(bool try_only);
-  void HandleCompletion(const fi_cq_data_entry& entry, fi_addr_t src);
-  void QueueReceived(RecvSlot* slot, size_t len, bool deliver,
-                     fi_addr_t src = FI_ADDR_NOTAVAIL, uint64_t data = 0,
-                     bool wake = true);
+  // With `direct` (the progress thread's own polls), receives that no
+  // queued one precedes are appended there instead, for the caller to
+  // Dispatch() in order: a message's way to its handler then takes neither
+  // recv_mu_ nor the queue.
+  struct Received;
+  int DrainCompletions(bool try_only, std::vector<Received>* direct = nullptr);
+  void HandleCompletion(const fi_cq_data_entry& entry, fi_addr_t src,
+                        std::vector<Received>* direct);
+  void QueueReceived(const Received& r, bool wake,
+                     std::vector<Received>* direct = nullptr);
   // Progress thread: delivers (or re-posts) the oldest queued receive; false
   // when none is queued.
   bool DeliverOne();
-  void DeliverReceived(RecvSlot* slot, size_t len, fi_addr_t src);
+  // Progress thread: delivers or re-posts one receive.
+  void Dispatch(const Received& r);
+  // `source_tag`: the remote CQ data of a message from a peer's send
+  // endpoint (0: none), which names the sender instead of `src`.
+  void DeliverReceived(RecvSlot* slot, size_t len, fi_addr_t src,
+                       uint64_t source_tag);
   // Progress thread: re-posts the buffers whose holds ended.
   void RepostReleased();
   void CallHandler(PeerId from, std::string_view message);
@@ -568,6 +580,8 @@ class FabricTransport final : public Transport {
   absl::StatusOr<PeerId> InsertPeer(const std::string& name,
                                     const std::string& address, bool learnt);
   PeerId PeerByFiAddr(fi_addr_t addr) const;
+  // The peer whose main address hashes to a source tag's low 32 bits.
+  PeerId PeerBySourceTag(uint64_t source_tag) const;
   // A send endpoint of its own for a peer, on the main endpoint's AV and
   // CQ; null (with a warning) when the provider refuses one. Under fid_lock_
   // held exclusively.
@@ -685,10 +699,11 @@ class FabricTransport final : public Transport {
   // deliver == false the slot is only re-posted (a failed receive).
   struct Received {
     RecvSlot* slot;
-    size_t len;
-    bool deliver;
-    fi_addr_t src;
-    uint64_t data;  // remote CQ data; 0 for user messages
+    size_t len = 0;
+    bool deliver = false;
+    fi_addr_t src = FI_ADDR_NOTAVAIL;
+    uint64_t data = 0;        // remote CQ data; 0 for user messages
+    uint64_t source_tag = 0;  // see DeliverReceived()
   };
   absl::Mutex recv_mu_;
   std::deque<Received> received_ ABSL_GUARDED_BY(recv_mu_);
@@ -698,11 +713,28 @@ class FabricTransport final : public Transport {
   // released_, whose releases read it too.
   std::atomic<bool>& progress_sleeping_ = released_->progress_sleeping;
   std::atomic<int> polling_senders_{0};
-  // NowNs() of the last completion or posted send.
-  std::atomic<int64_t> last_activity_ns_{0};
+  // Set by every completion read and every posted send; the progress
+  // thread clears it when it reads the clock while spinning, so no message
+  // reads the clock for it.
+  std::atomic<bool> activity_{false};
+  void NoteActivity() {
+    // Read first: a spinning sender and the progress thread would otherwise
+    // bounce the line with every message.
+    if (!activity_.load(std::memory_order_relaxed)) {
+      activity_.store(true, std::memory_order_relaxed);
+    }
+  }
 
   absl::Mutex handler_mu_;
   std::shared_ptr<PeerReceiveHandler> handler_ ABSL_GUARDED_BY(handler_mu_);
+  // Bumped by every SetPeerReceiveHandler(); the progress thread calls its
+  // own copy of handler_ and copies it again only when this moved, so a
+  // message's delivery takes no lock for it. A replaced handler is never
+  // called once the progress thread saw the bump; its copy goes with the
+  // next delivery.
+  std::atomic<uint64_t> handler_generation_{0};
+  std::shared_ptr<PeerReceiveHandler> progress_handler_;  // progress thread
+  uint64_t progress_handler_generation_ = 0;              // progress thread
 
   mutable absl::Mutex peers_mu_;
   std::vector<Peer> peers_ ABSL_GUARDED_BY(peers_mu_);
@@ -1087,6 +1119,14 @@ std::string FabricTransport::PeerName(PeerId peer) const {
   return peers_[peer].name;
 }
 
+PeerId FabricTransport::PeerBySourceTag(uint64_t source_tag) const {
+  absl::MutexLock lock(&peers_mu_);
+  auto it = fi_addr_by_source_.find(static_cast<uint32_t>(source_tag));
+  if (it == fi_addr_by_source_.end()) return kUnknownPeer;
+  auto peer = peer_by_fi_addr_.find(it->second);
+  return peer == peer_by_fi_addr_.end() ? kUnknownPeer : peer->second;
+}
+
 PeerId FabricTransport::PeerByFiAddr(fi_addr_t addr) const {
   if (addr == FI_ADDR_NOTAVAIL || addr == FI_ADDR_UNSPEC) return kUnknownPeer;
   absl::MutexLock lock(&peers_mu_);
@@ -1404,7 +1444,7 @@ absl::Status FabricTransport::InjectSend(PeerId peer, fid_ep* send_ep,
       }));
   // Manual-progress providers may still have to move the bytes: make sure
   // the progress thread polls.
-  last_activity_ns_.store(NowNs(), std::memory_order_relaxed);
+  NoteActivity();
   if (!OnProgressThread() &&
       progress_sleeping_.load(std::memory_order_seq_cst)) {
     Wake();
@@ -1493,7 +1533,7 @@ absl::Status FabricTransport::SendImpl(PeerId peer, const char* data,
     RecycleSendOp(op);  // never posted: nothing else refers to it
     return post_status;
   }
-  last_activity_ns_.store(NowNs(), std::memory_order_relaxed);
+  NoteActivity();
   absl::Status notice_status;
   if (wire.write && !wire.notice.empty()) {
     // Ordered after the write by the provider (FI_ORDER_SAW).
@@ -1665,6 +1705,7 @@ void FabricTransport::SetPeerReceiveHandler(PeerReceiveHandler handler) {
   auto shared = std::make_shared<PeerReceiveHandler>(std::move(handler));
   absl::MutexLock lock(&handler_mu_);
   handler_ = std::move(shared);
+  handler_generation_.fetch_add(1, std::memory_order_release);
 }
 
 void FabricTransport::Wake() {
@@ -1704,6 +1745,10 @@ void FabricTransport::ProgressLoop() {
   absl::Time last_completion = WallNow();
   bool completed = false;  // since last_completion was read
   const int64_t spin_ns = SpinNs(0);
+  int64_t last_activity_ns = 0;  // as of the last clock read while spinning
+  int64_t last_yield_ns = 0;
+  std::vector<Received> direct;  // see DrainCompletions()
+  direct.reserve(kCqBatch);
   uint32_t idle_spins = 0;
   while (!stop_.load(std::memory_order_acquire)) {
     RepostReleased();
@@ -1715,7 +1760,13 @@ void FabricTransport::ProgressLoop() {
       completed = true;
       continue;
     }
-    if (DrainCompletions(/*try_only=*/false) > 0) {
+    if (DrainCompletions(/*try_only=*/false, &direct) > 0) {
+      // In CQ order; a handler that shuts the transport down ends it.
+      for (const Received& r : direct) {
+        if (stop_.load(std::memory_order_acquire)) break;
+        Dispatch(r);
+      }
+      direct.clear();
       backoff = kMinPollBackoff;
       completed = true;
       continue;
@@ -1723,17 +1774,24 @@ void FabricTransport::ProgressLoop() {
     // Recent traffic and no sender polling: keep polling without sleeping,
     // letting other runnable threads of the host go first now and then.
     // The clock is read every kSpinsPerClock polls only (a read costs
-    // about as much as the rest of an empty poll).
-    if (spin_ns > 0 && polling_senders_.load(std::memory_order_relaxed) == 0 &&
-        ((++idle_spins & (kSpinsPerClock - 1)) != 0 ||
-         NowNs() - last_activity_ns_.load(std::memory_order_relaxed) <
-             spin_ns)) {
-      if ((idle_spins & (kSpinsPerYield - 1)) == 0) {
-        sched_yield();
-      } else {
+    // about as much as the rest of an empty poll), and the activity since
+    // the last read is dated then.
+    if (spin_ns > 0 && polling_senders_.load(std::memory_order_relaxed) == 0) {
+      if ((++idle_spins & (kSpinsPerClock - 1)) != 0) {
         CpuRelax();
+        continue;
       }
-      continue;
+      const int64_t now = NowNs();
+      if (activity_.exchange(false, std::memory_order_relaxed)) {
+        last_activity_ns = now;
+      }
+      if (now - last_activity_ns < spin_ns) {
+        if (now - last_yield_ns >= kYieldEveryNs) {
+          sched_yield();
+          last_yield_ns = now;
+        }
+        continue;
+      }
     }
     // About to sleep: return the landing-zone space delivered meanwhile.
     if (completed) {
@@ -1794,7 +1852,8 @@ void FabricTransport::RetryPendingReceives() {
   }
 }
 
-int FabricTransport::DrainCompletions(bool try_only) {
+int FabricTransport::DrainCompletions(bool try_only,
+                                      std::vector<Received>* direct) {
   if (try_only) {
     if (!cq_mu_.TryLock()) return 0;
   } else {
@@ -1826,7 +1885,8 @@ int FabricTransport::DrainCompletions(bool try_only) {
       break;
     }
     for (ssize_t i = 0; i < n; ++i) {
-      HandleCompletion(entries[i], source_ ? sources[i] : FI_ADDR_NOTAVAIL);
+      HandleCompletion(entries[i], source_ ? sources[i] : FI_ADDR_NOTAVAIL,
+                       direct);
     }
     handled += static_cast<int>(n);
     // A short batch emptied the queue: return what was read rather than
@@ -1836,7 +1896,7 @@ int FabricTransport::DrainCompletions(bool try_only) {
     if (n < kCqBatch) break;
   }
   cq_mu_.Unlock();
-  if (handled > 0) last_activity_ns_.store(NowNs(), std::memory_order_relaxed);
+  if (handled > 0) NoteActivity();
   // Callbacks run on the progress thread, at the top of its loop.
   if (!OnProgressThread() && ready_count_.load() > 0 &&
       progress_sleeping_.load(std::memory_order_seq_cst)) {
@@ -1845,11 +1905,18 @@ int FabricTransport::DrainCompletions(bool try_only) {
   return handled;
 }
 
-void FabricTransport::QueueReceived(RecvSlot* slot, size_t len, bool deliver,
-                                    fi_addr_t src, uint64_t data, bool wake) {
+void FabricTransport::QueueReceived(const Received& r, bool wake,
+                                    std::vector<Received>* direct) {
+  // Every queuing holds cq_mu_ and only the progress thread (the one caller
+  // with `direct`) dequeues, so the count is exact here.
+  if (direct != nullptr &&
+      received_count_.load(std::memory_order_relaxed) == 0) {
+    direct->push_back(r);
+    return;
+  }
   {
     absl::MutexLock lock(&recv_mu_);
-    received_.push_back(Received{slot, len, deliver, src, data});
+    received_.push_back(r);
     received_count_.fetch_add(1, std::memory_order_release);
   }
   if (wake && !OnProgressThread() &&
@@ -1868,18 +1935,23 @@ bool FabricTransport::DeliverOne() {
     received_.pop_front();
     received_count_.fetch_sub(1, std::memory_order_release);
   }
-  if (r.deliver && r.data != 0) {
-    HandleControl(r.slot, r.len, r.src, r.data);
-  } else if (r.deliver) {
-    DeliverReceived(r.slot, r.len, r.src);
-  } else {
-    RepostRecv(r.slot);
-  }
+  Dispatch(r);
   return true;
 }
 
+void FabricTransport::Dispatch(const Received& r) {
+  if (r.deliver && r.data != 0) {
+    HandleControl(r.slot, r.len, r.src, r.data);
+  } else if (r.deliver) {
+    DeliverReceived(r.slot, r.len, r.src, r.source_tag);
+  } else {
+    RepostRecv(r.slot);
+  }
+}
+
 void FabricTransport::HandleCompletion(const fi_cq_data_entry& entry,
-                                       fi_addr_t src) {
+                                       fi_addr_t src,
+                                       std::vector<Received>* direct) {
   if (entry.op_context == nullptr) return;
   const OpContext* op = static_cast<const OpContext*>(entry.op_context);
   if (op->kind == OpKind::kSend) {
@@ -1887,16 +1959,16 @@ void FabricTransport::HandleCompletion(const fi_cq_data_entry& entry,
     return;
   }
   uint64_t data = 0;
+  uint64_t source_tag = 0;
   if ((entry.flags & FI_REMOTE_CQ_DATA) != 0 &&
       (entry.data & kControlTagMask) == kControlTag) {
     data = entry.data;
   } else if ((entry.flags & FI_REMOTE_CQ_DATA) != 0 &&
              (entry.data & kSourceTagMask) == kSourceTag) {
     // From a peer's send endpoint: the source is the peer whose main
-    // address hashes to the data.
-    absl::MutexLock lock(&peers_mu_);
-    auto it = fi_addr_by_source_.find(static_cast<uint32_t>(entry.data));
-    src = it == fi_addr_by_source_.end() ? FI_ADDR_NOTAVAIL : it->second;
+    // address hashes to the data, looked up at delivery.
+    source_tag = entry.data;
+    src = FI_ADDR_NOTAVAIL;
   }
   RecvSlot* slot = static_cast<RecvSlot*>(op->owner);
   if (data == (kControlTag | static_cast<uint64_t>(ControlKind::kCredit))) {
@@ -1904,18 +1976,26 @@ void FabricTransport::HandleCompletion(const fi_cq_data_entry& entry,
     // credits); only the buffer goes back to the progress thread, without
     // waking it: a waiting sender need not hand each credit over.
     ApplyCredit(std::string_view(slot->buffer.get(), entry.len), src);
-    QueueReceived(slot, 0, /*deliver=*/false, src, 0, /*wake=*/false);
+    QueueReceived(Received{slot}, /*wake=*/false, direct);
     return;
   }
-  QueueReceived(slot, entry.len, /*deliver=*/true, src, data);
+  QueueReceived(
+      Received{slot, entry.len, /*deliver=*/true, src, data, source_tag},
+      /*wake=*/true, direct);
 }
 
 void FabricTransport::CallHandler(PeerId from, std::string_view message) {
-  std::shared_ptr<PeerReceiveHandler> handler;
-  {
+  const uint64_t generation =
+      handler_generation_.load(std::memory_order_acquire);
+  if (generation != progress_handler_generation_) {
     absl::MutexLock lock(&handler_mu_);
-    handler = handler_;
+    progress_handler_ = handler_;
+    progress_handler_generation_ =
+        handler_generation_.load(std::memory_order_relaxed);
   }
+  // progress_handler_ changes only above, and deliveries do not nest: a
+  // handler that replaces itself keeps running.
+  const PeerReceiveHandler* handler = progress_handler_.get();
   if (handler != nullptr && *handler) {
     (*handler)(from, message);
   } else {
@@ -1924,9 +2004,10 @@ void FabricTransport::CallHandler(PeerId from, std::string_view message) {
   }
 }
 
-void FabricTransport::DeliverReceived(RecvSlot* slot, size_t len,
-                                      fi_addr_t src) {
-  const PeerId from = PeerByFiAddr(src);
+void FabricTransport::DeliverReceived(RecvSlot* slot, size_t len, fi_addr_t src,
+                                      uint64_t source_tag) {
+  const PeerId from =
+      source_tag != 0 ? PeerBySourceTag(source_tag) : PeerByFiAddr(src);
   if (from == kUnknownPeer && source_) {
     messages_unknown_source_.fetch_add(1, std::memory_order_relaxed);
   }
@@ -2294,7 +2375,7 @@ void FabricTransport::HandleError() {
   } else {
     KLOG(Error, kLogModule) << "receive failed: " << detail;
   }
-  QueueReceived(slot, 0, /*deliver=*/false);
+  QueueReceived(Received{slot}, /*wake=*/true);
 }
 
 void FabricTransport::CompleteSend(SendOp* op, absl::Status status) {
