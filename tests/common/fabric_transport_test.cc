@@ -242,6 +242,36 @@ TEST_CASE("shm: a receive handler may send (echo)", "[fabric]") {
   p->Stop();
 }
 
+TEST_CASE("shm: a replaced receive handler gets no later message", "[fabric]") {
+  auto p = OpenPair(Options("shm"));
+  REQUIRE(p != nullptr);
+  // b's first handler takes "1", then replaces itself from inside its call
+  // (and keeps running: it still records the message); messages sent after
+  // that go to the second, and after SetReceiveHandler() from this thread,
+  // to the third.
+  Inbox first, second;
+  auto first_handler = first.Handler();
+  p->b->SetReceiveHandler([&, first_handler](std::string_view m) {
+    p->b->SetReceiveHandler(second.Handler());
+    first_handler(m);
+  });
+  auto send = [&](const std::string& m) {
+    REQUIRE(p->a->Send(p->b_at_a, m.data(), m.size()).ok());
+  };
+  send("1");
+  REQUIRE(first.WaitFor(1));
+  send("2");
+  send("3");
+  REQUIRE(second.WaitFor(2));
+  p->b->SetReceiveHandler(p->inbox_b.Handler());
+  send("4");
+  REQUIRE(p->inbox_b.WaitFor(1));
+  CHECK(first.Take() == std::vector<std::string>{"1"});
+  CHECK(second.Take() == std::vector<std::string>{"2", "3"});
+  CHECK(p->inbox_b.Take() == std::vector<std::string>{"4"});
+  p->Stop();
+}
+
 TEST_CASE("shm: oversized messages and bad peers fail cleanly", "[fabric]") {
   auto p = OpenPair(Options("shm", 64 << 10));
   REQUIRE(p != nullptr);
