@@ -68,7 +68,13 @@
 // pool, as a device's do.
 // Each timed pass runs one Select (or one Attend) per session, eight
 // sessions split over both cores, after a 1 GiB read sweep that evicts the
-// caches, so metadata and entries come from DRAM. A pass is timed from
+// caches, so metadata and entries come from DRAM. Every session has a KV
+// cache of its own (copies of one: the same selections, in different
+// memory), so no session reads entries another one's attend left in the
+// caches. Attend rows also give the gather alone, as the MLA rows do: every
+// session's selected key and value rows read in the same passes with no
+// arithmetic (scattered rows of 128 bytes read well below the streaming
+// bandwidth). A pass is timed from
 // when both cores are on it to when the last is done, not from
 // ParallelFor's call to its return: the pool's wake-ups around it (8 us at
 // best, ~30 us typically here, more on a busy machine) are not the kernel's
@@ -392,8 +398,13 @@ void PrintRow(const Row& r, const Limits& lim, ScoreOn score_on) {
   if (r.kind == Kind::kGqaAttend) {  // the GQA forms' shared Attend
     const double bound =
         std::min(lim.bw_gbps * r.flops / r.bytes, lim.fp32_gflops);
+    const double read_s = r.bytes / (lim.bw_gbps * 1e9);
     std::snprintf(note, sizeof note,
-                  "%d positions a head (mean), from DRAM, per token", r.topk);
+                  "%d positions a head (mean), from DRAM, per token; %.2fx "
+                  "the read time; %.2fx the gather alone (%.1f us, %.2fx the "
+                  "read time)",
+                  r.topk, r.seconds / read_s, r.seconds / r.gather_seconds,
+                  r.gather_seconds * 1e6, r.gather_seconds / read_s);
     std::printf("%-8s %-10s %7d %10.1f %12.3e %8.1f %9.1f %8.1f %6.1f%%  %s\n",
                 "attend", r.shape, r.ctx, r.seconds * 1e6, r.tokens / r.seconds,
                 gbps, gflops, bound, 100.0 * gflops / bound, note);
@@ -542,6 +553,24 @@ void GatherEntries(const uint8_t* const* entries, int n, size_t bytes,
   });
 }
 
+// Reads the `n` rows of `bytes` bytes at `rows` on the calling thread,
+// every line, 16 rows prefetched ahead, doing nothing with them.
+void ReadRows(const uint8_t* const* rows, int n, size_t bytes) {
+  __m512i acc = _mm512_setzero_si512();
+  for (int j = 0; j < n; ++j) {
+    if (j + 16 < n) {
+      for (size_t off = 0; off < bytes; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(rows[j + 16]) + off,
+                     _MM_HINT_T0);
+    }
+    for (size_t off = 0; off < bytes; off += 64)
+      acc = _mm512_add_epi64(acc, _mm512_loadu_si512(rows[j] + off));
+  }
+  // The sum is used, as far as the compiler knows: the loads stay.
+  const int64_t sum = _mm512_reduce_add_epi64(acc);
+  asm volatile("" : : "r"(sum));
+}
+
 // Times method `preset`'s Select at each context (kMeta rows; none where it
 // scores nothing, as dense) and the shared Gather + Attend over the
 // selection it made (kGqaAttend rows). Each context gets its own metadata,
@@ -571,24 +600,33 @@ bool BenchGqaMethod(const char* preset, const char* label, const int* contexts,
   }
   auto method = NewSparseAttention(c, weights);
   if (!method.ok()) return false;
+  // Every session has a cache of its own, a copy of the first: the same
+  // selections, each from memory of its own, so that no session's Attend
+  // finds its entries in the caches because another read them (a shared
+  // cache made 7 of the 8 attends of a pass warm).
+  constexpr int kSessions = 8;
   const KvLayout layout = MakeKvLayout(c, 64);
   const size_t pages = (tokens + 63) / 64 + 1;
-  auto arena = PageArena::Create(pages * layout.page_bytes, layout.page_bytes);
+  auto arena = PageArena::Create(kSessions * pages * layout.page_bytes,
+                                 layout.page_bytes);
   if (!arena.ok()) return false;
-  SessionCache cache(&layout, arena->get());
-  if (!cache.Reserve(tokens).ok()) return false;
+  std::vector<std::unique_ptr<SessionCache>> caches;
+  for (int s = 0; s < kSessions; ++s) {
+    caches.push_back(std::make_unique<SessionCache>(&layout, arena->get()));
+    if (!caches.back()->Reserve(tokens).ok()) return false;
+  }
   std::vector<float> x(a.kv_dim);
   std::vector<uint16_t> kv(a.kv_dim);
   for (int t = 0; t < tokens; ++t) {
     for (auto& v : x) v = Gauss(&seed);
     FloatToBf16(x.data(), a.kv_dim, kv.data());
-    if (!cache.WriteKv(0, t, kv.data()).ok()) return false;
+    for (auto& cache : caches) {
+      if (!cache->WriteKv(0, t, kv.data()).ok()) return false;
+    }
   }
-  cache.SetLength(0, tokens);
+  for (auto& cache : caches) cache->SetLength(0, tokens);
   std::vector<float> q(size_t(a.heads) * a.q_dim);
   for (auto& v : q) v = Gauss(&seed);
-  // Sessions sharing one cache: each has its own metadata.
-  constexpr int kSessions = 8;
   std::vector<std::vector<HeadSelection>> heads(kSessions);
   std::vector<std::vector<float>> outs(
       kSessions, std::vector<float>(size_t(a.heads) * a.head_dim));
@@ -641,11 +679,11 @@ bool BenchGqaMethod(const char* preset, const char* label, const int* contexts,
       }
     }
     // The metadata of a prefill of ctx tokens.
-    LayerView built = cache.View(0);
-    built.length = ctx;
     std::vector<std::unique_ptr<MethodLayerState>> states;
     const double t0 = Now();
     for (int s = 0; s < kSessions; ++s) {
+      LayerView built = caches[s]->View(0);
+      built.length = ctx;
       states.push_back((*method)->NewLayerState());
       KernelCost build;
       (*method)->OnAppend(built, 0, ctx, states.back().get(), &build);
@@ -665,13 +703,17 @@ bool BenchGqaMethod(const char* preset, const char* label, const int* contexts,
     }
     auto state = [&](int s) { return states[shared ? 0 : s].get(); };
     // The next token's query (its entry stored, as a decode step has it).
-    LayerView view = cache.View(0);
-    view.length = ctx + 1;
+    auto view = [&](int s) {
+      LayerView v = caches[s]->View(0);
+      v.length = ctx + 1;
+      return v;
+    };
     KernelCost cost;  // what one Select reads and computes
-    (*method)->Select(view, ctx, q.data(), state(0), &heads[0], &cost, nullptr);
+    (*method)->Select(view(0), ctx, q.data(), state(0), &heads[0], &cost,
+                      nullptr);
     const double select = best_pass([&](int s) {
       KernelCost unused;
-      (*method)->Select(view, ctx, q.data(), state(s), &heads[s], &unused,
+      (*method)->Select(view(s), ctx, q.data(), state(s), &heads[s], &unused,
                         nullptr);
     });
     // Per Select, amortised over the sessions run on both cores; none where
@@ -681,16 +723,45 @@ bool BenchGqaMethod(const char* preset, const char* label, const int* contexts,
                        cost.bytes, cost.flops, 0, 0});
     }
     KernelCost acost;  // what one Attend reads and computes
-    (*method)->Attend(view, q.data(), heads[0], outs[0].data(), &acost);
+    (*method)->Attend(view(0), q.data(), heads[0], outs[0].data(), &acost);
     double selected = 0;
     for (const HeadSelection& h : heads[0]) selected += h.positions.size();
     const double t_attend = best_pass([&](int s) {
       KernelCost unused;
-      (*method)->Attend(view, q.data(), heads[s], outs[s].data(), &unused);
+      (*method)->Attend(view(s), q.data(), heads[s], outs[s].data(), &unused);
     });
     rows->push_back({Kind::kGqaAttend, label, ctx, t_attend / kSessions,
                      double(ctx), acost.bytes, acost.flops,
                      int(selected / a.heads + 0.5), 0});
+    // The gather alone: each session's selected key and value rows read
+    // (every line, prefetched ahead) in the same passes, with no
+    // arithmetic: what scattered rows of this size cost here.
+    std::vector<std::vector<const uint8_t*>> rows_of(kSessions);
+    for (int s = 0; s < kSessions; ++s) {
+      const LayerView v = view(s);
+      const int group = a.heads / a.kv_heads;
+      for (int h = 0; h < a.heads; ++h) {
+        const int g = h / group;
+        // Heads of a group with the same positions read them once.
+        if (h % group != 0 &&
+            heads[s][h].positions == heads[s][h - 1].positions) {
+          continue;
+        }
+        for (int32_t pos : heads[s][h].positions) {
+          const uint16_t* e = v.Kv(pos);
+          rows_of[s].push_back(
+              reinterpret_cast<const uint8_t*>(e + GqaEntry::K(a, g)));
+          rows_of[s].push_back(
+              reinterpret_cast<const uint8_t*>(e + GqaEntry::V(a, g)));
+        }
+      }
+    }
+    rows->back().gather_seconds =
+        best_pass([&](int s) {
+          ReadRows(rows_of[s].data(), int(rows_of[s].size()),
+                   size_t(a.head_dim) * 2);
+        }) /
+        kSessions;
   }
   return true;
 }
