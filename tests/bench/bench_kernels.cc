@@ -526,33 +526,6 @@ double BestOfCold(int reps, double budget, CacheFlusher* flusher,
   return best;
 }
 
-// Reads the `n` entries of `bytes` bytes at `entries` on every core (each
-// its share, every line of each entry, 16 entries prefetched ahead), doing
-// nothing with them: what the scattered access of an attend costs before any
-// arithmetic.
-void GatherEntries(const uint8_t* const* entries, int n, size_t bytes,
-                   CorePool* pool) {
-  pool->ParallelFor(kCores, 1, [&](int64_t b, int64_t e) {
-    for (int64_t c = b; c < e; ++c) {
-      const int lo = int(int64_t(n) * c / kCores);
-      const int hi = int(int64_t(n) * (c + 1) / kCores);
-      __m512i acc = _mm512_setzero_si512();
-      for (int j = lo; j < hi; ++j) {
-        if (j + 16 < hi) {
-          for (size_t off = 0; off < bytes; off += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(entries[j + 16]) + off,
-                         _MM_HINT_T0);
-        }
-        for (size_t off = 0; off < bytes; off += 64)
-          acc = _mm512_add_epi64(acc, _mm512_loadu_si512(entries[j] + off));
-      }
-      // The sum is used, as far as the compiler knows: the loads stay.
-      const int64_t sum = _mm512_reduce_add_epi64(acc);
-      asm volatile("" : : "r"(sum));
-    }
-  });
-}
-
 // Reads the `n` rows of `bytes` bytes at `rows` on the calling thread,
 // every line, 16 rows prefetched ahead, doing nothing with them.
 void ReadRows(const uint8_t* const* rows, int n, size_t bytes) {
@@ -569,6 +542,20 @@ void ReadRows(const uint8_t* const* rows, int n, size_t bytes) {
   // The sum is used, as far as the compiler knows: the loads stay.
   const int64_t sum = _mm512_reduce_add_epi64(acc);
   asm volatile("" : : "r"(sum));
+}
+
+// Reads the `n` entries of `bytes` bytes at `entries` on every core (each
+// its share, as ReadRows does): what the scattered access of an attend
+// costs before any arithmetic.
+void GatherEntries(const uint8_t* const* entries, int n, size_t bytes,
+                   CorePool* pool) {
+  pool->ParallelFor(kCores, 1, [&](int64_t b, int64_t e) {
+    for (int64_t c = b; c < e; ++c) {
+      const int lo = int(int64_t(n) * c / kCores);
+      const int hi = int(int64_t(n) * (c + 1) / kCores);
+      ReadRows(entries + lo, hi - lo, bytes);
+    }
+  });
 }
 
 // Times method `preset`'s Select at each context (kMeta rows; none where it
