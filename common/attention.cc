@@ -341,14 +341,23 @@ static_assert(kIndexKeyBlock == kKeyBlock);
 void ScanBlocks(const KvLayout& l, int begin, int end,
                 std::vector<ScanBlock>* out) {
   out->clear();
+  if (begin >= end) return;
   const int tpp = l.tokens_per_page;
+  // Divides once, for the first block, then steps through the pages: a
+  // division per block took ~7% of a dsa-tiny decode scan.
+  int page = begin / tpp, block = begin % tpp / kKeyBlock;
+  int page_first = page * tpp;
   for (int pos = begin; pos < end;) {
-    const int page = pos / tpp, block = pos % tpp / kKeyBlock;
-    const int first = page * tpp + block * kKeyBlock;
+    const int first = page_first + block * kKeyBlock;
     const int slots = std::min(kKeyBlock, tpp - block * kKeyBlock);
     const int hi = std::min(slots, end - first);
     out->push_back({page, block, first, pos - first, hi});
     pos = first + hi;
+    if (++block * kKeyBlock >= tpp) {
+      ++page;
+      block = 0;
+      page_first += tpp;
+    }
   }
 }
 
