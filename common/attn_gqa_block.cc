@@ -3,8 +3,10 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 
+#include "common/core_pool.h"
 #include "common/huge_page_vector.h"
 #include "common/numeric.h"
 #include "common/simd_reduce.h"
@@ -86,7 +88,7 @@ class GqaBlockAttention final : public SparseAttention {
 
   void Select(const LayerView& view, int pos, const float* q,
               const MethodLayerState* state, std::vector<HeadSelection>* heads,
-              KernelCost* cost, CorePool*) const override {
+              KernelCost* cost, CorePool* pool) const override {
     const int cur = pos / block_;
     if (cur <= topk_) {  // every block is taken
       SelectDense(pos, heads);
@@ -122,7 +124,14 @@ class GqaBlockAttention final : public SparseAttention {
     // one) and, for the usual small top-k, offered to the group's
     // RunningTopK instead of being stored.
     const bool fast16 = chunks == 2 && tail == __mmask16(0xFFFF) && hkv == 2;
-    const bool running = fast16 && topk_ > 0 && topk_ <= RunningTopK::kMaxK;
+    // A decode step's lone token splits the 16-block steps over the pool's
+    // cores, each storing its steps' scores; SelectTopK then takes each
+    // group's top-k from them, as RunningTopK would have (the same
+    // positions).
+    CorePool* split =
+        fast16 && cur >= 32 ? PoolFor(pool, double(cur) * H * di) : nullptr;
+    const bool running =
+        split == nullptr && fast16 && topk_ > 0 && topk_ <= RunningTopK::kMaxK;
     thread_local std::vector<RunningTopK> tops;
     if (running) {
       tops.resize(hkv);
@@ -136,6 +145,7 @@ class GqaBlockAttention final : public SparseAttention {
     const int full = std::min(st->full, cur);
     const float inv_full = 1.0f / float(block_);
     int64_t counts_read = 0;
+    std::atomic<int64_t> step_counts_read{0};  // the steps' own, any core
     auto inv_of = [&](int b) {
       if (b < full) return inv_full;
       ++counts_read;
@@ -147,13 +157,14 @@ class GqaBlockAttention final : public SparseAttention {
         qv[2 * g] = _mm512_loadu_ps(&qg_buf[size_t(g) * 32]);
         qv[2 * g + 1] = _mm512_loadu_ps(&qg_buf[size_t(g) * 32 + 16]);
       }
-      int b = 0;
-      if (fast16) {
+      // The 16-block steps of blocks [b_begin, b_end) (multiples of 16).
+      auto steps = [&](int b_begin, int b_end) {
         const size_t block_bytes = per_block * sizeof(float);
         const char* base = reinterpret_cast<const char*>(st->sums.data());
         const char* pf_end = base + size_t(cur) * block_bytes;
         const __m512 inv16_full = _mm512_set1_ps(inv_full);
-        for (; b + 16 <= cur; b += 16) {
+        int64_t counts = 0;
+        for (int b = b_begin; b < b_end; b += 16) {
           // The step's 16 blocks are 64 lines; the lines a whole number of
           // steps further on are prefetched as this step reads its own,
           // in the same order.
@@ -164,7 +175,7 @@ class GqaBlockAttention final : public SparseAttention {
             inv = _mm512_div_ps(
                 _mm512_set1_ps(1.0f),
                 _mm512_cvtepi32_ps(_mm512_loadu_si512(&st->counts[b])));
-            counts_read += 16;
+            counts += 16;
           }
           // Both groups' dots of a block at once, so the step's lines are
           // read in address order (a block's 4 lines, then the next
@@ -195,6 +206,19 @@ class GqaBlockAttention final : public SparseAttention {
             }
           }
         }
+        step_counts_read.fetch_add(counts, std::memory_order_relaxed);
+      };
+      int b = 0;
+      if (fast16) {
+        const int nsteps = cur / 16;
+        if (split != nullptr) {
+          ParallelFor(split, nsteps, 1, [&](int64_t s0, int64_t s1) {
+            steps(int(s0) * 16, int(s1) * 16);
+          });
+        } else {
+          steps(0, nsteps * 16);
+        }
+        b = nsteps * 16;
       }
       // Running: the last cur % 16 blocks' scores (fast16 only), offered
       // together.
@@ -256,7 +280,10 @@ class GqaBlockAttention final : public SparseAttention {
         (*heads)[h] = first;
       }
     }
-    cost->bytes += double(cur) * per_block * 4 + double(counts_read) * 4;
+    cost->bytes +=
+        double(cur) * per_block * 4 +
+        double(counts_read + step_counts_read.load(std::memory_order_relaxed)) *
+            4;
     cost->flops += double(cur) * H * di * 2;
   }
 

@@ -457,6 +457,16 @@ TEST_CASE("gqa_block: top-k equals brute force over long contexts",
           CHECK(heads[h].positions == want);
         }
       }
+      // The 16-block steps split over a pool's cores (threshold 0, so
+      // always): the same selections.
+      for (int cores : {2, 3, 7}) {
+        CAPTURE(cores);
+        CorePool pool(cores, 0);
+        auto split = r.Select(pos, q, &pool);
+        for (int h = 0; h < H; ++h) {
+          CHECK(split[h].positions == heads[h].positions);
+        }
+      }
     }
   }
 }
