@@ -247,9 +247,6 @@ class LineRequests {
   size_t next_ = 0;
 };
 
-// Scores of a 32-entry tile (two blocks side by side, tile[d * 32 + j]) for
-// heads [h, h + HB): s[h][0..31] = (q[h] . e) * scale. Two blocks per q
-// broadcast keep the loads below the FMA rate.
 // SelectTopK (attention.h) for small k (0 < k <= 64, k < n), run while
 // the scores are produced in position order, so that they need not be
 // stored: a binary heap of the k best so far whose root is the worst kept

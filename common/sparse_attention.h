@@ -103,10 +103,9 @@ class SparseAttention {
   // Score + Select for the token at `pos` (its entry already stored) with
   // query `q` (H x q_dim floats). Fills heads[h] for every query head.
   // `pool` (may be null; RunAttentionLayer lends it for a lone token) lends
-  // the device's cores; the selections must not depend on it. MagicPIG
-  // splits its scan over them by token range, Quest by KV head, ClusterKV
-  // by query head; gqa_block (one pass reads every KV head's block sums)
-  // selects on the calling thread.
+  // the device's cores; the selections must not depend on it. gqa_block
+  // splits its block-sum scan over them by block range, MagicPIG its bucket
+  // scan by token range, Quest by KV head, ClusterKV by query head.
   virtual void Select(const LayerView& view, int pos, const float* q,
                       const MethodLayerState* state,
                       std::vector<HeadSelection>* heads, KernelCost* cost,

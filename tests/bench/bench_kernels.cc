@@ -724,9 +724,9 @@ bool BenchGqaMethod(const char* preset, const char* label, const int* contexts,
     // (every line, prefetched ahead) in the same passes, with no
     // arithmetic: what scattered rows of this size cost here.
     std::vector<std::vector<const uint8_t*>> rows_of(kSessions);
+    const int group = a.heads / a.kv_heads;
     for (int s = 0; s < kSessions; ++s) {
       const LayerView v = view(s);
-      const int group = a.heads / a.kv_heads;
       for (int h = 0; h < a.heads; ++h) {
         const int g = h / group;
         // Heads of a group with the same positions read them once.
