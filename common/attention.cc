@@ -328,8 +328,9 @@ struct KeyBlock {
       : kt(size_t(dp / 2) * kKeyBlock), kf(fp32 ? size_t(dp) * kKeyBlock : 0) {}
 };
 
-// One stored block of keys as a scan visits it (kv_store.h: a page keeps
-// its keys in blocks of kIndexKeyBlock slots): its page, its block there,
+// One stored block of keys as a scan visits it (kv_store.h: an index page
+// keeps its keys in blocks of kIndexKeyBlock slots): its index page, its
+// block there,
 // the position of its slot 0, and its slots [lo, hi) that lie in the range
 // scanned.
 struct ScanBlock {
@@ -342,7 +343,7 @@ void ScanBlocks(const KvLayout& l, int begin, int end,
                 std::vector<ScanBlock>* out) {
   out->clear();
   if (begin >= end) return;
-  const int tpp = l.tokens_per_page;
+  const int tpp = l.index_tokens_per_page;
   // Divides once, for the first block, then steps through the pages: a
   // division per block took ~7% of a dsa-tiny decode scan.
   int page = begin / tpp, block = begin % tpp / kKeyBlock;
@@ -362,8 +363,7 @@ void ScanBlocks(const KvLayout& l, int begin, int end,
 }
 
 // Blocks this many ahead of the one being widened are prefetched (their
-// rows and scales): pages hold their keys in short runs between KV
-// entries, too short for the hardware prefetcher to ramp up on.
+// rows and scales).
 constexpr int kPrefetchBlocks = 4;
 // A query of at most kHeadBlock heads (ScoreBlocksWidening) spends only
 // ~30 ns on a dsa-tiny block (16 rows x 16 dot products), so it requests
@@ -835,7 +835,8 @@ void TileStoreDots(const IndexQuery& iq, float* dots) {
 // pairs was up to 2x slower. What did shorten the scan from DRAM (128K
 // keys) was longer key runs: the same keys in pages of 256 tokens took 17%
 // less time; in pages of 1024 tokens, or packed in pages of index keys
-// alone, 21% less (tokens_per_page is a deployment option).
+// alone, 21% less (measured when KV pages also held their tokens' keys;
+// they now sit in index pages of their own, kv_store.h).
 
 // The bf16 bytes of every code's value / 256 (as Fp8Bf16Bytes, for
 // vpermi2b), and the word order of a row (RowDim).
@@ -906,7 +907,7 @@ __attribute__((always_inline)) inline bool WidenChunksByTable(
   return nan;
 }
 
-// A key position as (page, offset in the page), advanced without
+// A key position as (index page, offset in the page), advanced without
 // dividing.
 struct KeyPos {
   int page = 0, off = 0;
@@ -939,7 +940,7 @@ inline void PrefetchKeys(const LayerView& view, KeyPos p, int n, int dim) {
   const KvLayout& l = *view.layout;
   const size_t bytes = l.IndexBlockBytes();
   while (n > 0) {
-    const int run = std::min(n, l.tokens_per_page - p.off);
+    const int run = std::min(n, l.index_tokens_per_page - p.off);
     for (int blk = (p.off + kKeyBlock - 1) / kKeyBlock;
          blk * kKeyBlock < p.off + run; ++blk) {
       const char* k =
@@ -968,7 +969,7 @@ inline void PrefetchUpTo(const LayerView& view, int target, int dim,
                          int* reached, KeyPos* pos) {
   if (target <= *reached) return;
   PrefetchKeys<kL2>(view, *pos, target - *reached, dim);
-  pos->Advance(target - *reached, view.layout->tokens_per_page);
+  pos->Advance(target - *reached, view.layout->index_tokens_per_page);
   *reached = target;
 }
 
@@ -993,8 +994,8 @@ void LoadKeyRows(const LayerView& view, KeyPos p, int b, int dim,
   const __m512i high = _mm512_set1_epi8(0x70);
   kb->has_nan = false;
   for (int j = 0; j < b;) {
-    const int run = std::min(b - j, l.tokens_per_page - p.off);
-    const int s0 = p.page * l.tokens_per_page + p.off;
+    const int run = std::min(b - j, l.index_tokens_per_page - p.off);
+    const int s0 = p.page * l.index_tokens_per_page + p.off;
     for (int k = 0; k < run; ++k) {
       view.IndexKeyCodes(s0 + k, codes + size_t(j + k) * dim);
     }
@@ -1005,7 +1006,7 @@ void LoadKeyRows(const LayerView& view, KeyPos p, int b, int dim,
                             _mm512_maskz_loadu_ps(m, sc + k));
     }
     j += run;
-    p.Advance(run, l.tokens_per_page);
+    p.Advance(run, l.index_tokens_per_page);
   }
   const int bytes = b * dim;
   // The first group shifts its even codes up instead of loading the byte
@@ -1265,10 +1266,8 @@ void ScoreKeyRows(const LayerView& view, int dim, int k_begin, int stop,
   };
   alignas(64) float dots[3][kPairDots];
   // Positions of the next block to widen and of the next keys to
-  // prefetch into L1 and L2 (a page holds its keys in one short run
-  // between KV entries, too short for the hardware prefetchers to ramp up
-  // on by themselves).
-  const int tpp = view.layout->tokens_per_page;
+  // prefetch into L1 and L2.
+  const int tpp = view.layout->index_tokens_per_page;
   KeyPos next(k_begin, tpp);
   int near = std::min(stop, k_begin + kRowPrefetchAhead);
   int far = std::min(stop, k_begin + kRowFarAhead);

@@ -73,7 +73,7 @@ void PutIndexKeyBlock(const uint8_t* codes, int dim, uint8_t* rows) {
 }
 
 // Writes the codes of `n` keys (token-major; null: zero codes) into slots
-// [slot, slot + n) of one page.
+// [slot, slot + n) of one index page.
 void PutIndexKeys(const KvLayout& l, uint8_t* page, int slot, int n,
                   const uint8_t* codes) {
   const int dim = l.index_dim, pairs = l.IndexPairs();
@@ -102,9 +102,9 @@ void PutIndexKeys(const KvLayout& l, uint8_t* page, int slot, int n,
 }  // namespace
 
 void LayerView::IndexKeyCodes(int pos, uint8_t* codes) const {
-  const int tpp = layout->tokens_per_page;
-  const int o = pos % tpp;
-  const uint8_t* at = IndexKeyBlock(pos / tpp, o / kIndexKeyBlock) +
+  const int itpp = layout->index_tokens_per_page;
+  const int o = pos % itpp;
+  const uint8_t* at = IndexKeyBlock(pos / itpp, o / kIndexKeyBlock) +
                       2 * IndexKeySlot(o % kIndexKeyBlock);
   for (int d = 0; d < layout->index_dim; ++d) {
     codes[d] = at[size_t(d / 2) * 64 + d % 2];
@@ -136,15 +136,19 @@ KvLayout MakeKvLayout(const ModelConfig& config, int tokens_per_page) {
       l.index_dim = 0;
       break;
   }
-  const size_t tpp = size_t(tokens_per_page);
-  const size_t key_slots =
-      l.index_dim > 0 ? size_t(l.IndexBlocksPerPage()) * kIndexKeyBlock : 0;
   l.kv_offset = 0;
-  l.ikey_offset = AlignUp(tpp * l.kv_dim * 2, 64);
-  // (No index keys: IndexBlockBytes() is 0.)
-  l.iscale_offset = AlignUp(
-      l.ikey_offset + size_t(l.IndexBlocksPerPage()) * l.IndexBlockBytes(), 64);
-  l.page_bytes = AlignUp(l.iscale_offset + key_slots * 4, 64);
+  l.page_bytes = AlignUp(size_t(tokens_per_page) * l.kv_dim * 2, 64);
+  if (l.index_dim > 0) {
+    // As many blocks (rows, then 32 scales each) as the KV page's size
+    // holds; at least one, the page growing to fit it.
+    const size_t block = l.IndexBlockBytes() + kIndexKeyBlock * 4;
+    l.page_bytes = std::max(l.page_bytes, AlignUp(block, 64));
+    l.index_blocks_per_page = int(l.page_bytes / block);
+    l.index_tokens_per_page = l.index_blocks_per_page * kIndexKeyBlock;
+    l.ikey_offset = 0;
+    l.iscale_offset =
+        size_t(l.index_blocks_per_page) * l.IndexBlockBytes();  // 64-aligned
+  }
   return l;
 }
 
@@ -259,12 +263,15 @@ SessionCache::SessionCache(const KvLayout* layout,
     : layout_(layout),
       arenas_(std::move(arenas)),
       pages_(layout->num_layers),
+      index_pages_(layout->num_layers),
       page_data_(layout->num_layers),
+      index_page_data_(layout->num_layers),
       lengths_(layout->num_layers, 0),
       pages_per_arena_(arenas_.size(), 0) {}
 
 SessionCache::~SessionCache() {
   for (const auto& p : pages_) ReturnPages(p.data(), p.size());
+  for (const auto& p : index_pages_) ReturnPages(p.data(), p.size());
   ReturnPages(metadata_pages_.data(), metadata_pages_.size());
 }
 
@@ -310,28 +317,47 @@ void SessionCache::ReturnPages(const PageRef* pages, size_t n) {
   }
 }
 
+int SessionCache::Capacity() const {
+  if (pages_.empty()) return 0;
+  int cap = int(pages_[0].size()) * layout_->tokens_per_page;
+  if (layout_->index_tokens_per_page > 0) {
+    cap = std::min(
+        cap, int(index_pages_[0].size()) * layout_->index_tokens_per_page);
+  }
+  return cap;
+}
+
 absl::Status SessionCache::Reserve(int tokens) {
   if (tokens <= reserved_tokens_) return absl::OkStatus();
-  const int tpp = layout_->tokens_per_page;
-  const int have = static_cast<int>(pages_.empty() ? 0 : pages_[0].size());
-  const int need = (tokens + tpp - 1) / tpp;
-  const int more = need - have;
+  if (pages_.empty()) {  // no layers: nothing to hold
+    reserved_tokens_ = tokens;
+    return absl::OkStatus();
+  }
+  const int more_kv =
+      std::max(layout_->KvPagesFor(tokens) - int(pages_[0].size()), 0);
+  const int more_index =
+      std::max(layout_->IndexPagesFor(tokens) - int(index_pages_[0].size()), 0);
   std::vector<PageRef> fresh;
-  absl::Status st = TakePages(more * layout_->num_layers, &fresh);
+  absl::Status st =
+      TakePages((more_kv + more_index) * layout_->num_layers, &fresh);
   if (!st.ok()) {
     return absl::ResourceExhaustedError(
         absl::StrCat("cannot reserve ", tokens, " tokens: ", st.message()));
   }
-  // Layer by layer, so that the home's pages go to the first layers.
+  // Layer by layer, so that the home's pages go to the first layers, and a
+  // layer's new index pages follow one another.
   size_t k = 0;
   for (size_t l = 0; l < pages_.size(); ++l) {
-    for (int i = 0; i < more; ++i) {
+    for (int i = 0; i < more_kv; ++i, ++k) {
       pages_[l].push_back(fresh[k]);
       page_data_[l].push_back(PageAddress(fresh[k]));
-      ++k;
+    }
+    for (int i = 0; i < more_index; ++i, ++k) {
+      index_pages_[l].push_back(fresh[k]);
+      index_page_data_[l].push_back(PageAddress(fresh[k]));
     }
   }
-  reserved_tokens_ = need * tpp;
+  reserved_tokens_ = Capacity();
   return absl::OkStatus();
 }
 
@@ -372,13 +398,16 @@ absl::Status SessionCache::Append(int layer, const uint16_t* kv,
   }
   const int tpp = layout_->tokens_per_page;
   uint8_t* page = page_data_[layer][pos / tpp];
-  const int slot = pos % tpp;
-  std::memcpy(page + layout_->kv_offset + size_t(slot) * layout_->kv_dim * 2,
-              kv, size_t(layout_->kv_dim) * 2);
+  std::memcpy(
+      page + layout_->kv_offset + size_t(pos % tpp) * layout_->kv_dim * 2, kv,
+      size_t(layout_->kv_dim) * 2);
   if (layout_->index_dim > 0) {
     if (index_key == nullptr) index_scale = 0.0f;
-    PutIndexKeys(*layout_, page, slot, 1, index_key);
-    reinterpret_cast<float*>(page + layout_->iscale_offset)[slot] = index_scale;
+    const int itpp = layout_->index_tokens_per_page;
+    uint8_t* ipage = index_page_data_[layer][pos / itpp];
+    PutIndexKeys(*layout_, ipage, pos % itpp, 1, index_key);
+    reinterpret_cast<float*>(ipage + layout_->iscale_offset)[pos % itpp] =
+        index_scale;
   }
   lengths_[layer] = pos + 1;
   return absl::OkStatus();
@@ -408,10 +437,10 @@ absl::Status SessionCache::WriteIndexKey(int layer, int pos,
   if (layout_->index_dim == 0) {
     return absl::FailedPreconditionError("this layout has no index keys");
   }
-  const int tpp = layout_->tokens_per_page;
-  uint8_t* page = page_data_[layer][pos / tpp];
-  PutIndexKeys(*layout_, page, pos % tpp, 1, codes);
-  reinterpret_cast<float*>(page + layout_->iscale_offset)[pos % tpp] = scale;
+  const int itpp = layout_->index_tokens_per_page;
+  uint8_t* page = index_page_data_[layer][pos / itpp];
+  PutIndexKeys(*layout_, page, pos % itpp, 1, codes);
+  reinterpret_cast<float*>(page + layout_->iscale_offset)[pos % itpp] = scale;
   return absl::OkStatus();
 }
 
@@ -447,15 +476,15 @@ absl::Status SessionCache::WriteIndexKeyRun(int layer, int pos, int n,
   if (layout_->index_dim == 0) {
     return absl::FailedPreconditionError("this layout has no index keys");
   }
-  const int tpp = layout_->tokens_per_page;
+  const int itpp = layout_->index_tokens_per_page;
   const size_t row = size_t(layout_->index_dim);
   for (int i = 0; i < n;) {
     const int p = pos + i;
-    const int run = std::min(n - i, tpp - p % tpp);
-    uint8_t* page = page_data_[layer][p / tpp];
-    PutIndexKeys(*layout_, page, p % tpp, run, codes + size_t(i) * row);
+    const int run = std::min(n - i, itpp - p % itpp);
+    uint8_t* page = index_page_data_[layer][p / itpp];
+    PutIndexKeys(*layout_, page, p % itpp, run, codes + size_t(i) * row);
     std::memcpy(
-        reinterpret_cast<float*>(page + layout_->iscale_offset) + p % tpp,
+        reinterpret_cast<float*>(page + layout_->iscale_offset) + p % itpp,
         scales + i, size_t(run) * sizeof(float));
     i += run;
   }
@@ -470,6 +499,7 @@ LayerView SessionCache::View(int layer) const {
   LayerView v;
   v.layout = layout_;
   v.pages = page_data_[layer].data();
+  v.index_pages = index_page_data_[layer].data();
   v.length = lengths_[layer];
   return v;
 }
@@ -477,6 +507,7 @@ LayerView SessionCache::View(int layer) const {
 size_t SessionCache::bytes() const {
   size_t n = metadata_pages_.size();
   for (const auto& p : pages_) n += p.size();
+  for (const auto& p : index_pages_) n += p.size();
   return n * layout_->page_bytes;
 }
 
@@ -486,29 +517,43 @@ int SessionCache::SpilledPositions(int layer) const {
     spilled = spilled || pages_per_arena_[a] > 0;
   }
   if (!spilled) return 0;
-  const int tpp = layout_->tokens_per_page;
   const int len = lengths_[layer];
-  const auto& lp = pages_[layer];
+  // Walks the positions in runs over which neither kind of page changes.
+  const int tpp = layout_->tokens_per_page;
+  const int itpp = layout_->index_tokens_per_page;
+  const auto& kv = pages_[layer];
+  const auto& ix = index_pages_[layer];
   int n = 0;
-  for (size_t i = 0; i < lp.size() && int(i) * tpp < len; ++i) {
-    if (lp[i].arena != 0) n += std::min(tpp, len - int(i) * tpp);
+  for (int pos = 0; pos < len;) {
+    int end = std::min(len, (pos / tpp + 1) * tpp);
+    bool away = kv[pos / tpp].arena != 0;
+    if (itpp > 0) {
+      end = std::min(end, (pos / itpp + 1) * itpp);
+      away = away || ix[pos / itpp].arena != 0;
+    }
+    if (away) n += end - pos;
+    pos = end;
   }
   return n;
 }
 
 void SessionCache::Shrink(int tokens) {
-  const int tpp = layout_->tokens_per_page;
-  const int keep = (std::max(tokens, 0) + tpp - 1) / tpp;
-  for (size_t l = 0; l < pages_.size(); ++l) {
-    auto& lp = pages_[l];
-    if (int(lp.size()) > keep) {
-      ReturnPages(lp.data() + keep, lp.size() - keep);
-      lp.resize(keep);
-      page_data_[l].resize(keep);
+  tokens = std::max(tokens, 0);
+  auto drop = [&](std::vector<PageRef>* pages, std::vector<uint8_t*>* data,
+                  int keep) {
+    if (int(pages->size()) > keep) {
+      ReturnPages(pages->data() + keep, pages->size() - keep);
+      pages->resize(keep);
+      data->resize(keep);
     }
-    lengths_[l] = std::min(lengths_[l], keep * tpp);
+  };
+  for (size_t l = 0; l < pages_.size(); ++l) {
+    drop(&pages_[l], &page_data_[l], layout_->KvPagesFor(tokens));
+    drop(&index_pages_[l], &index_page_data_[l],
+         layout_->IndexPagesFor(tokens));
   }
-  reserved_tokens_ = std::min(reserved_tokens_, keep * tpp);
+  reserved_tokens_ = std::min(reserved_tokens_, Capacity());
+  for (int& length : lengths_) length = std::min(length, reserved_tokens_);
 }
 
 }  // namespace karat

@@ -5,20 +5,27 @@
 // pages may come from several arenas (the devices of one node, when its home
 // device is full); kernels see them through LayerView either way.
 //
-// Page layout (one layer, `tokens_per_page` tokens), structure of arrays:
-//   [kv:    tpp x kv_dim   bf16 ]   mla_dsa: c (kv_lora) | k_pe (rope)
-//   [ikey:  blocks x pairs x 64 ]   DSA index keys (fp8 codes), pair-major
-//   [iscale: blocks x 32 f32    ]   their scales
-// each section padded to 64 bytes. Index keys are kept in blocks of
-// kIndexKeyBlock (32) consecutive slots of a page, ceil(tpp / 32) blocks a
-// page (a page of fewer than 32 tokens still has room for 32). Within a
-// block, code pair p (dims 2p, 2p + 1; an odd dimension is padded with a
-// zero code) of all 32 keys is one 64-byte row, key j's two codes at bytes
-// 2 IndexKeySlot(j) and 2 IndexKeySlot(j) + 1 of it. That is the layout the
-// indexer's scan multiplies (32 keys in the lanes of two vectors, one pair
-// at a time), so a scan only widens the codes and never transposes them;
-// the slot order is the one in which the widening's in-lane byte interleave
-// leaves the keys in natural order (see attention.cc).
+// A layer's pages are of two kinds, both of the arena's one page size:
+//   KV pages, `tokens_per_page` tokens each:
+//     [kv:    tpp x kv_dim   bf16 ]   mla_dsa: c (kv_lora) | k_pe (rope)
+//   index pages (DSA index keys only), index_tokens_per_page tokens each:
+//     [ikey:   blocks x pairs x 64 ]   fp8 codes, pair-major
+//     [iscale: blocks x 32 f32     ]   their scales
+// each section padded to 64 bytes. The indexer's scan reads every index key
+// of a layer and nothing else, so the keys of many KV pages' tokens sit
+// together in one index page (dsa-tiny: 512 tokens in 18 KiB, beside KV
+// pages of 64): kept in every KV page, they came in 2.3 KiB runs 20 KiB
+// apart, which both cores read from DRAM at about two thirds of the rate of
+// the same bytes in one run (34 against 53 GB/s, one measurement). Index keys
+// are kept in blocks of kIndexKeyBlock (32) consecutive slots, as many blocks
+// as fit a page (at least one: a page is then made large enough). Within a
+// block, code pair p (dims 2p, 2p + 1; an odd dimension is padded with a zero
+// code) of all 32 keys is one 64-byte row, key j's two codes at bytes 2
+// IndexKeySlot(j) and 2 IndexKeySlot(j) + 1 of it. That is the layout the
+// indexer's scan multiplies (32 keys in the lanes of two vectors, one pair at a
+// time), so a scan only widens the codes and never transposes them; the slot
+// order is the one in which the widening's in-lane byte interleave leaves the
+// keys in natural order (see attention.cc).
 #pragma once
 
 #include <cstddef>
@@ -44,10 +51,15 @@ constexpr int IndexKeySlot(int j) {
 }
 
 struct KvLayout {
-  int tokens_per_page = 64;
-  int kv_dim = 0;     // bf16 values per token
-  int index_dim = 0;  // fp8 codes per token (0: no index keys)
-  size_t kv_offset = 0, ikey_offset = 0, iscale_offset = 0;
+  int tokens_per_page = 64;  // of a KV page
+  int kv_dim = 0;            // bf16 values per token
+  int index_dim = 0;         // fp8 codes per token (0: no index keys)
+  // Index keys per index page: index_blocks_per_page x kIndexKeyBlock (0
+  // without index keys).
+  int index_blocks_per_page = 0;
+  int index_tokens_per_page = 0;
+  size_t kv_offset = 0;                       // in a KV page
+  size_t ikey_offset = 0, iscale_offset = 0;  // in an index page
   size_t page_bytes = 0;
   int num_layers = 0;
   // Bytes of one token's entries in one layer (without padding).
@@ -56,9 +68,19 @@ struct KvLayout {
   int IndexPairs() const { return (index_dim + 1) / 2; }
   // Bytes of one block of index keys: a 64-byte row per pair.
   size_t IndexBlockBytes() const { return size_t(IndexPairs()) * 64; }
-  // Blocks of index keys in a page.
-  int IndexBlocksPerPage() const {
-    return (tokens_per_page + kIndexKeyBlock - 1) / kIndexKeyBlock;
+  // Blocks of index keys in an index page.
+  int IndexBlocksPerPage() const { return index_blocks_per_page; }
+  // Pages (KV and index) one layer needs for `tokens` positions.
+  int KvPagesFor(int tokens) const {
+    return (tokens + tokens_per_page - 1) / tokens_per_page;
+  }
+  int IndexPagesFor(int tokens) const {
+    return index_tokens_per_page > 0
+               ? (tokens + index_tokens_per_page - 1) / index_tokens_per_page
+               : 0;
+  }
+  int PagesFor(int tokens) const {
+    return KvPagesFor(tokens) + IndexPagesFor(tokens);
   }
 };
 KvLayout MakeKvLayout(const ModelConfig& config, int tokens_per_page);
@@ -104,41 +126,43 @@ absl::StatusOr<std::vector<int>> PlanPageSpill(
 // it came from next grows (SessionCache::Reserve) or shrinks.
 struct LayerView {
   const KvLayout* layout = nullptr;
-  // The base address of each page of the layer, in position order. Pages
-  // may come from more than one arena (a session spilled across the devices
-  // of a node); kernels read them in place.
+  // The base address of each KV page and of each index page of the layer,
+  // in position order. Pages may come from more than one arena (a session
+  // spilled across the devices of a node); kernels read them in place.
   const uint8_t* const* pages = nullptr;
+  const uint8_t* const* index_pages = nullptr;
   int length = 0;  // tokens stored
 
-  // The bytes of the layer's `index`-th page (positions from index x
-  // tokens_per_page). Kernels reach pages only through this and the
-  // accessors below.
+  // The bytes of the layer's `index`-th KV page (positions from index x
+  // tokens_per_page) and index page (from index x index_tokens_per_page).
+  // Kernels reach pages only through these and the accessors below.
   const uint8_t* PageData(int index) const { return pages[index]; }
+  const uint8_t* IndexPageData(int index) const { return index_pages[index]; }
   const uint16_t* Kv(int pos) const {
     const uint8_t* p = pages[pos / layout->tokens_per_page];
     return reinterpret_cast<const uint16_t*>(p + layout->kv_offset) +
            size_t(pos % layout->tokens_per_page) * layout->kv_dim;
   }
-  // The pair rows of block `block` of page `index` (the page layout above).
+  // The pair rows of block `block` of index page `index` (the layout
+  // above).
   const uint8_t* IndexKeyBlock(int index, int block) const {
-    return pages[index] + layout->ikey_offset +
+    return index_pages[index] + layout->ikey_offset +
            size_t(block) * layout->IndexBlockBytes();
   }
-  // The scales of page `index`, by slot (32 per block, the last block's
-  // beyond tokens_per_page unused).
+  // The scales of index page `index`, by slot.
   const float* IndexScales(int index) const {
-    return reinterpret_cast<const float*>(pages[index] + layout->iscale_offset);
+    return reinterpret_cast<const float*>(index_pages[index] +
+                                          layout->iscale_offset);
   }
-  // The 32 scales of block `block` of page `index`.
+  // The 32 scales of block `block` of index page `index`.
   const float* IndexBlockScales(int index, int block) const {
     return IndexScales(index) + size_t(block) * kIndexKeyBlock;
   }
   // Key `pos`'s index_dim codes, in dimension order, into codes[].
   void IndexKeyCodes(int pos, uint8_t* codes) const;
   float IndexScale(int pos) const {
-    const uint8_t* p = pages[pos / layout->tokens_per_page];
-    return reinterpret_cast<const float*>(
-        p + layout->iscale_offset)[pos % layout->tokens_per_page];
+    const int itpp = layout->index_tokens_per_page;
+    return IndexScales(pos / itpp)[pos % itpp];
   }
 };
 
@@ -193,7 +217,8 @@ class SessionCache {
   size_t bytes() const;  // pages held (KV and metadata) x page bytes
   // Pages held on each arena (KV and metadata), indexed like the arenas.
   const std::vector<int>& PagesPerArena() const { return pages_per_arena_; }
-  // Stored positions (< length(layer)) whose page is not on the home arena.
+  // Stored positions (< length(layer)) with a page (KV or index keys) that
+  // is not on the home arena.
   int SpilledPositions(int layer) const;
   // Frees pages beyond what `tokens` positions need.
   void Shrink(int tokens);
@@ -204,6 +229,8 @@ class SessionCache {
     int32_t arena;
     int32_t id;
   };
+  // Positions the pages held for every layer have room for.
+  int Capacity() const;
   // Takes `n` pages (home first, then spilled) or none.
   absl::Status TakePages(int n, std::vector<PageRef>* out);
   void ReturnPages(const PageRef* pages, size_t n);
@@ -212,9 +239,10 @@ class SessionCache {
   const KvLayout* layout_;
   std::vector<PageArena*> arenas_;  // [0]: home
   int reserved_tokens_ = 0;
-  // Per layer: the pages and, in the same order, their base addresses.
-  std::vector<std::vector<PageRef>> pages_;
-  std::vector<std::vector<uint8_t*>> page_data_;
+  // Per layer: the KV pages and, in the same order, their base addresses;
+  // the same for the index pages (none without index keys).
+  std::vector<std::vector<PageRef>> pages_, index_pages_;
+  std::vector<std::vector<uint8_t*>> page_data_, index_page_data_;
   std::vector<PageRef> metadata_pages_;
   std::vector<int> lengths_;
   std::vector<int> pages_per_arena_;

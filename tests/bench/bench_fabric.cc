@@ -609,8 +609,7 @@ class IngestStore {
     _exit(1);
   }
   Transport* transport = t->get();
-  const size_t pages_per_layer =
-      (plan.tokens + kIngestTokensPerPage - 1) / kIngestTokensPerPage;
+  const size_t pages_per_layer = plan.layout.PagesFor(plan.tokens);
   auto arena = PageArena::Create(
       2 * pages_per_layer * plan.layout.num_layers * plan.layout.page_bytes,
       plan.layout.page_bytes);

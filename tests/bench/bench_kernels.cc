@@ -292,7 +292,7 @@ std::unique_ptr<Store> MakeStore(const Shape& sh, int tokens) {
   c.qk_rope_head_dim = sh.rope;
   c.index_head_dim = sh.index_dim;
   st->layout = MakeKvLayout(c, 64);
-  const size_t pages = (tokens + 63) / 64 + 1;
+  const size_t pages = st->layout.PagesFor(tokens) + 1;
   st->arena =
       *PageArena::Create(pages * st->layout.page_bytes, st->layout.page_bytes);
   st->cache = std::make_unique<SessionCache>(&st->layout, st->arena.get());
@@ -593,7 +593,7 @@ bool BenchGqaMethod(const char* preset, const char* label, const int* contexts,
   // cache made 7 of the 8 attends of a pass warm).
   constexpr int kSessions = 8;
   const KvLayout layout = MakeKvLayout(c, 64);
-  const size_t pages = (tokens + 63) / 64 + 1;
+  const size_t pages = layout.PagesFor(tokens) + 1;
   auto arena = PageArena::Create(kSessions * pages * layout.page_bytes,
                                  layout.page_bytes);
   if (!arena.ok()) return false;

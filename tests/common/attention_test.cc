@@ -556,11 +556,14 @@ TEST_CASE("indexer: odd shapes and page sizes keep the defined arithmetic",
   CAPTURE(path, widening);
   IndexerPathScope scope(path, widening);
   struct Shape {
-    int heads, dim, tpp, n;
+    int heads, dim, tpp, n, kv = 8;
   };
-  for (const Shape sh :
-       {Shape{13, 20, 7, 100}, Shape{64, 128, 64, 70}, Shape{3, 64, 5, 33}}) {
-    Store st(8, sh.dim, sh.tpp);
+  // The last: dsa-tiny's pages (KV entries of 144, index pages of 512
+  // keys), a scan over three index pages.
+  for (const Shape sh : {Shape{13, 20, 7, 100}, Shape{64, 128, 64, 70},
+                         Shape{3, 64, 5, 33}, Shape{8, 32, 64, 1100, 144}}) {
+    Store st(sh.kv, sh.dim, sh.tpp);
+    CAPTURE(sh.n, st.layout.index_tokens_per_page);
     REQUIRE(st.cache->Reserve(sh.n).ok());
     std::mt19937 rng(sh.heads * 100 + sh.dim);
     std::normal_distribution<float> nd;
@@ -1160,23 +1163,30 @@ TEST_CASE("KernelExp: vector lanes equal the scalar function, near exp",
 
 TEST_CASE("page arena: all-or-nothing reservations", "[kv_store]") {
   Store st(8, 4, 4, /*layers=*/2);
+  // Per layer, 8 tokens take 2 KV pages and 1 index page (32 keys).
+  CHECK(st.layout.index_tokens_per_page == 32);
+  CHECK(st.layout.PagesFor(8) == 3);
+  CHECK(st.layout.PagesFor(4) == 2);
+  CHECK(st.layout.PagesFor(9) == 4);
   auto arena =
-      *PageArena::Create(st.layout.page_bytes * 6, st.layout.page_bytes);
+      *PageArena::Create(st.layout.page_bytes * 10, st.layout.page_bytes);
   SessionCache a(&st.layout, arena.get());
-  REQUIRE(a.Reserve(8).ok());  // 2 pages x 2 layers
-  CHECK(arena->free_pages() == 2);
+  REQUIRE(a.Reserve(8).ok());  // 3 pages x 2 layers
+  CHECK(arena->free_pages() == 4);
+  CHECK(a.bytes() == 6 * st.layout.page_bytes);
   SessionCache b(&st.layout, arena.get());
   CHECK(b.Reserve(9).code() == absl::StatusCode::kResourceExhausted);
-  CHECK(arena->free_pages() == 2);  // nothing taken
+  CHECK(arena->free_pages() == 4);  // nothing taken
   REQUIRE(b.Reserve(4).ok());
   CHECK(arena->free_pages() == 0);
+  CHECK(b.reserved_tokens() == 4);
   uint16_t kv[8] = {};
   CHECK(b.WriteKv(0, 4, kv).code() == absl::StatusCode::kResourceExhausted);
 }
 
 TEST_CASE("index keys: every write path stores the codes read back",
           "[kv_store]") {
-  // Pages of 64, 48 (a half block at each page's end), 16 and 5 keys;
+  // KV pages of 64, 48, 16 and 5 tokens (index pages of their size);
   // dimensions that take the whole-block transpose (32, 128, 16) and that
   // do not (20, 7 with its zero pad code, 1).
   for (const int tpp : {64, 48, 16, 5}) {
@@ -1224,20 +1234,21 @@ TEST_CASE("index keys: every write path stores the codes read back",
         }
       }
       CHECK(wrong == 0);
-      // The whole-block transpose leaves the pages as the per-key path does,
-      // unused slots and pad codes included.
+      // The whole-block transpose leaves the index pages as the per-key
+      // path does, unused slots and pad codes included.
+      const int itpp = runs.layout.index_tokens_per_page;
       int pages_differ = 0;
-      for (int pg = 0; pg * tpp < n; ++pg) {
-        pages_differ += std::memcmp(runs.cache->View(0).PageData(pg),
-                                    single.cache->View(0).PageData(pg),
+      for (int pg = 0; pg * itpp < n; ++pg) {
+        pages_differ += std::memcmp(runs.cache->View(0).IndexPageData(pg),
+                                    single.cache->View(0).IndexPageData(pg),
                                     runs.layout.page_bytes) != 0;
       }
       CHECK(pages_differ == 0);
       // Pair p of the key in slot j of a block is at 64 p + 2 IndexKeySlot(j).
       const LayerView v = single.cache->View(0);
-      const int s = std::min(n - 1, tpp + tpp / 2);
-      const uint8_t* at = v.IndexKeyBlock(s / tpp, s % tpp / kIndexKeyBlock) +
-                          2 * IndexKeySlot(s % tpp % kIndexKeyBlock);
+      const int s = std::min(n - 1, itpp + itpp / 2);
+      const uint8_t* at = v.IndexKeyBlock(s / itpp, s % itpp / kIndexKeyBlock) +
+                          2 * IndexKeySlot(s % itpp % kIndexKeyBlock);
       CHECK(at[0] == codes[size_t(s) * dim]);
       CHECK(at[size_t(single.layout.IndexPairs() - 1) * 64 + 1] ==
             (dim % 2 == 1 ? 0 : codes[size_t(s) * dim + dim - 1]));

@@ -383,26 +383,28 @@ TEST_CASE("Reserve is all or nothing", "[karat_node]") {
   auto c = PresetConfig("dsa-small");
   REQUIRE(c.ok());
   const KvLayout layout = MakeKvLayout(*c, 16);
-  const int layers = c->num_hidden_layers;
+  // 16 tokens of a layer: a KV page and an index page.
+  const int pages = c->num_hidden_layers * layout.PagesFor(16);
+  REQUIRE(layout.PagesFor(16) == 2);
   DataPlaneOptions options;
   options.tokens_per_page = 16;
-  // Room for one page per layer plus one more page.
-  options.devices = {DeviceOptions{layout.page_bytes * (layers + 1), 1},
-                     DeviceOptions{layout.page_bytes * (layers + 1), 1}};
+  // Room for 16 tokens of every layer plus one more page.
+  options.devices = {DeviceOptions{layout.page_bytes * (pages + 1), 1},
+                     DeviceOptions{layout.page_bytes * (pages + 1), 1}};
   auto h = DataPlaneHandler::Create(*c, options, nullptr);
   REQUIRE(h.ok());
   DataPlaneHandler& handler = **h;
 
   auto used = handler.Reserve(1, 0, 16);
   REQUIRE(used.ok());
-  CHECK(*used == int64_t(layout.page_bytes * layers));
+  CHECK(*used == int64_t(layout.page_bytes * pages));
 
   auto more = handler.Reserve(1, 0, 32);
   CHECK(more.status().code() == absl::StatusCode::kResourceExhausted);
   auto other = handler.Reserve(2, 0, 16);
   CHECK(other.status().code() == absl::StatusCode::kResourceExhausted);
   auto devices = handler.Devices();
-  CHECK(devices[0].used_bytes() == int64_t(layout.page_bytes * layers));
+  CHECK(devices[0].used_bytes() == int64_t(layout.page_bytes * pages));
   CHECK(devices[0].sessions() == 1);
 
   CHECK(handler.Reserve(1, 1, 16).status().code() ==
@@ -413,7 +415,7 @@ TEST_CASE("Reserve is all or nothing", "[karat_node]") {
         absl::StatusCode::kInvalidArgument);
   CHECK(handler.Reserve(1, 0, 10).ok());  // already room: unchanged
   CHECK(handler.Devices()[0].used_bytes() ==
-        int64_t(layout.page_bytes * layers));
+        int64_t(layout.page_bytes * pages));
 
   // The failed new session left no trace: it can go elsewhere.
   CHECK(handler.Reserve(2, 1, 16).ok());

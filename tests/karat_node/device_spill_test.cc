@@ -47,21 +47,26 @@ TEST_CASE(
   const ModelConfig c = *PresetConfig("dsa-small");
   const KvLayout layout = MakeKvLayout(c, kTpp);
   const int layers = layout.num_layers;
+  // Per layer: 2 KV pages and an index page (64 keys) for 2 kTpp tokens;
+  // 3 kTpp take one more KV page.
+  REQUIRE(layout.PagesFor(2 * kTpp) == 3);
+  REQUIRE(layout.PagesFor(3 * kTpp) == 4);
+  const int home_pages = 3 * layers;
   auto home =
-      *PageArena::Create(layout.page_bytes * layers * 2, layout.page_bytes);
+      *PageArena::Create(layout.page_bytes * home_pages, layout.page_bytes);
   auto other = *PageArena::Create(layout.page_bytes * 100, layout.page_bytes);
   {
     SessionCache cache(&layout, {home.get(), other.get()});
     REQUIRE(cache.Reserve(2 * kTpp).ok());
     CHECK(home->free_pages() == 0);
     CHECK(other->free_pages() == 100);
-    CHECK(cache.PagesPerArena() == std::vector<int>{2 * layers, 0});
+    CHECK(cache.PagesPerArena() == std::vector<int>{home_pages, 0});
     REQUIRE(cache.Reserve(3 * kTpp).ok());
-    CHECK(cache.PagesPerArena() == std::vector<int>{2 * layers, layers});
+    CHECK(cache.PagesPerArena() == std::vector<int>{home_pages, layers});
     CHECK(other->free_pages() == 100 - layers);
     // Too much for both: nothing taken.
     CHECK(absl::IsResourceExhausted(cache.Reserve(200 * kTpp)));
-    CHECK(cache.PagesPerArena() == std::vector<int>{2 * layers, layers});
+    CHECK(cache.PagesPerArena() == std::vector<int>{home_pages, layers});
     CHECK(cache.reserved_tokens() == 3 * kTpp);
     // Metadata pages come from the same arenas.
     REQUIRE(cache.ChargeMetadata(layout.page_bytes + 1).ok());
@@ -69,7 +74,8 @@ TEST_CASE(
     CHECK(other->free_pages() == 100 - layers - 2);
     REQUIRE(cache.ChargeMetadata(0).ok());
     CHECK(cache.metadata_pages() == 0);
-    // Every layer's third page is the spilled one.
+    // Every layer's third KV page is the spilled one; its index page is
+    // home.
     for (int l = 0; l < layers; ++l) {
       cache.SetLength(l, 2 * kTpp + 5);
       CHECK(cache.SpilledPositions(l) == 5);
@@ -80,9 +86,12 @@ TEST_CASE(
       const uint8_t* first = cache.View(l).PageData(0);
       CHECK(first >= home->Page(0));
       CHECK(first < home->Page(home->total_pages() - 1) + layout.page_bytes);
+      const uint8_t* keys = cache.View(l).IndexPageData(0);
+      CHECK(keys >= home->Page(0));
+      CHECK(keys < home->Page(home->total_pages() - 1) + layout.page_bytes);
     }
     cache.Shrink(kTpp);
-    CHECK(cache.PagesPerArena() == std::vector<int>{layers, 0});
+    CHECK(cache.PagesPerArena() == std::vector<int>{2 * layers, 0});
     CHECK(cache.SpilledPositions(0) == 0);
   }
   CHECK(home->free_pages() == home->total_pages());
@@ -182,9 +191,14 @@ TEST_CASE(
   const size_t page = layout.page_bytes;
   const int layers = c.num_hidden_layers;
 
-  // Node: device 0 holds 4 pages per layer (64 tokens), device 1 plenty.
+  // Node: device 0 holds 64 tokens (4 KV pages and an index page per
+  // layer), device 1 plenty.
+  const int home = layout.PagesFor(64);
+  REQUIRE(home == 5);
+  // Pages per layer that 160 tokens take beyond the home's.
+  const int spill = layout.PagesFor(160) - home;
   auto memory = std::make_shared<NodeMemory>();
-  auto dev0 = NewDevice(c, 0, page * layers * 4, memory);
+  auto dev0 = NewDevice(c, 0, page * layers * home, memory);
   auto dev1 = NewDevice(c, 1, page * 200, memory);
   // The same session alone on a roomy device of another node.
   auto ref = NewDevice(c, 0, page * 200, nullptr);
@@ -192,17 +206,17 @@ TEST_CASE(
   // What fits the home stays there.
   REQUIRE(dev0->Reserve(kSession, 64).ok());
   REQUIRE(ref->Reserve(kSession, 64).ok());
-  CHECK(dev0->used_bytes() == page * layers * 4);
+  CHECK(dev0->used_bytes() == page * layers * home);
   CHECK(dev1->used_bytes() == 0);
   CHECK(dev0->Metrics().spilled_bytes == 0);
 
-  // The home is full: the next 6 pages per layer spill to device 1.
+  // The home is full: the rest of 160 tokens' pages spill to device 1.
   REQUIRE(dev0->Reserve(kSession, 160).ok());
   REQUIRE(ref->Reserve(kSession, 160).ok());
   CHECK(dev0->used_bytes() == dev0->capacity_bytes());
-  CHECK(dev1->used_bytes() == page * layers * 6);
-  CHECK(dev0->Metrics().spilled_bytes == page * layers * 6);
-  CHECK(dev1->Metrics().hosted_bytes == page * layers * 6);
+  CHECK(dev1->used_bytes() == page * layers * spill);
+  CHECK(dev0->Metrics().spilled_bytes == page * layers * spill);
+  CHECK(dev1->Metrics().hosted_bytes == page * layers * spill);
   CHECK(dev1->Metrics().spilled_bytes == 0);
   CHECK(dev0->sessions() == 1);
   CHECK(dev1->sessions() == 0);
@@ -243,7 +257,7 @@ TEST_CASE(
   const MlaFrames grow = RandomMlaFrames(c, s, 0, 153, 20, &rng);
   Run(dev0.get(), grow.index);
   Run(dev0.get(), grow.attn);
-  CHECK(dev1->used_bytes() > page * layers * 6);
+  CHECK(dev1->used_bytes() > page * layers * spill);
 
   // Free returns every page to its own arena.
   REQUIRE(dev0->Free(kSession).ok());
@@ -262,29 +276,35 @@ TEST_CASE(
   const KvLayout layout = MakeKvLayout(c, kTpp);
   const size_t page = layout.page_bytes;
   const int layers = c.num_hidden_layers;
+  // Pages per layer (KV pages of kTpp tokens, index pages of 64).
+  REQUIRE(layout.PagesFor(2 * kTpp) == 3);
+  REQUIRE(layout.PagesFor(3 * kTpp) == 4);
+  REQUIRE(layout.PagesFor(4 * kTpp) == 5);
+  REQUIRE(layout.PagesFor(7 * kTpp) == 9);
+  REQUIRE(layout.PagesFor(13 * kTpp) == 17);
   auto memory = std::make_shared<NodeMemory>();
-  auto dev0 = NewDevice(c, 0, page * layers * 2, memory);
+  auto dev0 = NewDevice(c, 0, page * layers * 3, memory);
   auto dev1 = NewDevice(c, 1, page * layers * 3, memory);
-  auto dev2 = NewDevice(c, 2, page * layers * 5, memory);
+  auto dev2 = NewDevice(c, 2, page * layers * 6, memory);
 
   // A session homed on device 2 fits there: no spill.
   REQUIRE(dev2->Reserve(2, 2 * kTpp).ok());
-  CHECK(dev2->used_bytes() == page * layers * 2);
+  CHECK(dev2->used_bytes() == page * layers * 3);
   CHECK(dev0->used_bytes() == 0);
   CHECK(dev1->used_bytes() == 0);
 
-  // Device 0 holds 2 pages per layer; the third goes to device 1 and 2's
+  // Device 0 holds 3 pages per layer; the fourth goes to device 1 and 2's
   // most free one (both have 3 per layer free: the lower id wins).
   REQUIRE(dev0->Reserve(1, 3 * kTpp).ok());
   CHECK(dev0->used_bytes() == dev0->capacity_bytes());
   CHECK(dev1->used_bytes() == page * layers);
-  CHECK(dev2->used_bytes() == page * layers * 2);
+  CHECK(dev2->used_bytes() == page * layers * 3);
   // Now device 2 has the most room (3 per layer against 2).
   REQUIRE(dev0->Reserve(1, 4 * kTpp).ok());
   CHECK(dev1->used_bytes() == page * layers);
-  CHECK(dev2->used_bytes() == page * layers * 3);
+  CHECK(dev2->used_bytes() == page * layers * 4);
 
-  // The node has 4 pages per layer left: 9 more per layer cannot fit.
+  // The node has 4 pages per layer left: 12 more per layer cannot fit.
   const size_t used[3] = {dev0->used_bytes(), dev1->used_bytes(),
                           dev2->used_bytes()};
   absl::Status st = dev0->Reserve(1, 13 * kTpp);
@@ -299,9 +319,9 @@ TEST_CASE(
   CHECK(dev0->Metrics().spilled_bytes == page * layers * 2);
 
   // What is left is still usable, exactly.
-  REQUIRE(dev0->Reserve(1, 8 * kTpp).ok());
+  REQUIRE(dev0->Reserve(1, 7 * kTpp).ok());
   CHECK(dev0->used_bytes() + dev1->used_bytes() + dev2->used_bytes() ==
-        page * layers * 10);
+        page * layers * 12);
 
   REQUIRE(dev0->Free(1).ok());
   REQUIRE(dev2->Free(2).ok());
@@ -315,7 +335,8 @@ TEST_CASE("a device without a node memory does not spill",
   const ModelConfig c = *PresetConfig("dsa-small");
   const KvLayout layout = MakeKvLayout(c, kTpp);
   const int layers = c.num_hidden_layers;
-  auto dev = NewDevice(c, 0, layout.page_bytes * layers * 2, nullptr);
+  auto dev = NewDevice(
+      c, 0, layout.page_bytes * layers * layout.PagesFor(2 * kTpp), nullptr);
   REQUIRE(dev->Reserve(1, 2 * kTpp).ok());
   CHECK(absl::IsResourceExhausted(dev->Reserve(1, 3 * kTpp)));
   CHECK(dev->used_bytes() == dev->capacity_bytes());

@@ -81,25 +81,30 @@ TEST_CASE(
   const KvLayout layout = MakeKvLayout(config, 16);
   const size_t page = layout.page_bytes;
   const int layers = config.num_hidden_layers;
+  // Pages per layer: KV pages of 16 tokens and index pages of 64 keys.
+  REQUIRE(layout.PagesFor(16) == 2);
+  REQUIRE(layout.PagesFor(32) == 3);
+  REQUIRE(layout.PagesFor(64) == 5);
+  REQUIRE(layout.PagesFor(96) == 8);
 
   SECTION("spill on") {
-    // Each device holds 4 pages per layer (64 tokens).
-    Node node = StartNode(dir + "/model", page, 4 * layers, true);
+    // Each device holds 64 tokens (5 pages per layer).
+    Node node = StartNode(dir + "/model", page, 5 * layers, true);
     if (node.daemon == nullptr) return;
     REQUIRE(Reserve(node, 1, 0, 64).ok());
     cluster::StatsResponse st = Stats(node);
-    CHECK(st.stats().at("device.0.used_bytes") == double(page * layers * 4));
+    CHECK(st.stats().at("device.0.used_bytes") == double(page * layers * 5));
     CHECK(st.stats().at("device.1.used_bytes") == 0);
     CHECK(st.stats().at("device.0.spilled_bytes") == 0);
 
-    // Two more pages per layer go to device 1.
+    // Three more pages per layer go to device 1.
     REQUIRE(Reserve(node, 1, 0, 96).ok());
     st = Stats(node);
-    CHECK(st.stats().at("device.0.spilled_bytes") == double(page * layers * 2));
-    CHECK(st.stats().at("device.1.hosted_bytes") == double(page * layers * 2));
-    CHECK(st.stats().at("device.1.used_bytes") == double(page * layers * 2));
+    CHECK(st.stats().at("device.0.spilled_bytes") == double(page * layers * 3));
+    CHECK(st.stats().at("device.1.hosted_bytes") == double(page * layers * 3));
+    CHECK(st.stats().at("device.1.used_bytes") == double(page * layers * 3));
     REQUIRE(st.devices_size() == 2);
-    CHECK(st.devices(1).used_bytes() == int64_t(page * layers * 2));
+    CHECK(st.devices(1).used_bytes() == int64_t(page * layers * 3));
     CHECK(st.devices(0).sessions() == 1);
     CHECK(st.devices(1).sessions() == 0);
     for (const char* name : {"busy_seconds", "frames", "frame_errors",
@@ -111,12 +116,12 @@ TEST_CASE(
     }
 
     // The node has 2 pages per layer left: a new session of 3 per layer on
-    // device 1 is refused and changes nothing.
-    grpc::Status refused = Reserve(node, 2, 1, 48);
+    // device 1 is refused and changes nothing; one of 2 fits.
+    grpc::Status refused = Reserve(node, 2, 1, 32);
     CHECK(refused.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED);
     CHECK(Stats(node).stats().at("device.1.used_bytes") ==
-          double(page * layers * 2));
-    REQUIRE(Reserve(node, 2, 1, 32).ok());
+          double(page * layers * 3));
+    REQUIRE(Reserve(node, 2, 1, 16).ok());
 
     for (uint64_t s : {1, 2}) {
       grpc::ClientContext ctx;
@@ -133,7 +138,7 @@ TEST_CASE(
   }
 
   SECTION("spill off") {
-    Node node = StartNode(dir + "/model", page, 4 * layers, false);
+    Node node = StartNode(dir + "/model", page, 5 * layers, false);
     if (node.daemon == nullptr) return;
     REQUIRE(Reserve(node, 1, 0, 64).ok());
     CHECK(Reserve(node, 1, 0, 96).error_code() ==
