@@ -98,6 +98,42 @@ TEST_CASE(
   CHECK(other->free_pages() == other->total_pages());
 }
 
+TEST_CASE(
+    "session cache: a position whose index page spilled counts as spilled, "
+    "though its KV page is home",
+    "[kv_store][spill]") {
+  const ModelConfig c = *PresetConfig("dsa-small");
+  const KvLayout layout = MakeKvLayout(c, kTpp);
+  const int layers = layout.num_layers;
+  REQUIRE(layers == 3);
+  REQUIRE(layout.index_tokens_per_page == 4 * kTpp);
+  // 2 kTpp tokens take 2 KV pages and an index page a layer, taken layer
+  // by layer: with room for 8 at home, the last layer's index page spills.
+  auto home = *PageArena::Create(layout.page_bytes * 8, layout.page_bytes);
+  auto other = *PageArena::Create(layout.page_bytes * 10, layout.page_bytes);
+  SessionCache cache(&layout, {home.get(), other.get()});
+  REQUIRE(cache.Reserve(2 * kTpp).ok());
+  CHECK(cache.PagesPerArena() == std::vector<int>{8, 1});
+  for (int l = 0; l < layers; ++l) cache.SetLength(l, kTpp + 3);
+  CHECK(cache.SpilledPositions(0) == 0);
+  CHECK(cache.SpilledPositions(1) == 0);
+  CHECK(cache.SpilledPositions(2) == kTpp + 3);
+  const uint8_t* keys = cache.View(2).IndexPageData(0);
+  CHECK(keys >= other->Page(0));
+  CHECK(keys < other->Page(other->total_pages() - 1) + layout.page_bytes);
+  // Index keys written there read back through the view.
+  std::vector<uint8_t> codes(size_t(layout.index_dim), 0x38);  // 1.0
+  REQUIRE(cache.WriteIndexKey(2, kTpp + 2, codes.data(), 0.5f).ok());
+  std::vector<uint8_t> got(codes.size());
+  cache.View(2).IndexKeyCodes(kTpp + 2, got.data());
+  CHECK(got == codes);
+  CHECK(cache.View(2).IndexScale(kTpp + 2) == 0.5f);
+  // Shrinking keeps the one index page: still spilled.
+  cache.Shrink(kTpp);
+  CHECK(cache.PagesPerArena() == std::vector<int>{5, 1});
+  CHECK(cache.SpilledPositions(2) == kTpp);
+}
+
 // ---------------------------------------------------------------------------
 // mla_dsa frames with random inputs.
 
