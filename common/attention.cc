@@ -330,9 +330,8 @@ struct KeyBlock {
 
 // One stored block of keys as a scan visits it (kv_store.h: an index page
 // keeps its keys in blocks of kIndexKeyBlock slots): its index page, its
-// block there,
-// the position of its slot 0, and its slots [lo, hi) that lie in the range
-// scanned.
+// block there, the position of its slot 0, and its slots [lo, hi) that lie
+// in the range scanned.
 struct ScanBlock {
   int page, block, first, lo, hi;
 };
@@ -343,21 +342,21 @@ void ScanBlocks(const KvLayout& l, int begin, int end,
                 std::vector<ScanBlock>* out) {
   out->clear();
   if (begin >= end) return;
-  const int tpp = l.index_tokens_per_page;
+  const int itpp = l.index_tokens_per_page;
   // Divides once, for the first block, then steps through the pages: a
   // division per block took ~7% of a dsa-tiny decode scan.
-  int page = begin / tpp, block = begin % tpp / kKeyBlock;
-  int page_first = page * tpp;
+  int page = begin / itpp, block = begin % itpp / kKeyBlock;
+  int page_first = page * itpp;
+  // (An index page holds whole blocks.)
   for (int pos = begin; pos < end;) {
     const int first = page_first + block * kKeyBlock;
-    const int slots = std::min(kKeyBlock, tpp - block * kKeyBlock);
-    const int hi = std::min(slots, end - first);
+    const int hi = std::min(kKeyBlock, end - first);
     out->push_back({page, block, first, pos - first, hi});
     pos = first + hi;
-    if (++block * kKeyBlock >= tpp) {
+    if (++block * kKeyBlock >= itpp) {
       ++page;
       block = 0;
-      page_first += tpp;
+      page_first += itpp;
     }
   }
 }

@@ -214,8 +214,9 @@ class SessionCache {
   // Sets the number of valid positions of `layer` (<= reserved_tokens()).
   void SetLength(int layer, int length);
   LayerView View(int layer) const;
-  size_t bytes() const;  // pages held (KV and metadata) x page bytes
-  // Pages held on each arena (KV and metadata), indexed like the arenas.
+  size_t bytes() const;  // pages held (KV, index, metadata) x page bytes
+  // Pages held on each arena (KV, index and metadata), indexed like the
+  // arenas.
   const std::vector<int>& PagesPerArena() const { return pages_per_arena_; }
   // Stored positions (< length(layer)) with a page (KV or index keys) that
   // is not on the home arena.
