@@ -21,9 +21,24 @@
 
 namespace karat {
 
+namespace {
+
+// x^n for n >= 0 by repeated squaring: Select evaluates two such powers per
+// retrieved token and head, where std::pow took ~a third of its time.
+double IntPow(double x, int n) {
+  double r = 1.0;
+  for (; n > 0; n >>= 1) {
+    if (n & 1) r *= x;
+    x *= x;
+  }
+  return r;
+}
+
+}  // namespace
+
 double MagicPigRetrievalProbability(double theta, int bits, int tables) {
-  const double p = std::pow(1.0 - theta / M_PI, bits);
-  return 1.0 - std::pow(1.0 - p, tables - 1) * (tables * p + 1.0 - p);
+  const double p = IntPow(1.0 - theta / M_PI, bits);
+  return 1.0 - IntPow(1.0 - p, tables - 1) * (tables * p + 1.0 - p);
 }
 
 namespace {
