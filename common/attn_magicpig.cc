@@ -49,9 +49,11 @@ class PigState final : public MethodLayerState {
   // until then the layer attends densely and no key is hashed.
   bool fixed = false;
   std::vector<float> mean;  // Hkv x d
-  // Per KV head, positions x L buckets of CodeWidth(K) bytes each (one
-  // byte for K <= 8, four otherwise): Select streams one KV head's at a
-  // time.
+  // Per KV head, every position's L buckets: one byte each for K <= 8,
+  // table-major in blocks of kCodeBlock positions (ByteCodeIndex: table j
+  // of a block's 64 positions is one 64-byte row, which Select compares
+  // with the query's bucket at once); four bytes each otherwise, position-
+  // major. Select streams one KV head's at a time.
   std::vector<HugePageVector<uint8_t>> codes;
   std::vector<float> norms;  // positions x Hkv: |centred key|
   size_t bytes() const override {
@@ -64,6 +66,22 @@ class PigState final : public MethodLayerState {
 
 // Bytes of one stored bucket: K <= 8 bits fit in a byte.
 int CodeWidth(int bits) { return bits <= 8 ? 1 : 4; }
+
+// Positions per block of byte buckets.
+constexpr int kCodeBlock = 64;
+
+// Where byte bucket j of position t sits among a KV head's codes.
+inline size_t ByteCodeIndex(int t, int j, int tables) {
+  return size_t(t / kCodeBlock) * kCodeBlock * tables + size_t(j) * kCodeBlock +
+         size_t(t % kCodeBlock);
+}
+
+// Bytes of a KV head's codes for positions [0, n).
+inline size_t CodeBytes(int n, int tables, int width) {
+  return width == 1
+             ? size_t((n + kCodeBlock - 1) / kCodeBlock) * kCodeBlock * tables
+             : size_t(n) * tables * width;
+}
 
 class MagicPigAttention final : public SparseAttention {
  public:
@@ -212,6 +230,54 @@ class MagicPigAttention final : public SparseAttention {
     const float* qnorm;      // H: |q|
   };
 
+  // The positions of [t_begin, t_end) whose byte buckets (ByteCodeIndex
+  // layout) equal the query's in at least two tables, for each of the G
+  // heads of a KV group, in increasing order, appended to (*hit)[i]. `qv`:
+  // per table j and head i, the head's bucket in all 64 bytes of row
+  // j G + i. A block of 64 positions at a time: per table, one 64-byte row
+  // against each head's bucket (xor, then min with 1: a mismatch counted in
+  // each position's byte lane); retrieved where at most L - 2 tables
+  // mismatch (L <= 255).
+  template <int G>
+  void ScanByteBlocks(const uint8_t* codes, const uint8_t* qv, int t_begin,
+                      int t_end, std::vector<std::vector<int>>* hit) const {
+    const __m512i one = _mm512_set1_epi8(1);
+    const __m512i most = _mm512_set1_epi8(static_cast<char>(tables_ - 2));
+    const size_t block_bytes = size_t(kCodeBlock) * tables_;
+    for (int b = t_begin / kCodeBlock; b * kCodeBlock < t_end; ++b) {
+      const int first = b * kCodeBlock;
+      const int lo = std::max(t_begin - first, 0);
+      const int hi = std::min(t_end - first, kCodeBlock);
+      const __mmask64 lanes =
+          (hi == 64 ? ~__mmask64(0) : (__mmask64(1) << hi) - 1) &
+          ~((__mmask64(1) << lo) - 1);
+      const uint8_t* rows = codes + size_t(b) * block_bytes;
+      // Two blocks ahead: the rows are read once, in order.
+      if ((b + 2) * kCodeBlock < t_end) {
+        for (size_t off = 0; off < block_bytes; off += 64) {
+          PrefetchLine(rows + 2 * block_bytes + off);
+        }
+      }
+      __m512i miss[G];
+      for (int i = 0; i < G; ++i) miss[i] = _mm512_setzero_si512();
+      for (int j = 0; j < tables_; ++j) {
+        const __m512i k = _mm512_loadu_si512(rows + size_t(j) * kCodeBlock);
+        const uint8_t* qj = qv + size_t(j) * G * 64;
+        for (int i = 0; i < G; ++i) {
+          const __m512i q = _mm512_loadu_si512(qj + size_t(i) * 64);
+          miss[i] = _mm512_add_epi8(
+              miss[i], _mm512_min_epu8(_mm512_xor_si512(k, q), one));
+        }
+      }
+      for (int i = 0; i < G; ++i) {
+        for (uint64_t m = _mm512_mask_cmple_epu8_mask(lanes, miss[i], most);
+             m != 0; m &= m - 1) {
+          (*hit)[i].push_back(first + __builtin_ctzll(m));
+        }
+      }
+    }
+  }
+
   // The middle tokens [t_begin, t_end) that share at least two of the
   // query's buckets, per head in increasing position, appended to
   // (*out)[h] with their logit offsets.
@@ -237,10 +303,10 @@ class MagicPigAttention final : public SparseAttention {
     };
     // The middle tokens, once per KV head for all of its query heads: a
     // token is retrieved when its bucket equals the query's in at least two
-    // tables: one byte compare per table, 64 tables to a vector (K <= 8),
-    // or 16 tables of 32-bit buckets to a vector; the query's buckets in
-    // registers where they fit. The retrieved tokens are collected first
-    // and their offsets computed after, each token's key requested a few
+    // tables. Byte buckets (K <= 8): 64 positions at a time
+    // (ScanByteBlocks). 32-bit buckets: 16 tables to a vector; the query's
+    // buckets in registers where they fit. The retrieved tokens are collected
+    // first and their offsets computed after, each token's key requested a few
     // tokens ahead: those keys are scattered over the cache.
     const int width = CodeWidth(bits_);
     const size_t row = size_t(tables_) * width;  // bytes per token
@@ -250,31 +316,50 @@ class MagicPigAttention final : public SparseAttention {
     for (int g = 0; g < hkv; ++g) {
       for (auto& v : hit) v.clear();
       const uint8_t* codes = st.codes[g].data();
-      if (width == 1 && tables_ <= 64 && group <= 8) {
-        const __mmask64 m =
-            tables_ == 64 ? ~__mmask64(0) : (__mmask64(1) << tables_) - 1;
-        __m512i qv[8];
-        for (int i = 0; i < group; ++i) {
-          qv[i] = _mm512_maskz_loadu_epi8(
-              m, &pq.qbytes[(size_t(g) * group + i) * tables_]);
-        }
-        for (int t = t_begin; t < t_end; ++t) {
-          const uint8_t* kc = codes + size_t(t) * row;
-          PrefetchLine(kc + 16 * row);
-          const __m512i k = _mm512_maskz_loadu_epi8(m, kc);
+      if (width == 1 && tables_ <= 255 && group <= 8) {
+        // Each head's bucket of table j in all 64 byte lanes.
+        thread_local std::vector<uint8_t> qv;
+        qv.resize(size_t(tables_) * group * 64);
+        for (int j = 0; j < tables_; ++j) {
           for (int i = 0; i < group; ++i) {
-            const int hits =
-                __builtin_popcountll(_mm512_mask_cmpeq_epi8_mask(m, k, qv[i]));
-            if (hits >= 2) hit[i].push_back(t);
+            std::memset(&qv[(size_t(j) * group + i) * 64],
+                        pq.qbytes[(size_t(g) * group + i) * tables_ + j], 64);
           }
+        }
+        switch (group) {
+          case 1:
+            ScanByteBlocks<1>(codes, qv.data(), t_begin, t_end, &hit);
+            break;
+          case 2:
+            ScanByteBlocks<2>(codes, qv.data(), t_begin, t_end, &hit);
+            break;
+          case 3:
+            ScanByteBlocks<3>(codes, qv.data(), t_begin, t_end, &hit);
+            break;
+          case 4:
+            ScanByteBlocks<4>(codes, qv.data(), t_begin, t_end, &hit);
+            break;
+          case 5:
+            ScanByteBlocks<5>(codes, qv.data(), t_begin, t_end, &hit);
+            break;
+          case 6:
+            ScanByteBlocks<6>(codes, qv.data(), t_begin, t_end, &hit);
+            break;
+          case 7:
+            ScanByteBlocks<7>(codes, qv.data(), t_begin, t_end, &hit);
+            break;
+          default:
+            ScanByteBlocks<8>(codes, qv.data(), t_begin, t_end, &hit);
+            break;
         }
       } else if (width == 1) {
         for (int t = t_begin; t < t_end; ++t) {
-          const uint8_t* kc = codes + size_t(t) * row;
           for (int i = 0; i < group; ++i) {
             const uint8_t* qc = &pq.qbytes[(size_t(g) * group + i) * tables_];
             int hits = 0;
-            for (int j = 0; j < tables_; ++j) hits += kc[j] == qc[j];
+            for (int j = 0; j < tables_; ++j) {
+              hits += codes[ByteCodeIndex(t, j, tables_)] == qc[j];
+            }
             if (hits >= 2) hit[i].push_back(t);
           }
         }
@@ -415,7 +500,7 @@ class MagicPigAttention final : public SparseAttention {
     const int hkv = shapes_.kv_heads, d = shapes_.head_dim;
     const int width = CodeWidth(bits_);
     st->codes.resize(hkv);
-    for (auto& c : st->codes) c.resize(size_t(to) * tables_ * width);
+    for (auto& c : st->codes) c.resize(CodeBytes(to, tables_, width));
     st->norms.resize(size_t(to) * hkv);
     // 16 tokens at a time per KV head: their keys transposed and widened
     // into an L1 tile (one lane per token) and centred there, then every
@@ -457,14 +542,16 @@ class MagicPigAttention final : public SparseAttention {
           PlaneSigns<kPlanes>(k0, tile, d, code_buf.data());
         }
         for (; k0 < planes; ++k0) PlaneSigns<1>(k0, tile, d, code_buf.data());
-        uint8_t* out = &st->codes[g][size_t(t0) * tables_ * width];
+        uint8_t* codes = st->codes[g].data();
         for (int j = 0; j < cnt; ++j) {
           for (int tb = 0; tb < tables_; ++tb) {
             const uint32_t code = code_buf[size_t(tb) * 16 + j];
             if (width == 1) {
-              out[size_t(j) * tables_ + tb] = static_cast<uint8_t>(code);
+              codes[ByteCodeIndex(t0 + j, tb, tables_)] =
+                  static_cast<uint8_t>(code);
             } else {
-              std::memcpy(&out[(size_t(j) * tables_ + tb) * 4], &code, 4);
+              std::memcpy(&codes[(size_t(t0 + j) * tables_ + tb) * 4], &code,
+                          4);
             }
           }
         }
