@@ -278,6 +278,20 @@ class MagicPigAttention final : public SparseAttention {
     }
   }
 
+  // ScanByteBlocks<G> for G = group (1 .. 8).
+  template <int G = 1>
+  void ScanByteBlocksOfGroup(int group, const uint8_t* codes, const uint8_t* qv,
+                             int t_begin, int t_end,
+                             std::vector<std::vector<int>>* hit) const {
+    if constexpr (G < 8) {
+      if (group > G) {
+        ScanByteBlocksOfGroup<G + 1>(group, codes, qv, t_begin, t_end, hit);
+        return;
+      }
+    }
+    ScanByteBlocks<G>(codes, qv, t_begin, t_end, hit);
+  }
+
   // The middle tokens [t_begin, t_end) that share at least two of the
   // query's buckets, per head in increasing position, appended to
   // (*out)[h] with their logit offsets.
@@ -326,32 +340,7 @@ class MagicPigAttention final : public SparseAttention {
                         pq.qbytes[(size_t(g) * group + i) * tables_ + j], 64);
           }
         }
-        switch (group) {
-          case 1:
-            ScanByteBlocks<1>(codes, qv.data(), t_begin, t_end, &hit);
-            break;
-          case 2:
-            ScanByteBlocks<2>(codes, qv.data(), t_begin, t_end, &hit);
-            break;
-          case 3:
-            ScanByteBlocks<3>(codes, qv.data(), t_begin, t_end, &hit);
-            break;
-          case 4:
-            ScanByteBlocks<4>(codes, qv.data(), t_begin, t_end, &hit);
-            break;
-          case 5:
-            ScanByteBlocks<5>(codes, qv.data(), t_begin, t_end, &hit);
-            break;
-          case 6:
-            ScanByteBlocks<6>(codes, qv.data(), t_begin, t_end, &hit);
-            break;
-          case 7:
-            ScanByteBlocks<7>(codes, qv.data(), t_begin, t_end, &hit);
-            break;
-          default:
-            ScanByteBlocks<8>(codes, qv.data(), t_begin, t_end, &hit);
-            break;
-        }
+        ScanByteBlocksOfGroup(group, codes, qv.data(), t_begin, t_end, &hit);
       } else if (width == 1) {
         for (int t = t_begin; t < t_end; ++t) {
           for (int i = 0; i < group; ++i) {
