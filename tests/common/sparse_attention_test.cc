@@ -793,13 +793,14 @@ std::vector<int> ScalarClusterTake(const RandomLayer& r, int g, int from,
 
 TEST_CASE("clusterkv: clusters and take equal the scalar k-means",
           "[attention]") {
-  // Enough tokens for several vectors of centroids (38 clusters), and a
-  // head dim off the 16-lane grid.
+  // Enough tokens for several vectors of centroids (over 64 clusters: a
+  // group of four vectors scored together, and one more), and a head dim
+  // off the 16-lane grid.
   for (int hd : {64, 40}) {
     ModelConfig c = *PresetConfig("llama-tiny-clusterkv");
     c.head_dim = hd;
     const AttentionConfig& a = c.attention;
-    const int n = 600;
+    const int n = 1200;
     RandomLayer r(c, n);
     const int H = r.shapes.heads, group = H / r.shapes.kv_heads;
     for (int l = 0; l <= RandomLayer::kLayer; ++l) r.Append(l, n, 1, false);
