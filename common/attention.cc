@@ -1266,11 +1266,11 @@ void ScoreKeyRows(const LayerView& view, int dim, int k_begin, int stop,
   alignas(64) float dots[3][kPairDots];
   // Positions of the next block to widen and of the next keys to
   // prefetch into L1 and L2.
-  const int tpp = view.layout->index_tokens_per_page;
-  KeyPos next(k_begin, tpp);
+  const int itpp = view.layout->index_tokens_per_page;
+  KeyPos next(k_begin, itpp);
   int near = std::min(stop, k_begin + kRowPrefetchAhead);
   int far = std::min(stop, k_begin + kRowFarAhead);
-  KeyPos near_pos(near, tpp), far_pos(far, tpp);
+  KeyPos near_pos(near, itpp), far_pos(far, itpp);
   auto load = [&](int blk) {
     if (blk >= nblocks) return;
     const int b = block_keys(blk);
@@ -1280,7 +1280,7 @@ void ScoreKeyRows(const LayerView& view, int dim, int k_begin, int stop,
     PrefetchUpTo<true>(view, std::min(stop, end + kRowFarAhead), dim, &far,
                        &far_pos);
     LoadKeyRows(view, next, b, dim, codes.data(), &ring[blk % kRing]);
-    next.Advance(b, tpp);
+    next.Advance(b, itpp);
   };
   auto start = [&](int blk) { return out[0] + k_begin + blk * kKeyBlock; };
   if (nq == 1) {

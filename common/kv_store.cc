@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 // GCC 12 reports its own AVX-512 intrinsic headers (_mm512_undefined_*)
 // as (maybe-)uninitialized.
@@ -143,11 +144,10 @@ KvLayout MakeKvLayout(const ModelConfig& config, int tokens_per_page) {
     // holds; at least one, the page growing to fit it.
     const size_t block = l.IndexBlockBytes() + kIndexKeyBlock * 4;
     l.page_bytes = std::max(l.page_bytes, AlignUp(block, 64));
-    l.index_blocks_per_page = int(l.page_bytes / block);
-    l.index_tokens_per_page = l.index_blocks_per_page * kIndexKeyBlock;
+    l.index_tokens_per_page = int(l.page_bytes / block) * kIndexKeyBlock;
     l.ikey_offset = 0;
     l.iscale_offset =
-        size_t(l.index_blocks_per_page) * l.IndexBlockBytes();  // 64-aligned
+        size_t(l.IndexBlocksPerPage()) * l.IndexBlockBytes();  // 64-aligned
   }
   return l;
 }
@@ -391,23 +391,10 @@ void SessionCache::Truncate(int layer, int length) {
 absl::Status SessionCache::Append(int layer, const uint16_t* kv,
                                   const uint8_t* index_key, float index_scale) {
   const int pos = lengths_[layer];
-  if (pos >= reserved_tokens_) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("position ", pos, " is beyond the ", reserved_tokens_,
-                     " reserved tokens"));
-  }
-  const int tpp = layout_->tokens_per_page;
-  uint8_t* page = page_data_[layer][pos / tpp];
-  std::memcpy(
-      page + layout_->kv_offset + size_t(pos % tpp) * layout_->kv_dim * 2, kv,
-      size_t(layout_->kv_dim) * 2);
+  RETURN_IF_ERROR(WriteKv(layer, pos, kv));
   if (layout_->index_dim > 0) {
-    if (index_key == nullptr) index_scale = 0.0f;
-    const int itpp = layout_->index_tokens_per_page;
-    uint8_t* ipage = index_page_data_[layer][pos / itpp];
-    PutIndexKeys(*layout_, ipage, pos % itpp, 1, index_key);
-    reinterpret_cast<float*>(ipage + layout_->iscale_offset)[pos % itpp] =
-        index_scale;
+    RETURN_IF_ERROR(WriteIndexKey(layer, pos, index_key,
+                                  index_key == nullptr ? 0.0f : index_scale));
   }
   lengths_[layer] = pos + 1;
   return absl::OkStatus();

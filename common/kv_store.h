@@ -54,9 +54,8 @@ struct KvLayout {
   int tokens_per_page = 64;  // of a KV page
   int kv_dim = 0;            // bf16 values per token
   int index_dim = 0;         // fp8 codes per token (0: no index keys)
-  // Index keys per index page: index_blocks_per_page x kIndexKeyBlock (0
-  // without index keys).
-  int index_blocks_per_page = 0;
+  // Index keys per index page, whole blocks of kIndexKeyBlock (0 without
+  // index keys).
   int index_tokens_per_page = 0;
   size_t kv_offset = 0;                       // in a KV page
   size_t ikey_offset = 0, iscale_offset = 0;  // in an index page
@@ -69,7 +68,9 @@ struct KvLayout {
   // Bytes of one block of index keys: a 64-byte row per pair.
   size_t IndexBlockBytes() const { return size_t(IndexPairs()) * 64; }
   // Blocks of index keys in an index page.
-  int IndexBlocksPerPage() const { return index_blocks_per_page; }
+  int IndexBlocksPerPage() const {
+    return index_tokens_per_page / kIndexKeyBlock;
+  }
   // Pages (KV and index) one layer needs for `tokens` positions.
   int KvPagesFor(int tokens) const {
     return (tokens + tokens_per_page - 1) / tokens_per_page;
