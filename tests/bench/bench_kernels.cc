@@ -383,6 +383,10 @@ struct Row {
   // kGqaAttend: the same passes with only the selected entries evicted
   // (code, scratch, selections and page tables left in the caches).
   double entries_cold_seconds = 0;
+  // The fastest cache-evicting sweep among the row's own timed runs (0
+  // with --warm): the bandwidth the machine gave while the row was timed.
+  // It switches between two levels here, and the limits are the faster.
+  double run_bw_gbps = 0;
 };
 
 // What the indexer's scan runs on: the tile unit, or the vector path in
@@ -391,7 +395,11 @@ enum class ScoreOn { kTiles, kBf16, kFma };
 
 void PrintRow(const Row& r, const Limits& lim, ScoreOn score_on) {
   const double gbps = r.bytes / r.seconds / 1e9;
-  char note[384];
+  char note[640];
+  // Against the bandwidth of the row's own runs' sweeps, where they were
+  // slower than the limit: the same ratio as the machine stood meanwhile.
+  const bool slow_spell =
+      r.run_bw_gbps > 0 && r.run_bw_gbps < 0.9 * lim.bw_gbps;
   if (r.kind == Kind::kSelect) {  // against bandwidth alone
     std::snprintf(note, sizeof note, "top-%d, %.2f%% of the scan", r.topk,
                   100.0 * r.seconds / r.scan_seconds);
@@ -413,6 +421,13 @@ void PrintRow(const Row& r, const Limits& lim, ScoreOn score_on) {
                   r.gather_seconds * 1e6, r.gather_seconds / read_s,
                   r.entries_cold_seconds * 1e6,
                   r.entries_cold_seconds / read_s);
+    if (slow_spell) {
+      const size_t m = std::strlen(note);
+      std::snprintf(note + m, sizeof note - m,
+                    "; its passes' sweeps read %.1f GB/s: %.2fx that read time",
+                    r.run_bw_gbps,
+                    r.seconds / (r.bytes / (r.run_bw_gbps * 1e9)));
+    }
     std::printf("%-8s %-10s %7d %10.1f %12.3e %8.1f %9.1f %8.1f %6.1f%%  %s\n",
                 "attend", r.shape, r.ctx, r.seconds * 1e6, r.tokens / r.seconds,
                 gbps, gflops, bound, 100.0 * gflops / bound, note);
@@ -420,10 +435,16 @@ void PrintRow(const Row& r, const Limits& lim, ScoreOn score_on) {
   }
   if (r.kind == Kind::kMeta) {  // low intensity: against bandwidth x OI
     const double bound = lim.bw_gbps * r.flops / r.bytes;
+    int m = std::snprintf(note, sizeof note, "metadata from DRAM, per Select");
+    if (slow_spell && m > 0) {
+      std::snprintf(note + m, sizeof note - m,
+                    "; its passes' sweeps read %.1f GB/s: %.1f%% of that",
+                    r.run_bw_gbps, 100.0 * gbps / r.run_bw_gbps);
+    }
     std::printf("%-8s %-10s %7d %10.1f %12.3e %8.1f %9.1f %8.1f %6.1f%%  %s\n",
                 "scoresel", r.shape, r.ctx, r.seconds * 1e6,
                 r.tokens / r.seconds, gbps, gflops, bound,
-                100.0 * gflops / bound, "metadata from DRAM, per Select");
+                100.0 * gflops / bound, note);
     return;
   }
   const double oi = r.flops / r.bytes;
@@ -435,8 +456,14 @@ void PrintRow(const Row& r, const Limits& lim, ScoreOn score_on) {
     peak = score_on == ScoreOn::kTiles  ? lim.tile_gflops
            : score_on == ScoreOn::kBf16 ? lim.bf16_gflops
                                         : lim.fp32_gflops;
-    std::snprintf(note, sizeof note, "%.2fx fp32 FMA peak",
-                  gflops / lim.fp32_gflops);
+    const int m = std::snprintf(note, sizeof note, "%.2fx fp32 FMA peak",
+                                gflops / lim.fp32_gflops);
+    const double run_bound = std::min(r.run_bw_gbps * oi, peak);
+    if (slow_spell && m > 0 && run_bound < std::min(lim.bw_gbps * oi, peak)) {
+      std::snprintf(note + m, sizeof note - m,
+                    "; its runs' sweeps read %.1f GB/s: %.1f%% of that bound",
+                    r.run_bw_gbps, 100.0 * gflops / run_bound);
+    }
   } else {
     // The tile unit does each fp32 product as three bf16 passes.
     peak = r.on_tiles ? std::max(lim.fp32_gflops, lim.tile_gflops / 3.0)
@@ -460,8 +487,14 @@ void PrintRow(const Row& r, const Limits& lim, ScoreOn score_on) {
                          r.seconds / r.gather_seconds, r.gather_seconds * 1e6);
     }
     if (r.warm_seconds > 0 && m > 0 && m < int(sizeof note)) {
-      std::snprintf(note + m, sizeof note - m, "; warm %.1f us (%.2fx)",
-                    r.warm_seconds * 1e6, r.warm_seconds / read_s);
+      m += std::snprintf(note + m, sizeof note - m, "; warm %.1f us (%.2fx)",
+                         r.warm_seconds * 1e6, r.warm_seconds / read_s);
+    }
+    if (slow_spell && m > 0 && m < int(sizeof note)) {
+      std::snprintf(note + m, sizeof note - m,
+                    "; its runs' sweeps read %.1f GB/s: %.2fx that read time",
+                    r.run_bw_gbps,
+                    r.seconds / (r.bytes / (r.run_bw_gbps * 1e9)));
     }
   }
   const double bound = std::min(lim.bw_gbps * oi, peak);
@@ -503,8 +536,14 @@ class CacheFlusher {
       }
       sink_ += _mm512_reduce_add_epi64(a) & 1;
     });
-    best_gbps_ = std::max(best_gbps_, double(kBytes) / (Now() - t0) / 1e9);
+    const double gbps = double(kBytes) / (Now() - t0) / 1e9;
+    best_gbps_ = std::max(best_gbps_, gbps);
+    window_gbps_ = std::max(window_gbps_, gbps);
   }
+  // The fastest sweep since StartWindow(): the bandwidth the machine gave
+  // while one row's runs were timed (0 if none flushed).
+  void StartWindow() { window_gbps_ = 0; }
+  double window_gbps() const { return window_gbps_; }
   // The fastest sweep so far, in GB/s: each is a read of 1 GiB of huge
   // pages by every core, so the machine's read bandwidth is at least this.
   double best_gbps() const { return best_gbps_; }
@@ -514,6 +553,7 @@ class CacheFlusher {
   void* p_ = nullptr;
   std::atomic<int64_t> sink_{0};
   double best_gbps_ = 0;
+  double window_gbps_ = 0;
 };
 
 // Best time of `fn` over at most `reps` runs (at least 3, then until
@@ -720,6 +760,7 @@ bool BenchGqaMethod(const char* preset, const char* label, const int* contexts,
     KernelCost cost;  // what one Select reads and computes
     (*method)->Select(view(0), ctx, q.data(), state(0), &heads[0], &cost,
                       nullptr);
+    flusher->StartWindow();
     const double select = best_pass([&](int s) {
       KernelCost unused;
       (*method)->Select(view(s), ctx, q.data(), state(s), &heads[s], &unused,
@@ -730,11 +771,13 @@ bool BenchGqaMethod(const char* preset, const char* label, const int* contexts,
     if (cost.bytes > 0) {
       rows->push_back({Kind::kMeta, label, ctx, select / kSessions, double(ctx),
                        cost.bytes, cost.flops, 0, 0});
+      rows->back().run_bw_gbps = flusher->window_gbps();
     }
     KernelCost acost;  // what one Attend reads and computes
     (*method)->Attend(view(0), q.data(), heads[0], outs[0].data(), &acost);
     double selected = 0;
     for (const HeadSelection& h : heads[0]) selected += h.positions.size();
+    flusher->StartWindow();
     const double t_attend = best_pass([&](int s) {
       KernelCost unused;
       (*method)->Attend(view(s), q.data(), heads[s], outs[s].data(), &unused);
@@ -742,6 +785,7 @@ bool BenchGqaMethod(const char* preset, const char* label, const int* contexts,
     rows->push_back({Kind::kGqaAttend, label, ctx, t_attend / kSessions,
                      double(ctx), acost.bytes, acost.flops,
                      int(selected / a.heads + 0.5), 0});
+    rows->back().run_bw_gbps = flusher->window_gbps();
     // The gather alone: each session's selected key and value rows read
     // (every line, prefetched ahead) in the same passes, with no
     // arithmetic: what scattered rows of this size cost here.
@@ -904,6 +948,7 @@ int main(int argc, char** argv) {
     for (const int ctx : contexts) {
       const int reps = ctx >= 131072 ? 10 : 40;
       // Score.
+      flusher.StartWindow();
       const double ts = BestOfCold(reps, 2.0, cold, &pool, [&] {
         IndexerScore(view, ctx, q.codes.data(), q.scales.data(),
                      q.weights.data(), a.index_heads, a.index_dim,
@@ -912,6 +957,7 @@ int main(int argc, char** argv) {
       rows.push_back({Kind::kScore, sh.name, ctx, ts, double(ctx),
                       double(ctx) * (a.index_dim + 4),
                       2.0 * ctx * a.index_heads * a.index_dim, 0, 0});
+      if (!warm) rows.back().run_bw_gbps = flusher.window_gbps();
       fx.push_back(ctx);
       fy.push_back(ts);
       // Select.
@@ -927,6 +973,7 @@ int main(int argc, char** argv) {
       }
       // Gather + Attend over the selection.
       std::vector<float> out(size_t(a.heads) * a.out_dim);
+      flusher.StartWindow();
       const double tat = BestOfCold(reps, 2.0, cold, &pool, [&] {
         MlaAttend(view, sel.data(), int(sel.size()), q.q.data(), a, out.data(),
                   &pool);
@@ -936,6 +983,7 @@ int main(int argc, char** argv) {
            double(sel.size()) * a.kv_dim * 2,
            double(sel.size()) * a.heads * (2.0 * a.kv_dim + 2.0 * a.kv_lora), 0,
            0});
+      if (!warm) rows.back().run_bw_gbps = flusher.window_gbps();
       rows.back().on_tiles = MlaAttendUsesTileUnit() &&
                              MlaAttendTileWorthIt(a.heads, int(sel.size()));
       std::vector<const uint8_t*> entries(sel.size());
@@ -954,6 +1002,7 @@ int main(int argc, char** argv) {
       attend_times.push_back(tat);
       selections.push_back(sel);
       if (rows.back().on_tiles) {
+        flusher.StartWindow();
         const double tv = BestOfCold(reps, 2.0, cold, &pool, [&] {
           MlaAttend(view, sel.data(), int(sel.size()), q.q.data(), a,
                     out.data(), &pool, AttendUnit::kVector);
@@ -962,6 +1011,7 @@ int main(int argc, char** argv) {
         rows.back().seconds = tv;
         rows.back().vector_path = true;
         rows.back().on_tiles = false;
+        if (!warm) rows.back().run_bw_gbps = flusher.window_gbps();
         rows.back().warm_seconds = BestOf(reps, 1.0, [&] {
           MlaAttend(view, sel.data(), int(sel.size()), q.q.data(), a,
                     out.data(), &pool, AttendUnit::kVector);
