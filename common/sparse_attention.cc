@@ -168,36 +168,57 @@ void SparseAttention::AttendHeads(const LayerView& view, const float* q,
   // chains run (a score does not depend on which other positions are
   // selected); the weighted sums then read each value row once for all of
   // them. Every element's arithmetic is the scalar chain above.
-  thread_local std::vector<const uint16_t*> kp, vp;
+  // The units: runs of heads [h0, h1) of one group with the same positions,
+  // and where their entries' addresses start in kp_all / vp_all. Every
+  // unit's addresses are computed before any arithmetic, so that the page
+  // table's misses of all of them overlap (a unit at a time, each waited
+  // for its own before its first keys could be requested).
+  struct Unit {
+    int h0, h1, first;
+  };
+  thread_local std::vector<Unit> units;
+  thread_local std::vector<const uint16_t*> kp_all, vp_all;
   thread_local std::vector<float> sc_buf;
   thread_local std::vector<float*> p, o;
   thread_local LineRequests l1;
-  const size_t tile_floats = EntryTileFloats(d);
-  float* tile = EntryTileScratch(d, kScoreTiles);
-  double bytes = 0, flops = 0;
-  const __m512 vscale = _mm512_set1_ps(s.softmax_scale);
+  units.clear();
+  kp_all.clear();
+  vp_all.clear();
   for (int h0 = h_begin; h0 < h_end;) {
     const int g = h0 / group;
     const std::vector<int32_t>& pos = heads[h0].positions;
     int h1 = h0 + 1;
     while (h1 < (g + 1) * group && heads[h1].positions == pos) ++h1;
+    units.push_back({h0, h1, int(kp_all.size())});
+    for (const int32_t t : pos) {
+      const uint16_t* e = view.Kv(t);
+      kp_all.push_back(e + GqaEntry::K(s, g));
+      vp_all.push_back(e + GqaEntry::V(s, g));
+    }
+    h0 = h1;
+  }
+  units.push_back({h_end, h_end, int(kp_all.size())});
+  const size_t tile_floats = EntryTileFloats(d);
+  float* tile = EntryTileScratch(d, kScoreTiles);
+  double bytes = 0, flops = 0;
+  const __m512 vscale = _mm512_set1_ps(s.softmax_scale);
+  const size_t row_bytes = size_t(d) * 2;
+  for (size_t u = 0; u + 1 < units.size(); ++u) {
+    const int h0 = units[u].h0, h1 = units[u].h1;
     const int nh = h1 - h0;
-    const int n = static_cast<int>(pos.size());
+    const int n = units[u + 1].first - units[u].first;
+    const uint16_t* const* kp = kp_all.data() + units[u].first;
+    const uint16_t* const* vp = vp_all.data() + units[u].first;
     for (int h = h0; h < h1; ++h) {
       float* oh = out + size_t(h) * s.out_dim;
       std::fill(oh, oh + d, 0.0f);
     }
-    if (n == 0) {  // cannot happen: the token itself is selected
-      h0 = h1;
-      continue;
-    }
+    if (n == 0) continue;  // cannot happen: the token itself is selected
     const int npad = (n + kScoreSpan - 1) / kScoreSpan * kScoreSpan;
-    kp.resize(n);
-    vp.resize(n);
-    for (int j = 0; j < n; ++j) {
-      const uint16_t* e = view.Kv(pos[j]);
-      kp[j] = e + GqaEntry::K(s, g);
-      vp[j] = e + GqaEntry::V(s, g);
+    if (u == 0) {
+      for (int j = 0; j < std::min(n, kScoreSpan); ++j) {
+        PrefetchEntryLines<true>(kp[j], row_bytes);
+      }
     }
     bytes += double(n) * d * 2 * 2;
     sc_buf.resize(size_t(nh) * npad);
@@ -207,21 +228,30 @@ void SparseAttention::AttendHeads(const LayerView& view, const float* q,
     // at once otherwise. Spread, a dense layer's attend at 128K took
     // 4.8 ms on one core instead of 5.8 (6.7 without requests), but the
     // sparse methods' selections came out ~10% slower.
+    const std::vector<int32_t>& pos = heads[h0].positions;
     const bool contiguous = pos[n - 1] - pos[0] == n - 1;
+    // The next unit's first keys, requested during this unit's last span.
+    const int next_n =
+        std::min(kScoreSpan, units[u + 2 < units.size() ? u + 2 : u + 1].first -
+                                 units[u + 1].first);
     for (int j0 = 0; j0 < n; j0 += kScoreSpan) {
       l1.Clear();
       for (int j = j0 + kScoreSpan; j < std::min(n, j0 + 2 * kScoreSpan); ++j) {
         if (contiguous) {
-          l1.AddEntry(kp[j], size_t(d) * 2);
+          l1.AddEntry(kp[j], row_bytes);
         } else {
-          PrefetchEntryLines<true>(kp[j], size_t(d) * 2);
+          PrefetchEntryLines<true>(kp[j], row_bytes);
+        }
+      }
+      if (j0 + kScoreSpan >= n) {
+        for (int j = 0; j < next_n; ++j) {
+          l1.AddEntry(kp[n + j], row_bytes);
         }
       }
       for (int t = 0; t < kScoreTiles; ++t) {
         const int first = j0 + 16 * t;
-        LoadEntryTile(kp.data() + std::min(first, n - 1),
-                      std::clamp(n - first, 0, 16), d, tile + t * tile_floats,
-                      16);
+        LoadEntryTile(kp + std::min(first, n - 1), std::clamp(n - first, 0, 16),
+                      d, tile + t * tile_floats, 16);
       }
       int i = 0;
       for (; i + 2 <= nh; i += 2) {
@@ -272,16 +302,15 @@ void SparseAttention::AttendHeads(const LayerView& view, const float* q,
     // Weighted sums.
     switch ((d + 15) / 16) {
       case 4:
-        WeightedValuesHeads<4>(vp.data(), n, p.data(), nh, d, o.data());
+        WeightedValuesHeads<4>(vp, n, p.data(), nh, d, o.data());
         break;
       case 8:
-        WeightedValuesHeads<8>(vp.data(), n, p.data(), nh, d, o.data());
+        WeightedValuesHeads<8>(vp, n, p.data(), nh, d, o.data());
         break;
       default:
-        WeightedValuesHeads<0>(vp.data(), n, p.data(), nh, d, o.data());
+        WeightedValuesHeads<0>(vp, n, p.data(), nh, d, o.data());
         break;
     }
-    h0 = h1;
   }
   if (cost != nullptr) {
     cost->bytes += bytes;
