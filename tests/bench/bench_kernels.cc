@@ -142,6 +142,32 @@ double BestOf(int reps, double budget, const std::function<void()>& fn) {
   return best;
 }
 
+// Best time of `fn` over at most `reps` runs (at least 3, then until
+// `budget` seconds have passed), each after `prepare` (not timed).
+double BestAfter(int reps, double budget, const std::function<void()>& prepare,
+                 const std::function<void()>& fn) {
+  double best = 1e30;
+  const double t_end = Now() + budget;
+  for (int r = 0; r < reps; ++r) {
+    prepare();
+    const double t0 = Now();
+    fn();
+    best = std::min(best, Now() - t0);
+    if (r >= 2 && Now() > t_end) break;
+  }
+  return best;
+}
+
+// Evicts every cache line of [p, p + bytes) from every level (clflushopt;
+// the caller fences).
+void EvictLines(const void* p, size_t bytes) {
+  const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t(63);
+  const uintptr_t end = reinterpret_cast<uintptr_t>(p) + bytes;
+  for (uintptr_t l = first; l < end; l += 64) {
+    _mm_clflushopt(reinterpret_cast<void*>(l));
+  }
+}
+
 // --- Machine limits ---------------------------------------------------------
 
 // Read bandwidth of `pool`'s cores together: each streams its half of
@@ -380,9 +406,11 @@ struct Row {
   bool on_tiles = false;      // kAttend: ran on the tile unit
   double gather_seconds = 0;  // kAttend: reading the same entries alone
   double warm_seconds = 0;    // kAttend: the same call, entries cached
-  // kGqaAttend: the same passes with only the selected entries evicted
-  // (code, scratch, selections and page tables left in the caches).
+  // Attend: the same call (kGqaAttend: passes) with only the selected
+  // entries evicted (code, scratch, selections, page tables and address
+  // translations left cached), and the gather alone that way.
   double entries_cold_seconds = 0;
+  double entries_cold_gather_seconds = 0;
   // The fastest cache-evicting sweep among the row's own timed runs (0
   // with --warm): the bandwidth the machine gave while the row was timed.
   // It switches between two levels here, and the limits are the faster.
@@ -416,11 +444,13 @@ void PrintRow(const Row& r, const Limits& lim, ScoreOn score_on) {
     std::snprintf(note, sizeof note,
                   "%d positions a head (mean), from DRAM, per token; %.2fx "
                   "the read time; %.2fx the gather alone (%.1f us, %.2fx the "
-                  "read time); entries alone evicted %.1f us (%.2fx)",
+                  "read time); entries alone evicted %.1f us (%.2fx; %.2fx "
+                  "its gather alone, %.1f us)",
                   r.topk, r.seconds / read_s, r.seconds / r.gather_seconds,
                   r.gather_seconds * 1e6, r.gather_seconds / read_s,
-                  r.entries_cold_seconds * 1e6,
-                  r.entries_cold_seconds / read_s);
+                  r.entries_cold_seconds * 1e6, r.entries_cold_seconds / read_s,
+                  r.entries_cold_seconds / r.entries_cold_gather_seconds,
+                  r.entries_cold_gather_seconds * 1e6);
     if (slow_spell) {
       const size_t m = std::strlen(note);
       std::snprintf(note + m, sizeof note - m,
@@ -485,6 +515,15 @@ void PrintRow(const Row& r, const Limits& lim, ScoreOn score_on) {
       m += std::snprintf(note + m, sizeof note - m,
                          "; %.2fx the gather alone (%.1f us)",
                          r.seconds / r.gather_seconds, r.gather_seconds * 1e6);
+    }
+    if (r.entries_cold_seconds > 0 && m > 0 && m < int(sizeof note)) {
+      m += std::snprintf(note + m, sizeof note - m,
+                         "; entries alone evicted %.1f us (%.2fx; %.2fx its "
+                         "gather alone, %.1f us)",
+                         r.entries_cold_seconds * 1e6,
+                         r.entries_cold_seconds / read_s,
+                         r.entries_cold_seconds / r.entries_cold_gather_seconds,
+                         r.entries_cold_gather_seconds * 1e6);
     }
     if (r.warm_seconds > 0 && m > 0 && m < int(sizeof note)) {
       m += std::snprintf(note + m, sizeof note - m, "; warm %.1f us (%.2fx)",
@@ -682,9 +721,7 @@ bool BenchGqaMethod(const char* preset, const char* label, const int* contexts,
       if (evict != nullptr) {
         for (const auto& rows : *evict) {
           for (const uint8_t* row : rows) {
-            for (size_t off = 0; off < size_t(a.head_dim) * 2; off += 64) {
-              _mm_clflushopt(const_cast<uint8_t*>(row + off));
-            }
+            EvictLines(row, size_t(a.head_dim) * 2);
           }
         }
         _mm_mfence();
@@ -825,6 +862,14 @@ bool BenchGqaMethod(const char* preset, const char* label, const int* contexts,
               KernelCost unused;
               (*method)->Attend(view(s), q.data(), heads[s], outs[s].data(),
                                 &unused);
+            },
+            &rows_of) /
+        kSessions;
+    rows->back().entries_cold_gather_seconds =
+        best_pass(
+            [&](int s) {
+              ReadRows(rows_of[s].data(), int(rows_of[s].size()),
+                       size_t(a.head_dim) * 2);
             },
             &rows_of) /
         kSessions;
@@ -993,6 +1038,25 @@ int main(int argc, char** argv) {
         GatherEntries(entries.data(), int(entries.size()), size_t(a.kv_dim) * 2,
                       &pool);
       });
+      // The same call with only its entries evicted (clflushopt of every
+      // line they touch), as in a device's decode loop, where the kernel's
+      // code, scratch, selection and page table stay cached.
+      if (!warm) {
+        const size_t entry_bytes = size_t(a.kv_dim) * 2;
+        auto evict = [&] {
+          for (const uint8_t* e : entries) EvictLines(e, entry_bytes);
+          _mm_mfence();
+        };
+        rows.back().entries_cold_seconds = BestAfter(reps, 2.0, evict, [&] {
+          MlaAttend(view, sel.data(), int(sel.size()), q.q.data(), a,
+                    out.data(), &pool);
+        });
+        rows.back().entries_cold_gather_seconds =
+            BestAfter(reps, 2.0, evict, [&] {
+              GatherEntries(entries.data(), int(entries.size()), entry_bytes,
+                            &pool);
+            });
+      }
       // The same call repeated with its entries left in the caches: the
       // arithmetic's share of the cold time (not a goal).
       rows.back().warm_seconds = BestOf(reps, 1.0, [&] {
