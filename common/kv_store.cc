@@ -102,6 +102,24 @@ void PutIndexKeys(const KvLayout& l, uint8_t* page, int slot, int n,
 
 }  // namespace
 
+void LayerView::KvEntries(const int32_t* positions, int n,
+                          const uint16_t** out) const {
+  const int tpp = layout->tokens_per_page;
+  if (tpp <= 0 || (tpp & (tpp - 1)) != 0) {
+    for (int j = 0; j < n; ++j) out[j] = Kv(positions[j]);
+    return;
+  }
+  const int shift = __builtin_ctz(unsigned(tpp));
+  const uint32_t mask = uint32_t(tpp - 1);
+  const size_t row = size_t(layout->kv_dim) * 2;
+  const size_t kv_offset = layout->kv_offset;
+  for (int j = 0; j < n; ++j) {
+    const uint32_t pos = uint32_t(positions[j]);
+    out[j] = reinterpret_cast<const uint16_t*>(pages[pos >> shift] + kv_offset +
+                                               size_t(pos & mask) * row);
+  }
+}
+
 void LayerView::IndexKeyCodes(int pos, uint8_t* codes) const {
   const int itpp = layout->index_tokens_per_page;
   const int o = pos % itpp;
