@@ -1184,6 +1184,30 @@ TEST_CASE("page arena: all-or-nothing reservations", "[kv_store]") {
   CHECK(b.WriteKv(0, 4, kv).code() == absl::StatusCode::kResourceExhausted);
 }
 
+TEST_CASE("KvEntries gives Kv's addresses, page sizes of every kind",
+          "[kv_store]") {
+  // Powers of two take the shift and the mask, the others the division.
+  for (const int tpp : {64, 16, 1, 48, 5}) {
+    CAPTURE(tpp);
+    Store st(24, 8, tpp);
+    const int n = 300;
+    REQUIRE(st.cache->Reserve(n).ok());
+    st.cache->SetLength(0, n);
+    const LayerView v = st.cache->View(0);
+    std::vector<int32_t> positions;
+    for (int t = n - 1; t >= 0; t -= 7) positions.push_back(t);
+    positions.push_back(0);
+    positions.push_back(tpp);
+    std::vector<const uint16_t*> got(positions.size());
+    v.KvEntries(positions.data(), int(positions.size()), got.data());
+    int wrong = 0;
+    for (size_t j = 0; j < positions.size(); ++j) {
+      wrong += got[j] != v.Kv(positions[j]);
+    }
+    CHECK(wrong == 0);
+  }
+}
+
 TEST_CASE("index keys: every write path stores the codes read back",
           "[kv_store]") {
   // KV pages of 64, 48, 16 and 5 tokens (index pages of their size);
