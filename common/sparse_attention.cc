@@ -283,6 +283,10 @@ void SparseAttention::AttendHeads(const LayerView& view, const float* q,
         const int h0 = units[w].h0, nh = units[w].h1 - h0;
         float* sc = &sc_buf[size_t(h0 - hs0) * npad + j0];
         int i = 0;
+        for (; i + 4 <= nh; i += 4) {
+          ScoreSpan<4>(q + size_t(h0 + i) * s.q_dim, s.q_dim, tile, tile_floats,
+                       d, sc + size_t(i) * npad, npad, &l1);
+        }
         for (; i + 2 <= nh; i += 2) {
           ScoreSpan<2>(q + size_t(h0 + i) * s.q_dim, s.q_dim, tile, tile_floats,
                        d, sc + size_t(i) * npad, npad, &l1);

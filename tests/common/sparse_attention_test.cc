@@ -515,8 +515,9 @@ void ScalarAttend(const AttnShapes& s, const LayerView& view, const float* q,
 TEST_CASE("Attend equals its scalar definition bit for bit", "[attention]") {
   // Head dims on the kernel's fast paths (64, 128) and off them (40, 300:
   // masked tails, more channels than one pass holds); selections shared by
-  // a group's heads or not, with and without logit offsets, and a NaN in
-  // one query.
+  // some of a group's heads, by all heads, or by none, with and without
+  // logit offsets, and a NaN in one query. Selections of up to 700
+  // positions, so that the lock-step value chunks (256) split them.
   for (int hd : {64, 128, 40, 300}) {
     ModelConfig c = *PresetConfig("llama-tiny");
     c.head_dim = hd;
@@ -538,6 +539,18 @@ TEST_CASE("Attend equals its scalar definition bit for bit", "[attention]") {
           }
         }
         if (trial % 4 == 1 && h % 2 == 1) heads[h] = heads[h - 1];
+      }
+      // Every head the same selection (as a dense layer's): whole groups
+      // share it, and the groups run in lock-step.
+      if (trial % 4 == 2) {
+        const int last = n - 1 - trial;  // over 256 positions
+        heads[0].positions.clear();
+        heads[0].bias.clear();
+        for (int t = 0; t <= last; ++t) {
+          heads[0].positions.push_back(t);
+          if (trial == 6) heads[0].bias.push_back(t % 5 == 0 ? -2.0f : 0.0f);
+        }
+        for (int h = 1; h < s.heads; ++h) heads[h] = heads[0];
       }
       std::vector<float> q = r.Gauss(size_t(s.heads) * s.q_dim);
       if (trial == 5) q[3] = NAN;
