@@ -45,8 +45,18 @@
 // the attend): scattered entries of a few lines each read well below the
 // streaming bandwidth the read-time ratio assumes; and the same attend
 // repeated with its entries left in the caches ("warm", with its ratio to
-// the read time): the arithmetic's share. A cold attend near the sum of
-// the two means that reading and arithmetic do not overlap. Whether Attend
+// the read time): the arithmetic's share. After the sweep a cold attend
+// comes near the sum of the two, but not because reading and arithmetic
+// fail to overlap: MLA and GQA attend rows also give the call with only
+// its entries evicted (clflushopt of their lines), and the gather alone
+// timed that way, and there the attend comes near the larger of the two.
+// The sweep leaves the address translations, page tables and scratch cold
+// as well, which on this VM doubles the gather's own time; a device's
+// decode loop keeps them warm.
+// The read bandwidth has been seen to switch between ~52 and ~86 GB/s
+// here, for seconds to minutes: each cold row keeps the fastest sweep of
+// its own runs, and where that is under 90% of the limit, says so with its
+// ratio against that bandwidth too. Whether Attend
 // stays flat from 16K to 128K is judged on the same calls timed in
 // alternation (each shape's summary line), not on the rows, which are
 // timed one context after the other.
@@ -77,7 +87,8 @@
 // bandwidth); and the attend once more with only those rows evicted
 // (clflushopt) instead of the sweep, as in a device's decode loop, where
 // the kernel's code, scratch, the selections and the page tables stay
-// cached while each session's entries come from DRAM. A pass is timed from
+// cached while each session's entries come from DRAM (and the gather
+// alone that way). A pass is timed from
 // when both cores are on it to when the last is done, not from
 // ParallelFor's call to its return: the pool's wake-ups around it (8 us at
 // best, ~30 us typically here, more on a busy machine) are not the kernel's
