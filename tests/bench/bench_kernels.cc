@@ -456,12 +456,16 @@ void PrintRow(const Row& r, const Limits& lim, ScoreOn score_on) {
                   "%d positions a head (mean), from DRAM, per token; %.2fx "
                   "the read time; %.2fx the gather alone (%.1f us, %.2fx the "
                   "read time); entries alone evicted %.1f us (%.2fx; %.2fx "
-                  "its gather alone, %.1f us)",
+                  "its gather alone, %.1f us; %.2fx the larger of that and "
+                  "the FLOPs at peak)",
                   r.topk, r.seconds / read_s, r.seconds / r.gather_seconds,
                   r.gather_seconds * 1e6, r.gather_seconds / read_s,
                   r.entries_cold_seconds * 1e6, r.entries_cold_seconds / read_s,
                   r.entries_cold_seconds / r.entries_cold_gather_seconds,
-                  r.entries_cold_gather_seconds * 1e6);
+                  r.entries_cold_gather_seconds * 1e6,
+                  r.entries_cold_seconds /
+                      std::max(r.entries_cold_gather_seconds,
+                               r.flops / (lim.fp32_gflops * 1e9)));
     if (slow_spell) {
       const size_t m = std::strlen(note);
       std::snprintf(note + m, sizeof note - m,
@@ -530,11 +534,14 @@ void PrintRow(const Row& r, const Limits& lim, ScoreOn score_on) {
     if (r.entries_cold_seconds > 0 && m > 0 && m < int(sizeof note)) {
       m += std::snprintf(note + m, sizeof note - m,
                          "; entries alone evicted %.1f us (%.2fx; %.2fx its "
-                         "gather alone, %.1f us)",
+                         "gather alone, %.1f us; %.2fx the larger of that and "
+                         "the FLOPs at peak)",
                          r.entries_cold_seconds * 1e6,
                          r.entries_cold_seconds / read_s,
                          r.entries_cold_seconds / r.entries_cold_gather_seconds,
-                         r.entries_cold_gather_seconds * 1e6);
+                         r.entries_cold_gather_seconds * 1e6,
+                         r.entries_cold_seconds /
+                             std::max(r.entries_cold_gather_seconds, compute_s));
     }
     if (r.warm_seconds > 0 && m > 0 && m < int(sizeof note)) {
       m += std::snprintf(note + m, sizeof note - m, "; warm %.1f us (%.2fx)",
