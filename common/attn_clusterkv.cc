@@ -161,7 +161,7 @@ class ClusterKvAttention final : public SparseAttention {
     for (int g = 0; g < shapes_.kv_heads; ++g) {
       for (int i = 0; i < n; ++i) {
         float* xi = &x[size_t(i) * d];
-        Bf16ToFloat(view.Kv(from + i) + GqaEntry::K(shapes_, g), d, xi);
+        Bf16ToFloat(view.Part(from + i, GqaEntry::KPart(shapes_, g)), d, xi);
         xn[i] = std::sqrt(Dot(xi, xi, d));
       }
       // Initial centroids: evenly spaced tokens.

@@ -72,7 +72,7 @@ class GqaBlockAttention final : public SparseAttention {
       const int end = std::min((b + 1) * block_, view.length);
       for (int t = b * block_; t < end; ++t) {
         for (int g = 0; g < hkv; ++g) {
-          Bf16ToFloat(view.Kv(t) + GqaEntry::IndexKey(shapes_, g), di,
+          Bf16ToFloat(view.Part(t, GqaEntry::IndexKeyPart(shapes_, g)), di,
                       k.data());
           float* sg = sum + size_t(g) * di;
           for (int c = 0; c < di; ++c) sg[c] += k[c];

@@ -120,7 +120,7 @@ class MagicPigAttention final : public SparseAttention {
     std::vector<float> k(d);
     for (int t = lo; t < hi; ++t) {
       for (int g = 0; g < hkv; ++g) {
-        Bf16ToFloat(view.Kv(t) + GqaEntry::K(shapes_, g), d, k.data());
+        Bf16ToFloat(view.Part(t, GqaEntry::KPart(shapes_, g)), d, k.data());
         for (int c = 0; c < d; ++c) st->mean[size_t(g) * d + c] += k[c];
       }
     }
@@ -398,7 +398,7 @@ class MagicPigAttention final : public SparseAttention {
       // requested meanwhile (the norms are scattered too: a miss each).
       const float* mean = &st.mean[size_t(g) * d];
       float* tile = EntryTileScratch(d);
-      const size_t k_off = GqaEntry::K(shapes_, g);
+      const int k_part = GqaEntry::KPart(shapes_, g);
       for (int i = 0; i < group; ++i) {
         const std::vector<int>& ts = hit[i];
         const int h = g * group + i;
@@ -410,11 +410,11 @@ class MagicPigAttention final : public SparseAttention {
         for (int j0 = 0; j0 < n; j0 += 16) {
           const int cnt = std::min(16, n - j0);
           for (int j = j0 + 16; j < std::min(n, j0 + 32); ++j) {
-            PrefetchEntryLines<true>(view.Kv(ts[j]) + k_off, size_t(d) * 2);
+            PrefetchEntryLines<true>(view.Part(ts[j], k_part), size_t(d) * 2);
             PrefetchLine(&st.norms[size_t(ts[j]) * hkv + g]);
           }
           const uint16_t* kp[16];
-          for (int j = 0; j < cnt; ++j) kp[j] = view.Kv(ts[j0 + j]) + k_off;
+          for (int j = 0; j < cnt; ++j) kp[j] = view.Part(ts[j0 + j], k_part);
           LoadEntryTile(kp, cnt, d, tile, 16);
           __m512 acc = _mm512_setzero_ps();
           for (int c = 0; c < d; ++c) {
@@ -507,7 +507,7 @@ class MagicPigAttention final : public SparseAttention {
         const int cnt = std::min(16, to - t0);
         const uint16_t* kp[16];
         for (int j = 0; j < cnt; ++j) {
-          kp[j] = view.Kv(t0 + j) + GqaEntry::K(shapes_, g);
+          kp[j] = view.Part(t0 + j, GqaEntry::KPart(shapes_, g));
         }
         LoadEntryTile(kp, cnt, d, tile, 16);
         __m512 nn = _mm512_setzero_ps();

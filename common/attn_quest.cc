@@ -127,7 +127,7 @@ class QuestAttention final : public SparseAttention {
       const int end = std::min((p + 1) * page_, view.length);
       for (int t = p * page_; t < end; ++t) {
         for (int g = 0; g < hkv; ++g) {
-          Bf16ToFloat(view.Kv(t) + GqaEntry::K(shapes_, g), d, k.data());
+          Bf16ToFloat(view.Part(t, GqaEntry::KPart(shapes_, g)), d, k.data());
           float* mn = group + size_t(g) * d * 2 * kGroupPages + lane;
           for (int c = 0; c < d; ++c) {
             float* m = mn + size_t(c) * 2 * kGroupPages;

@@ -102,17 +102,24 @@ void PutIndexKeys(const KvLayout& l, uint8_t* page, int slot, int n,
 
 }  // namespace
 
-void LayerView::KvEntries(const int32_t* positions, int n,
-                          const uint16_t** out) const {
+void LayerView::ReadKv(int pos, uint16_t* out) const {
+  for (int p = 0; p < layout->kv_parts; ++p) {
+    std::memcpy(out + layout->PartStart(p), Part(pos, p),
+                size_t(layout->PartDim(p)) * 2);
+  }
+}
+
+void LayerView::PartRows(const int32_t* positions, int n, int part,
+                         const uint16_t** out) const {
   const int tpp = layout->tokens_per_page;
   if (tpp <= 0 || (tpp & (tpp - 1)) != 0) {
-    for (int j = 0; j < n; ++j) out[j] = Kv(positions[j]);
+    for (int j = 0; j < n; ++j) out[j] = Part(positions[j], part);
     return;
   }
   const int shift = __builtin_ctz(unsigned(tpp));
   const uint32_t mask = uint32_t(tpp - 1);
-  const size_t row = size_t(layout->kv_dim) * 2;
-  const size_t kv_offset = layout->kv_offset;
+  const size_t row = size_t(layout->PartDim(part)) * 2;
+  const size_t kv_offset = layout->PartOffset(part, 0);
   for (int j = 0; j < n; ++j) {
     const uint32_t pos = uint32_t(positions[j]);
     out[j] = reinterpret_cast<const uint16_t*>(pages[pos >> shift] + kv_offset +
@@ -144,15 +151,21 @@ KvLayout MakeKvLayout(const ModelConfig& config, int tokens_per_page) {
       l.index_dim = config.index_head_dim;
       break;
     case AttentionType::kGqaBlock:
-      // k and v per KV head, plus the block indexer's keys (bf16, stored in
-      // the kv section after k|v).
+      // k and v per KV head, plus the block indexer's keys (bf16, parts
+      // after the k and v ones).
       l.kv_dim = 2 * config.num_key_value_heads * config.head_dim +
                  config.num_key_value_heads * config.index_head_dim;
       l.index_dim = 0;
+      l.kv_parts = 3 * config.num_key_value_heads;
+      l.wide_parts = 2 * config.num_key_value_heads;
+      l.part_dim = config.head_dim;
+      l.tail_dim = config.index_head_dim;
       break;
     case AttentionType::kGqaDense:
       l.kv_dim = 2 * config.num_key_value_heads * config.head_dim;
       l.index_dim = 0;
+      l.kv_parts = l.wide_parts = 2 * config.num_key_value_heads;
+      l.part_dim = config.head_dim;
       break;
   }
   l.kv_offset = 0;
@@ -426,9 +439,10 @@ absl::Status SessionCache::WriteKv(int layer, int pos, const uint16_t* kv) {
   }
   const int tpp = layout_->tokens_per_page;
   uint8_t* page = page_data_[layer][pos / tpp];
-  std::memcpy(
-      page + layout_->kv_offset + size_t(pos % tpp) * layout_->kv_dim * 2, kv,
-      size_t(layout_->kv_dim) * 2);
+  for (int p = 0; p < layout_->kv_parts; ++p) {
+    std::memcpy(page + layout_->PartOffset(p, pos % tpp),
+                kv + layout_->PartStart(p), size_t(layout_->PartDim(p)) * 2);
+  }
   return absl::OkStatus();
 }
 
@@ -463,8 +477,19 @@ absl::Status SessionCache::WriteKvRun(int layer, int pos, int n,
     const int p = pos + i;
     const int run = std::min(n - i, tpp - p % tpp);
     uint8_t* page = page_data_[layer][p / tpp];
-    std::memcpy(page + layout_->kv_offset + size_t(p % tpp) * row,
-                src + size_t(i) * row, size_t(run) * row);
+    if (layout_->kv_parts == 1) {
+      std::memcpy(page + layout_->PartOffset(0, p % tpp), src + size_t(i) * row,
+                  size_t(run) * row);
+    } else {
+      for (int t = 0; t < run; ++t) {
+        const uint8_t* entry = src + size_t(i + t) * row;
+        for (int part = 0; part < layout_->kv_parts; ++part) {
+          std::memcpy(page + layout_->PartOffset(part, p % tpp + t),
+                      entry + size_t(layout_->PartStart(part)) * 2,
+                      size_t(layout_->PartDim(part)) * 2);
+        }
+      }
+    }
     i += run;
   }
   return absl::OkStatus();

@@ -53,7 +53,17 @@ constexpr int IndexKeySlot(int j) {
 struct KvLayout {
   int tokens_per_page = 64;  // of a KV page
   int kv_dim = 0;            // bf16 values per token
-  int index_dim = 0;         // fp8 codes per token (0: no index keys)
+  // A token's kv_dim values are kv_parts parts, in order: the first
+  // wide_parts of part_dim values, the others of tail_dim. A KV page holds
+  // each part's rows together, part after part (a section of
+  // tokens_per_page rows each): MLA has one part (the whole entry, [c |
+  // k_pe]); GQA one per KV head's k, then v, then block index keys, so
+  // that a head's rows of consecutive positions are contiguous.
+  int kv_parts = 1;
+  int wide_parts = 1;
+  int part_dim = 0;
+  int tail_dim = 0;
+  int index_dim = 0;  // fp8 codes per token (0: no index keys)
   // Index keys per index page, whole blocks of kIndexKeyBlock (0 without
   // index keys).
   int index_tokens_per_page = 0;
@@ -82,6 +92,20 @@ struct KvLayout {
   }
   int PagesFor(int tokens) const {
     return KvPagesFor(tokens) + IndexPagesFor(tokens);
+  }
+  // Part p's values: how many, and where they start in a token's entry.
+  int PartDim(int p) const {
+    return kv_parts == 1 ? kv_dim : p < wide_parts ? part_dim : tail_dim;
+  }
+  int PartStart(int p) const {
+    return p <= wide_parts
+               ? p * part_dim
+               : wide_parts * part_dim + (p - wide_parts) * tail_dim;
+  }
+  // Byte offset of part p's row for the page's `slot`-th token.
+  size_t PartOffset(int p, int slot) const {
+    return kv_offset + size_t(tokens_per_page) * PartStart(p) * 2 +
+           size_t(slot) * PartDim(p) * 2;
   }
 };
 KvLayout MakeKvLayout(const ModelConfig& config, int tokens_per_page);
@@ -139,15 +163,26 @@ struct LayerView {
   // Kernels reach pages only through these and the accessors below.
   const uint8_t* PageData(int index) const { return pages[index]; }
   const uint8_t* IndexPageData(int index) const { return index_pages[index]; }
-  const uint16_t* Kv(int pos) const {
-    const uint8_t* p = pages[pos / layout->tokens_per_page];
-    return reinterpret_cast<const uint16_t*>(p + layout->kv_offset) +
-           size_t(pos % layout->tokens_per_page) * layout->kv_dim;
+  // Part `part`'s row of position pos (KvLayout: the whole entry where
+  // the layout has one part, as MLA's).
+  const uint16_t* Part(int pos, int part) const {
+    const int tpp = layout->tokens_per_page;
+    return reinterpret_cast<const uint16_t*>(
+        pages[pos / tpp] + layout->PartOffset(part, pos % tpp));
   }
-  // Kv of positions[0, n), into out[0, n): a shift and a mask in place of
-  // Kv's division where the page's token count is a power of two (2048
-  // addresses: 4.6 us with the division, 1.7 us without, on one core here).
-  void KvEntries(const int32_t* positions, int n, const uint16_t** out) const;
+  // The whole entry of position pos, where the layout has one part (MLA).
+  const uint16_t* Kv(int pos) const { return Part(pos, 0); }
+  // Copies position pos's kv_dim values, part after part, to out.
+  void ReadKv(int pos, uint16_t* out) const;
+  // Part(positions[j], part) for j in [0, n), into out[0, n): a shift and
+  // a mask in place of the division where the page's token count is a
+  // power of two (2048 addresses: 4.6 us with the division, 1.7 us
+  // without, on one core here).
+  void PartRows(const int32_t* positions, int n, int part,
+                const uint16_t** out) const;
+  void KvEntries(const int32_t* positions, int n, const uint16_t** out) const {
+    PartRows(positions, n, 0, out);
+  }
   // The pair rows of block `block` of index page `index` (the layout
   // above).
   const uint8_t* IndexKeyBlock(int index, int block) const {

@@ -203,12 +203,9 @@ void SparseAttention::AttendHeads(const LayerView& view, const float* q,
   for (size_t u = 0; u + 1 < units.size(); ++u) {
     const int g = units[u].h0 / group;
     const int first = units[u].first, n = units[u + 1].first - first;
-    view.KvEntries(heads[units[u].h0].positions.data(), n, &kp_all[first]);
-    const size_t k_off = GqaEntry::K(s, g), v_off = GqaEntry::V(s, g);
-    for (int j = first; j < first + n; ++j) {
-      vp_all[j] = kp_all[j] + v_off;
-      kp_all[j] += k_off;
-    }
+    const int32_t* pos = heads[units[u].h0].positions.data();
+    view.PartRows(pos, n, GqaEntry::KPart(s, g), &kp_all[first]);
+    view.PartRows(pos, n, GqaEntry::VPart(s, g), &vp_all[first]);
   }
   const size_t tile_floats = EntryTileFloats(d);
   float* tile = EntryTileScratch(d, kScoreTiles);

@@ -42,8 +42,16 @@ namespace karat {
 class CorePool;
 
 // Where the parts of one GQA cache entry sit (bf16 values, MakeKvLayout):
-// [k: Hkv x d | v: Hkv x d | index key: Hkv x Di (gqa_block only)].
+// [k: Hkv x d | v: Hkv x d | index key: Hkv x Di (gqa_block only)], as
+// values of the entry a write takes (K, V, IndexKey) and as the layout's
+// parts, each stored as rows of its own in a page (KPart, VPart,
+// IndexKeyPart; read with LayerView::Part).
 struct GqaEntry {
+  static int KPart(const AttnShapes&, int g) { return g; }
+  static int VPart(const AttnShapes& s, int g) { return s.kv_heads + g; }
+  static int IndexKeyPart(const AttnShapes& s, int g) {
+    return 2 * s.kv_heads + g;
+  }
   static size_t K(const AttnShapes& s, int g) { return size_t(g) * s.head_dim; }
   static size_t V(const AttnShapes& s, int g) {
     return size_t(s.kv_heads + g) * s.head_dim;

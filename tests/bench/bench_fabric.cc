@@ -542,8 +542,9 @@ class IngestStore {
       if (cache_->length(layer) != plan_.tokens) return false;
       const LayerView v = cache_->View(layer);
       std::vector<uint8_t> codes(l.index_dim);
+      std::vector<uint16_t> kv(l.kv_dim);
       for (int pos = 0; pos < plan_.tokens; ++pos) {
-        const uint16_t* kv = v.Kv(pos);
+        v.ReadKv(pos, kv.data());
         for (int i = 0; i < l.kv_dim; ++i) {
           if (kv[i] != KvValue(layer, pos, i)) return false;
         }

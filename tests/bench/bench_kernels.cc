@@ -855,12 +855,12 @@ bool BenchGqaMethod(const char* preset, const char* label, const int* contexts,
             heads[s][h].positions == heads[s][h - 1].positions) {
           continue;
         }
-        for (int32_t pos : heads[s][h].positions) {
-          const uint16_t* e = v.Kv(pos);
-          rows_of[s].push_back(
-              reinterpret_cast<const uint8_t*>(e + GqaEntry::K(a, g)));
-          rows_of[s].push_back(
-              reinterpret_cast<const uint8_t*>(e + GqaEntry::V(a, g)));
+        // The keys, then the values, as the attend reads them.
+        for (const int part : {GqaEntry::KPart(a, g), GqaEntry::VPart(a, g)}) {
+          for (int32_t pos : heads[s][h].positions) {
+            rows_of[s].push_back(
+                reinterpret_cast<const uint8_t*>(v.Part(pos, part)));
+          }
         }
       }
     }

@@ -10,7 +10,9 @@
 
 #include "common/core_pool.h"
 #include "common/kv_store.h"
+#include "common/model_config.h"
 #include "common/numeric.h"
+#include "common/sparse_attention.h"
 
 namespace karat {
 namespace {
@@ -1205,6 +1207,70 @@ TEST_CASE("KvEntries gives Kv's addresses, page sizes of every kind",
       wrong += got[j] != v.Kv(positions[j]);
     }
     CHECK(wrong == 0);
+  }
+}
+
+TEST_CASE("GQA pages: each head's k, v and index key rows stored together",
+          "[kv_store]") {
+  // llama-tiny (k, v) and minimax-tiny (k, v, block index keys), pages of a
+  // power of two and of an odd token count; entries written one at a
+  // time, in runs that cross pages, and appended.
+  for (const char* preset : {"llama-tiny", "minimax-tiny"}) {
+    for (const int tpp : {16, 5}) {
+      CAPTURE(preset, tpp);
+      ModelConfig c = *PresetConfig(preset);
+      c.num_hidden_layers = 1;
+      const AttnShapes s = MakeAttnShapes(c);
+      const KvLayout layout = MakeKvLayout(c, tpp);
+      REQUIRE(layout.kv_parts == (s.block_index_dim > 0 ? 3 : 2) * s.kv_heads);
+      auto arena = *PageArena::Create(size_t(64) << 20, layout.page_bytes);
+      SessionCache one(&layout, arena.get()), run(&layout, arena.get()),
+          appended(&layout, arena.get());
+      const int n = 47;
+      std::vector<uint16_t> kv(size_t(n) * layout.kv_dim);
+      std::mt19937 rng(tpp);
+      for (auto& x : kv) x = uint16_t(rng());
+      for (SessionCache* cache : {&one, &run, &appended}) {
+        REQUIRE(cache->Reserve(n).ok());
+      }
+      for (int t = 0; t < n; ++t) {
+        REQUIRE(one.WriteKv(0, t, &kv[size_t(t) * layout.kv_dim]).ok());
+        REQUIRE(appended.Append(0, &kv[size_t(t) * layout.kv_dim], nullptr, 0)
+                    .ok());
+      }
+      REQUIRE(run.WriteKvRun(0, 0, 3, kv.data()).ok());
+      REQUIRE(run.WriteKvRun(0, 3, n - 3, &kv[size_t(3) * layout.kv_dim]).ok());
+      one.SetLength(0, n);
+      run.SetLength(0, n);
+      int wrong = 0, apart = 0;
+      for (SessionCache* cache : {&one, &run, &appended}) {
+        const LayerView v = cache->View(0);
+        std::vector<uint16_t> got(layout.kv_dim);
+        for (int t = 0; t < n; ++t) {
+          const uint16_t* want = &kv[size_t(t) * layout.kv_dim];
+          v.ReadKv(t, got.data());
+          wrong += std::memcmp(got.data(), want, got.size() * 2) != 0;
+          for (int g = 0; g < s.kv_heads; ++g) {
+            wrong += std::memcmp(v.Part(t, GqaEntry::KPart(s, g)),
+                                 want + GqaEntry::K(s, g), s.head_dim * 2) != 0;
+            wrong += std::memcmp(v.Part(t, GqaEntry::VPart(s, g)),
+                                 want + GqaEntry::V(s, g), s.head_dim * 2) != 0;
+            if (s.block_index_dim > 0) {
+              wrong += std::memcmp(v.Part(t, GqaEntry::IndexKeyPart(s, g)),
+                                   want + GqaEntry::IndexKey(s, g),
+                                   s.block_index_dim * 2) != 0;
+            }
+            // The next position of the page follows right after.
+            if ((t + 1) % tpp != 0 && t + 1 < n) {
+              const int k = GqaEntry::KPart(s, g);
+              apart += v.Part(t + 1, k) != v.Part(t, k) + s.head_dim;
+            }
+          }
+        }
+      }
+      CHECK(wrong == 0);
+      CHECK(apart == 0);
+    }
   }
 }
 

@@ -99,7 +99,7 @@ struct RandomLayer {
   LayerView View() const { return cache->View(kLayer); }
   std::vector<float> Key(int pos, int g) const {
     std::vector<float> k(shapes.head_dim);
-    Bf16ToFloat(View().Kv(pos) + GqaEntry::K(shapes, g), shapes.head_dim,
+    Bf16ToFloat(View().Part(pos, GqaEntry::KPart(shapes, g)), shapes.head_dim,
                 k.data());
     return k;
   }
@@ -386,7 +386,7 @@ TEST_CASE("gqa_block: current block always taken; top-k equals brute force",
         for (int b = 0; b < cur; ++b) {
           std::vector<float> mean(di, 0.0f), k(di);
           for (int t = b * bs; t < (b + 1) * bs; ++t) {
-            Bf16ToFloat(r.View().Kv(t) + GqaEntry::IndexKey(s, g), di,
+            Bf16ToFloat(r.View().Part(t, GqaEntry::IndexKeyPart(s, g)), di,
                         k.data());
             for (int i = 0; i < di; ++i) mean[i] += k[i];
           }
@@ -434,7 +434,7 @@ TEST_CASE("gqa_block: top-k equals brute force over long contexts",
         for (int b = 0; b < cur; ++b) {
           std::vector<float> mean(di, 0.0f), k(di);
           for (int t = b * bs; t < (b + 1) * bs; ++t) {
-            Bf16ToFloat(r.View().Kv(t) + GqaEntry::IndexKey(s, g), di,
+            Bf16ToFloat(r.View().Part(t, GqaEntry::IndexKeyPart(s, g)), di,
                         k.data());
             for (int i = 0; i < di; ++i) mean[i] += k[i];
           }
@@ -485,7 +485,8 @@ void ScalarAttend(const AttnShapes& s, const LayerView& view, const float* q,
     std::vector<float> p(n);
     float m = -INFINITY;
     for (size_t j = 0; j < n; ++j) {
-      Bf16ToFloat(view.Kv(sel.positions[j]) + GqaEntry::K(s, g), d, k.data());
+      Bf16ToFloat(view.Part(sel.positions[j], GqaEntry::KPart(s, g)), d,
+                  k.data());
       float dot = 0.0f;
       for (int c = 0; c < d; ++c) dot = std::fma(qh[c], k[c], dot);
       p[j] = dot * s.softmax_scale;
@@ -505,7 +506,8 @@ void ScalarAttend(const AttnShapes& s, const LayerView& view, const float* q,
     float* oh = out + size_t(h) * s.out_dim;
     std::fill(oh, oh + d, 0.0f);
     for (size_t j = 0; j < n; ++j) {
-      Bf16ToFloat(view.Kv(sel.positions[j]) + GqaEntry::V(s, g), d, v.data());
+      Bf16ToFloat(view.Part(sel.positions[j], GqaEntry::VPart(s, g)), d,
+                  v.data());
       const float w = p[j] * inv;
       for (int c = 0; c < d; ++c) oh[c] = std::fma(w, v[c], oh[c]);
     }
