@@ -43,10 +43,8 @@ namespace {
 
 // p_j v_j summed over the selection into `kHeads` heads' outputs at once,
 // for head_dim d = 16 kDv (kDv > 0), or any d with kDv = 0 (a slower loop
-// over the vectors). Per output element o = fma(p_j, v_j, o) in increasing
-// j: the scalar chain, one lane per channel, from the value `out` holds (+0
-// for a fresh output; a chunk of a longer selection goes on from where the
-// previous chunk left the chain). p[i][j] is head i's
+// over the vectors). Per output element o = fma(p_j, v_j, o) from +0 in
+// increasing j: the scalar chain, one lane per channel. p[i][j] is head i's
 // weight of entry j; v[j] its value row (bf16).
 template <int kHeads, int kDv>
 void WeightedValues(const uint16_t* const* v, int n, const float* const* p,
@@ -67,10 +65,7 @@ void WeightedValues(const uint16_t* const* v, int n, const float* const* p,
         size_t(std::min(d, 16 * (base + nv)) - 16 * base) * 2;
     __m512 acc[kHeads][kVectors];
     for (int i = 0; i < kHeads; ++i) {
-      for (int c = 0; c < nv; ++c) {
-        const int ch = 16 * (base + c);
-        acc[i][c] = _mm512_maskz_loadu_ps(FirstLanes16(d - ch), out[i] + ch);
-      }
+      for (int c = 0; c < nv; ++c) acc[i][c] = _mm512_setzero_ps();
     }
     for (int j = 0; j < std::min(n, kAhead); ++j) {
       PrefetchEntryLines<true>(v[j] + 16 * base, row_bytes);
@@ -212,36 +207,33 @@ void SparseAttention::AttendHeads(const LayerView& view, const float* q,
   double bytes = 0, flops = 0;
   const __m512 vscale = _mm512_set1_ps(s.softmax_scale);
   const size_t row_bytes = size_t(d) * 2;
-  // Units of different groups with the same positions (a dense layer's)
-  // run in lock-step: span by span through their keys, then chunk by chunk
-  // through their values, so that the rows of one position, which share
-  // its entry's lines, are read together. A unit at a time read a quarter
-  // of each entry's lines per pass: the memory fetched whole runs of the
-  // entries all the same, at a fraction of the useful bandwidth.
+  // One unit at a time. (Units of different groups with the same
+  // positions, a dense layer's, were also run in lock-step, span by span
+  // and value chunk by value chunk, when a position's rows of every head
+  // shared its entry's lines; with each head's rows in runs of their own
+  // (KvLayout parts), a unit at a time reads two runs and was faster: a
+  // 128K llama-tiny attend with its entries alone evicted 2189 -> 1698 us.)
   const size_t nunits = units.size() - 1;
-  for (size_t u = 0; u < nunits;) {
+  for (size_t u = 0; u < nunits; ++u) {
     const std::vector<int32_t>& pos = heads[units[u].h0].positions;
-    size_t u_end = u + 1;
-    while (u_end < nunits && heads[units[u_end].h0].positions == pos) ++u_end;
-    const int hs0 = units[u].h0, hs1 = units[u_end - 1].h1;
-    const int nh_all = hs1 - hs0;
+    const int h0 = units[u].h0, h1 = units[u].h1;
+    const int nh = h1 - h0;
     const int n = units[u + 1].first - units[u].first;
-    for (int h = hs0; h < hs1; ++h) {
+    const uint16_t* const* kp = kp_all.data() + units[u].first;
+    const uint16_t* const* vp = vp_all.data() + units[u].first;
+    for (int h = h0; h < h1; ++h) {
       float* oh = out + size_t(h) * s.out_dim;
       std::fill(oh, oh + d, 0.0f);
     }
-    if (n == 0) {  // cannot happen: the token itself is selected
-      u = u_end;
-      continue;
-    }
+    if (n == 0) continue;  // cannot happen: the token itself is selected
     const int npad = (n + kScoreSpan - 1) / kScoreSpan * kScoreSpan;
     if (u == 0) {
       for (int j = 0; j < std::min(n, kScoreSpan); ++j) {
-        PrefetchEntryLines<true>(kp_all[j], row_bytes);
+        PrefetchEntryLines<true>(kp[j], row_bytes);
       }
     }
-    bytes += double(n) * d * 2 * 2 * double(u_end - u);
-    sc_buf.resize(size_t(nh_all) * npad);
+    bytes += double(n) * d * 2 * 2;
+    sc_buf.resize(size_t(nh) * npad);
     // Scores, kScoreSpan entries (kScoreTiles tiles of 16) at a time. The
     // next span's keys are requested meanwhile: spread over the span's
     // score chains where the positions run contiguously (a dense layer),
@@ -249,59 +241,53 @@ void SparseAttention::AttendHeads(const LayerView& view, const float* q,
     // 4.8 ms on one core instead of 5.8 (6.7 without requests), but the
     // sparse methods' selections came out ~10% slower.
     const bool contiguous = pos[n - 1] - pos[0] == n - 1;
-    // The next set's first keys, requested during this set's last span.
-    const int next_first = units[u_end].first;
+    // The next unit's first keys, requested during this unit's last span.
+    const int next_first = units[u + 1].first;
     const int next_n = std::min(
         kScoreSpan,
-        (u_end < nunits ? units[u_end + 1].first : next_first) - next_first);
+        (u + 1 < nunits ? units[u + 2].first : next_first) - next_first);
     for (int j0 = 0; j0 < n; j0 += kScoreSpan) {
-      for (size_t w = u; w < u_end; ++w) {
-        const uint16_t* const* kp = kp_all.data() + units[w].first;
-        l1.Clear();
-        for (int j = j0 + kScoreSpan; j < std::min(n, j0 + 2 * kScoreSpan);
-             ++j) {
-          if (contiguous) {
-            l1.AddEntry(kp[j], row_bytes);
-          } else {
-            PrefetchEntryLines<true>(kp[j], row_bytes);
-          }
+      l1.Clear();
+      for (int j = j0 + kScoreSpan; j < std::min(n, j0 + 2 * kScoreSpan); ++j) {
+        if (contiguous) {
+          l1.AddEntry(kp[j], row_bytes);
+        } else {
+          PrefetchEntryLines<true>(kp[j], row_bytes);
         }
-        if (j0 + kScoreSpan >= n && w + 1 == u_end) {
-          for (int j = 0; j < next_n; ++j) {
-            l1.AddEntry(kp_all[next_first + j], row_bytes);
-          }
+      }
+      if (j0 + kScoreSpan >= n) {
+        for (int j = 0; j < next_n; ++j) {
+          l1.AddEntry(kp_all[next_first + j], row_bytes);
         }
-        for (int t = 0; t < kScoreTiles; ++t) {
-          const int first = j0 + 16 * t;
-          LoadEntryTile(kp + std::min(first, n - 1),
-                        std::clamp(n - first, 0, 16), d, tile + t * tile_floats,
-                        16);
-        }
-        const int h0 = units[w].h0, nh = units[w].h1 - h0;
-        float* sc = &sc_buf[size_t(h0 - hs0) * npad + j0];
-        int i = 0;
-        for (; i + 4 <= nh; i += 4) {
-          ScoreSpan<4>(q + size_t(h0 + i) * s.q_dim, s.q_dim, tile, tile_floats,
-                       d, sc + size_t(i) * npad, npad, &l1);
-        }
-        for (; i + 2 <= nh; i += 2) {
-          ScoreSpan<2>(q + size_t(h0 + i) * s.q_dim, s.q_dim, tile, tile_floats,
-                       d, sc + size_t(i) * npad, npad, &l1);
-        }
-        if (i < nh) {
-          ScoreSpan<1>(q + size_t(h0 + i) * s.q_dim, s.q_dim, tile, tile_floats,
-                       d, sc + size_t(i) * npad, npad, &l1);
-        }
+      }
+      for (int t = 0; t < kScoreTiles; ++t) {
+        const int first = j0 + 16 * t;
+        LoadEntryTile(kp + std::min(first, n - 1), std::clamp(n - first, 0, 16),
+                      d, tile + t * tile_floats, 16);
+      }
+      float* sc = &sc_buf[j0];
+      int i = 0;
+      for (; i + 4 <= nh; i += 4) {
+        ScoreSpan<4>(q + size_t(h0 + i) * s.q_dim, s.q_dim, tile, tile_floats,
+                     d, sc + size_t(i) * npad, npad, &l1);
+      }
+      for (; i + 2 <= nh; i += 2) {
+        ScoreSpan<2>(q + size_t(h0 + i) * s.q_dim, s.q_dim, tile, tile_floats,
+                     d, sc + size_t(i) * npad, npad, &l1);
+      }
+      if (i < nh) {
+        ScoreSpan<1>(q + size_t(h0 + i) * s.q_dim, s.q_dim, tile, tile_floats,
+                     d, sc + size_t(i) * npad, npad, &l1);
       }
     }
     // Softmax weights, per head.
-    p.resize(nh_all);
-    o.resize(nh_all);
-    for (int i = 0; i < nh_all; ++i) {
-      const HeadSelection& sel = heads[hs0 + i];
+    p.resize(nh);
+    o.resize(nh);
+    for (int i = 0; i < nh; ++i) {
+      const HeadSelection& sel = heads[h0 + i];
       float* sh = &sc_buf[size_t(i) * npad];
       p[i] = sh;
-      o[i] = out + size_t(hs0 + i) * s.out_dim;
+      o[i] = out + size_t(h0 + i) * s.out_dim;
       // max_ps(x, m) keeps m where x is NaN or equal, as std::max(m, x).
       __m512 vm = _mm512_set1_ps(-INFINITY);
       for (int j = 0; j < n; j += 16) {
@@ -330,40 +316,18 @@ void SparseAttention::AttendHeads(const LayerView& view, const float* q,
       }
       flops += double(n) * d * 4;
     }
-    // Weighted sums: each unit's over its positions, in lock-step chunks
-    // where a set has several units (the fma chains go on from the outputs
-    // where the previous chunk left them).
-    auto weighted = [&](const uint16_t* const* vp, int cnt,
-                        const float* const* pp, int nh, float* const* oo) {
-      switch ((d + 15) / 16) {
-        case 4:
-          WeightedValuesHeads<4>(vp, cnt, pp, nh, d, oo);
-          break;
-        case 8:
-          WeightedValuesHeads<8>(vp, cnt, pp, nh, d, oo);
-          break;
-        default:
-          WeightedValuesHeads<0>(vp, cnt, pp, nh, d, oo);
-          break;
-      }
-    };
-    if (u_end - u == 1) {
-      weighted(vp_all.data() + units[u].first, n, p.data(), nh_all, o.data());
-    } else {
-      constexpr int kValueChunk = 256;
-      thread_local std::vector<const float*> pc;
-      pc.resize(nh_all);
-      for (int jb = 0; jb < n; jb += kValueChunk) {
-        const int cnt = std::min(kValueChunk, n - jb);
-        for (int i = 0; i < nh_all; ++i) pc[i] = p[i] + jb;
-        for (size_t w = u; w < u_end; ++w) {
-          const int i0 = units[w].h0 - hs0;
-          weighted(vp_all.data() + units[w].first + jb, cnt, pc.data() + i0,
-                   units[w].h1 - units[w].h0, o.data() + i0);
-        }
-      }
+    // Weighted sums.
+    switch ((d + 15) / 16) {
+      case 4:
+        WeightedValuesHeads<4>(vp, n, p.data(), nh, d, o.data());
+        break;
+      case 8:
+        WeightedValuesHeads<8>(vp, n, p.data(), nh, d, o.data());
+        break;
+      default:
+        WeightedValuesHeads<0>(vp, n, p.data(), nh, d, o.data());
+        break;
     }
-    u = u_end;
   }
   if (cost != nullptr) {
     cost->bytes += bytes;

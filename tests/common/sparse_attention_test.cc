@@ -518,8 +518,7 @@ TEST_CASE("Attend equals its scalar definition bit for bit", "[attention]") {
   // Head dims on the kernel's fast paths (64, 128) and off them (40, 300:
   // masked tails, more channels than one pass holds); selections shared by
   // some of a group's heads, by all heads, or by none, with and without
-  // logit offsets, and a NaN in one query. Selections of up to 700
-  // positions, so that the lock-step value chunks (256) split them.
+  // logit offsets, and a NaN in one query.
   for (int hd : {64, 128, 40, 300}) {
     ModelConfig c = *PresetConfig("llama-tiny");
     c.head_dim = hd;
@@ -543,9 +542,9 @@ TEST_CASE("Attend equals its scalar definition bit for bit", "[attention]") {
         if (trial % 4 == 1 && h % 2 == 1) heads[h] = heads[h - 1];
       }
       // Every head the same selection (as a dense layer's): whole groups
-      // share it, and the groups run in lock-step.
+      // share it.
       if (trial % 4 == 2) {
-        const int last = n - 1 - trial;  // over 256 positions
+        const int last = n - 1 - trial;
         heads[0].positions.clear();
         heads[0].bias.clear();
         for (int t = 0; t <= last; ++t) {
