@@ -437,8 +437,12 @@ void PrintRow(const Row& r, const Limits& lim, ScoreOn score_on) {
   char note[640];
   // Against the bandwidth of the row's own runs' sweeps, where they were
   // slower than the limit: the same ratio as the machine stood meanwhile.
-  const bool slow_spell =
-      r.run_bw_gbps > 0 && r.run_bw_gbps < 0.9 * lim.bw_gbps;
+  // Not where the row itself read faster than those sweeps: the bandwidth
+  // switched between a sweep and the run it preceded, and neither level
+  // is the row's.
+  const bool slow_spell = r.run_bw_gbps > 0 &&
+                          r.run_bw_gbps < 0.9 * lim.bw_gbps &&
+                          gbps <= r.run_bw_gbps;
   if (r.kind == Kind::kSelect) {  // against bandwidth alone
     std::snprintf(note, sizeof note, "top-%d, %.2f%% of the scan", r.topk,
                   100.0 * r.seconds / r.scan_seconds);
