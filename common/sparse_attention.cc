@@ -209,10 +209,10 @@ void SparseAttention::AttendHeads(const LayerView& view, const float* q,
   const size_t row_bytes = size_t(d) * 2;
   // One unit at a time. (Units of different groups with the same
   // positions, a dense layer's, were also run in lock-step, span by span
-  // and value chunk by value chunk, when a position's rows of every head
+  // and value chunk by value chunk, while a position's rows of every head
   // shared its entry's lines; with each head's rows in runs of their own
-  // (KvLayout parts), a unit at a time reads two runs and was faster: a
-  // 128K llama-tiny attend with its entries alone evicted 2189 -> 1698 us.)
+  // (KvLayout parts), a unit reads two runs, and the lock-step showed no
+  // consistent gain over three alternated runs.)
   const size_t nunits = units.size() - 1;
   for (size_t u = 0; u < nunits; ++u) {
     const std::vector<int32_t>& pos = heads[units[u].h0].positions;
