@@ -242,12 +242,15 @@ class SessionCache {
   // Writes one entry at `pos` (< reserved_tokens(), else RESOURCE_EXHAUSTED)
   // without changing length(layer): the index key arrives before the KV entry
   // of the same token (DESIGN.md §2), so the two are written separately.
+  // `kv` is the token's kv_dim values in entry order; each part goes to its
+  // own section of the page (KvLayout).
   absl::Status WriteKv(int layer, int pos, const uint16_t* kv);
   absl::Status WriteIndexKey(int layer, int pos, const uint8_t* codes,
                              float scale);
   // The same for `n` consecutive positions from `pos` (token-major input:
-  // kv n x kv_dim, codes n x index_dim, scales n), one copy per page run;
-  // nothing is written unless every position is reserved.
+  // kv n x kv_dim, codes n x index_dim, scales n), one copy per page run
+  // (per part and token where the layout has several parts); nothing is
+  // written unless every position is reserved.
   absl::Status WriteKvRun(int layer, int pos, int n, const uint16_t* kv);
   absl::Status WriteIndexKeyRun(int layer, int pos, int n, const uint8_t* codes,
                                 const float* scales);
