@@ -100,6 +100,15 @@ void PutIndexKeys(const KvLayout& l, uint8_t* page, int slot, int n,
   }
 }
 
+// Writes one token's kv_dim values (entry order) into the page's slot,
+// each part into its section.
+void PutEntry(const KvLayout& l, uint8_t* page, int slot, const uint16_t* kv) {
+  for (int p = 0; p < l.kv_parts; ++p) {
+    std::memcpy(page + l.PartOffset(p, slot), kv + l.PartStart(p),
+                size_t(l.PartDim(p)) * 2);
+  }
+}
+
 }  // namespace
 
 void LayerView::ReadKv(int pos, uint16_t* out) const {
@@ -438,11 +447,7 @@ absl::Status SessionCache::WriteKv(int layer, int pos, const uint16_t* kv) {
                      " reserved tokens"));
   }
   const int tpp = layout_->tokens_per_page;
-  uint8_t* page = page_data_[layer][pos / tpp];
-  for (int p = 0; p < layout_->kv_parts; ++p) {
-    std::memcpy(page + layout_->PartOffset(p, pos % tpp),
-                kv + layout_->PartStart(p), size_t(layout_->PartDim(p)) * 2);
-  }
+  PutEntry(*layout_, page_data_[layer][pos / tpp], pos % tpp, kv);
   return absl::OkStatus();
 }
 
@@ -482,12 +487,8 @@ absl::Status SessionCache::WriteKvRun(int layer, int pos, int n,
                   size_t(run) * row);
     } else {
       for (int t = 0; t < run; ++t) {
-        const uint8_t* entry = src + size_t(i + t) * row;
-        for (int part = 0; part < layout_->kv_parts; ++part) {
-          std::memcpy(page + layout_->PartOffset(part, p % tpp + t),
-                      entry + size_t(layout_->PartStart(part)) * 2,
-                      size_t(layout_->PartDim(part)) * 2);
-        }
+        PutEntry(*layout_, page, p % tpp + t,
+                 kv + size_t(i + t) * layout_->kv_dim);
       }
     }
     i += run;

@@ -139,20 +139,6 @@ double Now() {
       .count();
 }
 
-// Best time of `reps` runs of fn (at least one; stops early after ~budget
-// seconds).
-double BestOf(int reps, double budget, const std::function<void()>& fn) {
-  double best = 1e30;
-  const double t_end = Now() + budget;
-  for (int r = 0; r < reps; ++r) {
-    const double t0 = Now();
-    fn();
-    best = std::min(best, Now() - t0);
-    if (r >= 2 && Now() > t_end) break;
-  }
-  return best;
-}
-
 // Best time of `fn` over at most `reps` runs (at least 3, then until
 // `budget` seconds have passed), each after `prepare` (not timed).
 double BestAfter(int reps, double budget, const std::function<void()>& prepare,
@@ -167,6 +153,12 @@ double BestAfter(int reps, double budget, const std::function<void()>& prepare,
     if (r >= 2 && Now() > t_end) break;
   }
   return best;
+}
+
+// BestAfter with nothing to prepare.
+double BestOf(int reps, double budget, const std::function<void()>& fn) {
+  return BestAfter(
+      reps, budget, [] {}, fn);
 }
 
 // Evicts every cache line of [p, p + bytes) from every level (clflushopt;
@@ -456,20 +448,20 @@ void PrintRow(const Row& r, const Limits& lim, ScoreOn score_on) {
     const double bound =
         std::min(lim.bw_gbps * r.flops / r.bytes, lim.fp32_gflops);
     const double read_s = r.bytes / (lim.bw_gbps * 1e9);
-    std::snprintf(note, sizeof note,
-                  "%d positions a head (mean), from DRAM, per token; %.2fx "
-                  "the read time; %.2fx the gather alone (%.1f us, %.2fx the "
-                  "read time); entries alone evicted %.1f us (%.2fx; %.2fx "
-                  "its gather alone, %.1f us; %.2fx the larger of that and "
-                  "the FLOPs at peak)",
-                  r.topk, r.seconds / read_s, r.seconds / r.gather_seconds,
-                  r.gather_seconds * 1e6, r.gather_seconds / read_s,
-                  r.entries_cold_seconds * 1e6, r.entries_cold_seconds / read_s,
-                  r.entries_cold_seconds / r.entries_cold_gather_seconds,
-                  r.entries_cold_gather_seconds * 1e6,
-                  r.entries_cold_seconds /
-                      std::max(r.entries_cold_gather_seconds,
-                               r.flops / (lim.fp32_gflops * 1e9)));
+    std::snprintf(
+        note, sizeof note,
+        "%d positions a head (mean), from DRAM, per token; %.2fx "
+        "the read time; %.2fx the gather alone (%.1f us, %.2fx the "
+        "read time); entries alone evicted %.1f us (%.2fx; %.2fx "
+        "its gather alone, %.1f us; %.2fx the larger of that and "
+        "the FLOPs at peak)",
+        r.topk, r.seconds / read_s, r.seconds / r.gather_seconds,
+        r.gather_seconds * 1e6, r.gather_seconds / read_s,
+        r.entries_cold_seconds * 1e6, r.entries_cold_seconds / read_s,
+        r.entries_cold_seconds / r.entries_cold_gather_seconds,
+        r.entries_cold_gather_seconds * 1e6,
+        r.entries_cold_seconds / std::max(r.entries_cold_gather_seconds,
+                                          r.flops / (lim.fp32_gflops * 1e9)));
     if (slow_spell) {
       const size_t m = std::strlen(note);
       std::snprintf(note + m, sizeof note - m,
@@ -536,16 +528,16 @@ void PrintRow(const Row& r, const Limits& lim, ScoreOn score_on) {
                          r.seconds / r.gather_seconds, r.gather_seconds * 1e6);
     }
     if (r.entries_cold_seconds > 0 && m > 0 && m < int(sizeof note)) {
-      m += std::snprintf(note + m, sizeof note - m,
-                         "; entries alone evicted %.1f us (%.2fx; %.2fx its "
-                         "gather alone, %.1f us; %.2fx the larger of that and "
-                         "the FLOPs at peak)",
-                         r.entries_cold_seconds * 1e6,
-                         r.entries_cold_seconds / read_s,
-                         r.entries_cold_seconds / r.entries_cold_gather_seconds,
-                         r.entries_cold_gather_seconds * 1e6,
-                         r.entries_cold_seconds /
-                             std::max(r.entries_cold_gather_seconds, compute_s));
+      m += std::snprintf(
+          note + m, sizeof note - m,
+          "; entries alone evicted %.1f us (%.2fx; %.2fx its "
+          "gather alone, %.1f us; %.2fx the larger of that and "
+          "the FLOPs at peak)",
+          r.entries_cold_seconds * 1e6, r.entries_cold_seconds / read_s,
+          r.entries_cold_seconds / r.entries_cold_gather_seconds,
+          r.entries_cold_gather_seconds * 1e6,
+          r.entries_cold_seconds /
+              std::max(r.entries_cold_gather_seconds, compute_s));
     }
     if (r.warm_seconds > 0 && m > 0 && m < int(sizeof note)) {
       m += std::snprintf(note + m, sizeof note - m, "; warm %.1f us (%.2fx)",
@@ -623,16 +615,12 @@ class CacheFlusher {
 // that the previous run warmed.
 double BestOfCold(int reps, double budget, CacheFlusher* flusher,
                   CorePool* pool, const std::function<void()>& fn) {
-  double best = 1e30;
-  const double t_end = Now() + budget;
-  for (int r = 0; r < reps; ++r) {
-    if (flusher != nullptr) flusher->Flush(pool);
-    const double t0 = Now();
-    fn();
-    best = std::min(best, Now() - t0);
-    if (r >= 2 && Now() > t_end) break;
-  }
-  return best;
+  return BestAfter(
+      reps, budget,
+      [&] {
+        if (flusher != nullptr) flusher->Flush(pool);
+      },
+      fn);
 }
 
 // Reads the `n` rows of `bytes` bytes at `rows` on the calling thread,
@@ -1186,8 +1174,7 @@ int main(int argc, char** argv) {
   // the best of the dedicated measurements and of every cache-evicting
   // sweep the run made in between, so that no row's bound comes from a
   // slow spell the row itself did not see.
-  lim.bw_gbps =
-      std::max({before.bw_gbps, after.bw_gbps, flusher.best_gbps()});
+  lim.bw_gbps = std::max({before.bw_gbps, after.bw_gbps, flusher.best_gbps()});
   lim.bw_one_core_gbps =
       std::max(before.bw_one_core_gbps, after.bw_one_core_gbps);
   lim.fp32_gflops = std::max(before.fp32_gflops, after.fp32_gflops);
