@@ -2332,16 +2332,17 @@ constexpr int kEntryBlock = 16;
 // does not depend on the number of cores.
 constexpr int kAttendChunk = kMlaAttendChunk;
 
-// Requests two of `l1`'s lines into L1 per dimension.
+// Ticks `l1` (into L1) once per dimension.
 template <int HB>
 inline void TileScores(const float* tile, int kv_dim, const float* q, int q_dim,
                        float scale, float* s, size_t s_stride, bool second,
-                       LineRequests* l1) {
+                       EntryRequests* l1) {
+  EntryRequests req = *l1;  // a local copy stays in registers
   __m512 acc0[HB], acc1[HB];
 #pragma GCC unroll 16
   for (int i = 0; i < HB; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
   for (int d = 0; d < kv_dim; ++d) {
-    l1->Issue<true>(2);
+    req.Tick<true>();
     const __m512 t0 = _mm512_load_ps(tile + size_t(d) * 32);
     const __m512 t1 = _mm512_load_ps(tile + size_t(d) * 32 + 16);
 #pragma GCC unroll 16
@@ -2351,6 +2352,7 @@ inline void TileScores(const float* tile, int kv_dim, const float* q, int q_dim,
       acc1[i] = _mm512_fmadd_ps(qd, t1, acc1[i]);
     }
   }
+  *l1 = req;
   const __m512 sc = _mm512_set1_ps(scale);
 #pragma GCC unroll 16
   for (int i = 0; i < HB; ++i) {
@@ -2364,11 +2366,13 @@ inline void TileScores(const float* tile, int kv_dim, const float* q, int q_dim,
 
 // o[h][d0 .. d0 + 16 NV) = sum_j p[h][j] e_j for heads [h, h + HB) (fma
 // chain in selection order); entries widened from bf16 as they are read.
-// Requests two of `l2`'s lines (if given) into L2 per entry.
+// Ticks `l2` (if given; into L2) once per entry.
 template <int NV, int HB>
 void WeightedSum(const uint16_t* const* entries, int nsel, const float* p,
                  size_t p_stride, int d0, int width, float* o, size_t o_stride,
-                 LineRequests* l2 = nullptr) {
+                 EntryRequests* l2 = nullptr) {
+  EntryRequests req;
+  if (l2 != nullptr) req = *l2;
   __m512 acc[HB][NV];
 #pragma GCC unroll 32
   for (int h = 0; h < HB; ++h) {
@@ -2376,7 +2380,7 @@ void WeightedSum(const uint16_t* const* entries, int nsel, const float* p,
     for (int i = 0; i < NV; ++i) acc[h][i] = _mm512_setzero_ps();
   }
   for (int j = 0; j < nsel; ++j) {
-    if (l2 != nullptr) l2->Issue<false>(2);
+    if (l2 != nullptr) req.Tick<false>();
     const uint16_t* e = entries[j] + d0;
     __m512 ph[HB];
 #pragma GCC unroll 16
@@ -2402,15 +2406,17 @@ void WeightedSum(const uint16_t* const* entries, int nsel, const float* p,
       _mm512_mask_storeu_ps(o + h * o_stride + 16 * i, mk, acc[h][i]);
     }
   }
+  if (l2 != nullptr) *l2 = req;
 }
 
 // Dims [d0, d0 + 32) of entries [0, n), widened from bf16 once into
-// wide[j * 32 ..], for WeightedSumWide; requests two of `l2`'s lines into
-// L2 per entry.
+// wide[j * 32 ..], for WeightedSumWide; ticks `l2` (into L2) once per
+// entry.
 void WidenEntryChunk(const uint16_t* const* entries, int n, int d0, float* wide,
-                     LineRequests* l2) {
+                     EntryRequests* l2) {
+  EntryRequests req = *l2;
   for (int j = 0; j < n; ++j) {
-    l2->Issue<false>(2);
+    req.Tick<false>();
     const uint16_t* e = entries[j] + d0;
     for (int i = 0; i < 2; ++i) {
       _mm512_store_si512(
@@ -2420,6 +2426,7 @@ void WidenEntryChunk(const uint16_t* const* entries, int n, int d0, float* wide,
                             16));
     }
   }
+  *l2 = req;
 }
 
 // WeightedSum<2, 8> over a chunk WidenEntryChunk left in `wide`: the same
@@ -2539,21 +2546,19 @@ namespace {
 void AttendChunk(const uint16_t* const* ent, int n, const uint16_t* const* nxt,
                  int nn, const float* q, const AttnShapes& shapes, float* s,
                  float* tile, float* wide, float* m, float* z, float* o,
-                 LineRequests* l1, LineRequests* l2) {
+                 EntryRequests* l1, EntryRequests* l2) {
   const int heads = shapes.heads, kv_dim = shapes.kv_dim;
   const size_t s_stride = kAttendChunk;
   const size_t entry_bytes = size_t(kv_dim) * 2;
   // Scores, 32 entries (two 16-entry blocks) per tile.
   for (int j0 = 0; j0 < n; j0 += 32) {
     const bool second = j0 + 16 < n;
-    l1->Clear();
-    for (int j = j0 + 32; j < j0 + 64; ++j) {
-      if (j < n) {
-        l1->AddEntry(ent[j], entry_bytes);
-      } else if (j - n < nn) {
-        l1->AddEntry(nxt[j - n], entry_bytes);
-      }
-    }
+    // Entries j0 + 32 .. j0 + 63, of this chunk and then the next.
+    const int here = std::clamp(n - (j0 + 32), 0, 32);
+    const int from = std::max(0, j0 + 32 - n);
+    const int there = std::max(0, std::min(nn, j0 + 64 - n) - from);
+    l1->Start(ent + j0 + 32, here, there > 0 ? nxt + from : nullptr, there,
+              entry_bytes, kv_dim);
     LoadEntryTile(ent + j0, std::min(kEntryBlock, n - j0), kv_dim, tile, 32);
     if (second) {
       LoadEntryTile(ent + j0 + 16, std::min(kEntryBlock, n - j0 - 16), kv_dim,
@@ -2604,9 +2609,9 @@ void AttendChunk(const uint16_t* const* ent, int n, const uint16_t* const* nxt,
   const int full_groups = heads / 8;
   const int chunks = lora / 32;
   // The next chunk's entries that the last pair's scores did not request.
-  l2->Clear();
-  for (int j = (n - 1) / 32 * 32 + 64 - n; j < nn; ++j)
-    l2->AddEntry(nxt[j], entry_bytes);
+  const int requested = std::max(0, (n - 1) / 32 * 32 + 64 - n);
+  l2->Start(nxt + std::min(requested, nn), nn - requested, nullptr, 0,
+            entry_bytes, std::max(chunks, 1) * n);
   for (int c = 0; c < chunks && full_groups > 1; ++c) {
     WidenEntryChunk(ent, n, c * 32, wide, l2);
     for (int g = 0; g < full_groups; ++g) {
@@ -3176,7 +3181,7 @@ void MlaAttend(const LayerView& view, const int32_t* sel, int nsel,
   } else {
     ParallelFor(pool, parts, 1, [&](int64_t, int64_t) {
       thread_local AlignedVector<float> tile, scratch, wide;
-      thread_local LineRequests l1, l2;
+      thread_local EntryRequests l1, l2;
       tile.resize(tile_size);
       scratch.resize(s_size);
       wide.resize(size_t(kAttendChunk) * 32);

@@ -118,17 +118,18 @@ void WeightedValuesHeads(const uint16_t* const* v, int n, const float* const* p,
 constexpr int kScoreTiles = 4;
 constexpr int kScoreSpan = 16 * kScoreTiles;
 
-// Requests two of `l1`'s lines into L1 per channel.
+// Ticks `l1` (into L1) once per channel.
 template <int kHeads>
 void ScoreSpan(const float* q, size_t q_stride, const float* tile,
                size_t tile_floats, int d, float* out, size_t out_stride,
-               LineRequests* l1) {
+               EntryRequests* l1) {
+  EntryRequests req = *l1;  // a local copy stays in registers
   __m512 acc[kHeads][kScoreTiles];
   for (int i = 0; i < kHeads; ++i) {
     for (int t = 0; t < kScoreTiles; ++t) acc[i][t] = _mm512_setzero_ps();
   }
   for (int c = 0; c < d; ++c) {
-    l1->Issue<true>(2);
+    req.Tick<true>();
     __m512 x[kScoreTiles];
     for (int t = 0; t < kScoreTiles; ++t) {
       x[t] = _mm512_load_ps(tile + t * tile_floats + size_t(c) * 16);
@@ -140,6 +141,7 @@ void ScoreSpan(const float* q, size_t q_stride, const float* tile,
       }
     }
   }
+  *l1 = req;
   for (int i = 0; i < kHeads; ++i) {
     for (int t = 0; t < kScoreTiles; ++t) {
       _mm512_storeu_ps(out + i * out_stride + 16 * t, acc[i][t]);
@@ -180,7 +182,7 @@ void SparseAttention::AttendHeads(const LayerView& view, const float* q,
   thread_local std::vector<const uint16_t*> kp_all, vp_all;
   thread_local std::vector<float> sc_buf;
   thread_local std::vector<float*> p, o;
-  thread_local LineRequests l1;
+  thread_local EntryRequests l1;
   units.clear();
   int total = 0;
   for (int h0 = h_begin; h0 < h_end;) {
@@ -247,19 +249,16 @@ void SparseAttention::AttendHeads(const LayerView& view, const float* q,
         kScoreSpan,
         (u + 1 < nunits ? units[u + 2].first : next_first) - next_first);
     for (int j0 = 0; j0 < n; j0 += kScoreSpan) {
-      l1.Clear();
-      for (int j = j0 + kScoreSpan; j < std::min(n, j0 + 2 * kScoreSpan); ++j) {
-        if (contiguous) {
-          l1.AddEntry(kp[j], row_bytes);
-        } else {
+      const int ahead = std::clamp(n - (j0 + kScoreSpan), 0, kScoreSpan);
+      if (!contiguous) {
+        for (int j = j0 + kScoreSpan; j < j0 + kScoreSpan + ahead; ++j) {
           PrefetchEntryLines<true>(kp[j], row_bytes);
         }
       }
-      if (j0 + kScoreSpan >= n) {
-        for (int j = 0; j < next_n; ++j) {
-          l1.AddEntry(kp_all[next_first + j], row_bytes);
-        }
-      }
+      const bool last = j0 + kScoreSpan >= n;
+      l1.Start(kp + j0 + kScoreSpan, contiguous ? ahead : 0,
+               last ? kp_all.data() + next_first : nullptr, last ? next_n : 0,
+               row_bytes, d);
       for (int t = 0; t < kScoreTiles; ++t) {
         const int first = j0 + 16 * t;
         LoadEntryTile(kp + std::min(first, n - 1), std::clamp(n - first, 0, 16),
