@@ -2289,15 +2289,16 @@ void SelectTopK(const float* scores, int n, int k, std::vector<int32_t>* out,
 //
 // Vector path. Per fixed chunk of 256 selected entries (split over cores
 // by chunk), two passes. Scores: 16 selected entries at a time are
-// gathered from their pages, transposed as bf16 pairs and widened to fp32
-// into an L1 tile (one lane per entry); every head's fma chains run over
-// the tile, 8 heads at a time so that 8 independent chains fill both FMA
-// ports. Weighted sum: the chunk's entries are read again (now
-// cache-resident), widened on the fly, and each loaded vector feeds 8
-// heads' accumulators. The chunks' (max, denominator, unnormalised sum)
-// are then merged in chunk order (on the calling thread unless the merge
-// is large). The gathered data crosses memory once; the cores take chunks
-// as they finish the previous one.
+// gathered from their pages and transposed as bf16 pairs into an L1 tile
+// (one lane per entry); every head's fma chains run over the tile, 8
+// heads at a time so that 8 independent chains fill both FMA ports, each
+// pair of dims widened to fp32 as it is read (one instruction a dim).
+// Weighted sum: the chunk's entries are read again (now cache-resident),
+// 32 dims as one vector of pairs, widened into even and odd dims, and
+// each widened vector feeds 8 heads' accumulators. The chunks' (max,
+// denominator, unnormalised sum) are then merged in chunk order (on the calling
+// thread unless the merge is large). The gathered data crosses memory once; the
+// cores take chunks as they finish the previous one.
 //
 // Measured on dsa-tiny's shape (8 heads, 128 + 16; 2048 entries of 128K),
 // on a busy shared 2-core machine: one core takes ~225-250 us from DRAM,
@@ -2332,25 +2333,50 @@ constexpr int kEntryBlock = 16;
 // does not depend on the number of cores.
 constexpr int kAttendChunk = kMlaAttendChunk;
 
-// Ticks `l1` (into L1) once per dimension.
+// One dimension of TileScores' chains: entries' values x0 (0..15) and x1
+// (16..31) times head i's q[d].
 template <int HB>
-inline void TileScores(const float* tile, int kv_dim, const float* q, int q_dim,
-                       float scale, float* s, size_t s_stride, bool second,
-                       EntryRequests* l1) {
+inline void TileScoreStep(__m512 x0, __m512 x1, const float* q, int q_dim,
+                          int d, __m512* acc0, __m512* acc1) {
+#pragma GCC unroll 16
+  for (int i = 0; i < HB; ++i) {
+    const __m512 qd = _mm512_set1_ps(q[size_t(i) * q_dim + d]);
+    acc0[i] = _mm512_fmadd_ps(qd, x0, acc0[i]);
+    acc1[i] = _mm512_fmadd_ps(qd, x1, acc1[i]);
+  }
+}
+
+// Scores of up to 32 entries over a LoadEntryPairTile tile (ld 32: entries
+// 0..15 at +0, 16..31 at +16), widened pair by pair. Ticks `l1` (into L1)
+// once per pair of dimensions.
+template <int HB>
+[[gnu::noinline]] void TileScores(const uint32_t* tile, int kv_dim,
+                                  const float* q, int q_dim, float scale,
+                                  float* s, size_t s_stride, bool second,
+                                  EntryRequests* l1) {
   EntryRequests req = *l1;  // a local copy stays in registers
+  const __m512i hi = _mm512_set1_epi32(int(0xFFFF0000u));
   __m512 acc0[HB], acc1[HB];
 #pragma GCC unroll 16
   for (int i = 0; i < HB; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
-  for (int d = 0; d < kv_dim; ++d) {
+  int d = 0;
+  for (; d + 2 <= kv_dim; d += 2) {
     req.Tick<true>();
-    const __m512 t0 = _mm512_load_ps(tile + size_t(d) * 32);
-    const __m512 t1 = _mm512_load_ps(tile + size_t(d) * 32 + 16);
-#pragma GCC unroll 16
-    for (int i = 0; i < HB; ++i) {
-      const __m512 qd = _mm512_set1_ps(q[size_t(i) * q_dim + d]);
-      acc0[i] = _mm512_fmadd_ps(qd, t0, acc0[i]);
-      acc1[i] = _mm512_fmadd_ps(qd, t1, acc1[i]);
-    }
+    const __m512i v0 = _mm512_load_si512(tile + size_t(d) * 16);
+    const __m512i v1 = _mm512_load_si512(tile + size_t(d) * 16 + 16);
+    TileScoreStep<HB>(_mm512_castsi512_ps(_mm512_slli_epi32(v0, 16)),
+                      _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16)), q, q_dim,
+                      d, acc0, acc1);
+    TileScoreStep<HB>(_mm512_castsi512_ps(_mm512_and_si512(v0, hi)),
+                      _mm512_castsi512_ps(_mm512_and_si512(v1, hi)), q, q_dim,
+                      d + 1, acc0, acc1);
+  }
+  if (d < kv_dim) {
+    const __m512i v0 = _mm512_load_si512(tile + size_t(d) * 16);
+    const __m512i v1 = _mm512_load_si512(tile + size_t(d) * 16 + 16);
+    TileScoreStep<HB>(_mm512_castsi512_ps(_mm512_slli_epi32(v0, 16)),
+                      _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16)), q, q_dim,
+                      d, acc0, acc1);
   }
   *l1 = req;
   const __m512 sc = _mm512_set1_ps(scale);
@@ -2368,9 +2394,10 @@ inline void TileScores(const float* tile, int kv_dim, const float* q, int q_dim,
 // chain in selection order); entries widened from bf16 as they are read.
 // Ticks `l2` (if given; into L2) once per entry.
 template <int NV, int HB>
-void WeightedSum(const uint16_t* const* entries, int nsel, const float* p,
-                 size_t p_stride, int d0, int width, float* o, size_t o_stride,
-                 EntryRequests* l2 = nullptr) {
+[[gnu::noinline]] void WeightedSum(const uint16_t* const* entries, int nsel,
+                                   const float* p, size_t p_stride, int d0,
+                                   int width, float* o, size_t o_stride,
+                                   EntryRequests* l2 = nullptr) {
   EntryRequests req;
   if (l2 != nullptr) req = *l2;
   __m512 acc[HB][NV];
@@ -2407,6 +2434,50 @@ void WeightedSum(const uint16_t* const* entries, int nsel, const float* p,
     }
   }
   if (l2 != nullptr) *l2 = req;
+}
+
+// WeightedSum<2, 8>'s sums (the same fma chains) with each entry's 32
+// dims read as one vector of bf16 pairs and widened in two instructions,
+// even dims (shift left by 16) and odd dims (low halves cleared), into
+// accumulators of even and of odd dims that are interleaved once at the
+// end. WeightedSum's widening (a zero-extending load and a shift per 16
+// dims) issues on the ports the FMAs need. Ticks `l2` (into L2) once per
+// entry.
+[[gnu::noinline]] void WeightedSumPairs(const uint16_t* const* entries,
+                                        int nsel, const float* p,
+                                        size_t p_stride, int d0, float* o,
+                                        size_t o_stride, EntryRequests* l2) {
+  constexpr int HB = 8;
+  EntryRequests req = *l2;
+  const __m512i hi = _mm512_set1_epi32(int(0xFFFF0000u));
+  __m512 even[HB], odd[HB];
+#pragma GCC unroll 8
+  for (int h = 0; h < HB; ++h) even[h] = odd[h] = _mm512_setzero_ps();
+  for (int j = 0; j < nsel; ++j) {
+    req.Tick<false>();
+    const __m512i v = _mm512_loadu_si512(entries[j] + d0);
+    const __m512 ve = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    const __m512 vo = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
+#pragma GCC unroll 8
+    for (int h = 0; h < HB; ++h) {
+      const __m512 ph = _mm512_set1_ps(p[h * p_stride + j]);
+      even[h] = _mm512_fmadd_ps(ph, ve, even[h]);
+      odd[h] = _mm512_fmadd_ps(ph, vo, odd[h]);
+    }
+  }
+  *l2 = req;
+  // Dim 2k is even's lane k, dim 2k + 1 odd's.
+  const __m512i lo_idx =
+      _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i hi_idx = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27,
+                                          11, 26, 10, 25, 9, 24, 8);
+#pragma GCC unroll 8
+  for (int h = 0; h < HB; ++h) {
+    _mm512_storeu_ps(o + h * o_stride,
+                     _mm512_permutex2var_ps(even[h], lo_idx, odd[h]));
+    _mm512_storeu_ps(o + h * o_stride + 16,
+                     _mm512_permutex2var_ps(even[h], hi_idx, odd[h]));
+  }
 }
 
 // Dims [d0, d0 + 32) of entries [0, n), widened from bf16 once into
@@ -2545,7 +2616,7 @@ namespace {
 // kAttendChunk x 32 floats; l1, l2: the requests' scratch.
 void AttendChunk(const uint16_t* const* ent, int n, const uint16_t* const* nxt,
                  int nn, const float* q, const AttnShapes& shapes, float* s,
-                 float* tile, float* wide, float* m, float* z, float* o,
+                 uint32_t* tile, float* wide, float* m, float* z, float* o,
                  EntryRequests* l1, EntryRequests* l2) {
   const int heads = shapes.heads, kv_dim = shapes.kv_dim;
   const size_t s_stride = kAttendChunk;
@@ -2558,11 +2629,12 @@ void AttendChunk(const uint16_t* const* ent, int n, const uint16_t* const* nxt,
     const int from = std::max(0, j0 + 32 - n);
     const int there = std::max(0, std::min(nn, j0 + 64 - n) - from);
     l1->Start(ent + j0 + 32, here, there > 0 ? nxt + from : nullptr, there,
-              entry_bytes, kv_dim);
-    LoadEntryTile(ent + j0, std::min(kEntryBlock, n - j0), kv_dim, tile, 32);
+              entry_bytes, (kv_dim + 1) / 2);
+    LoadEntryPairTile(ent + j0, std::min(kEntryBlock, n - j0), kv_dim, tile,
+                      32);
     if (second) {
-      LoadEntryTile(ent + j0 + 16, std::min(kEntryBlock, n - j0 - 16), kv_dim,
-                    tile + 16, 32);
+      LoadEntryPairTile(ent + j0 + 16, std::min(kEntryBlock, n - j0 - 16),
+                        kv_dim, tile + 16, 32);
     }
     int h = 0;
     for (; h + 8 <= heads; h += 8) {
@@ -2621,8 +2693,8 @@ void AttendChunk(const uint16_t* const* ent, int n, const uint16_t* const* nxt,
   }
   for (int g = 0; g < full_groups; ++g) {
     for (int c = 0; c < chunks && full_groups == 1; ++c) {
-      WeightedSum<2, 8>(ent, n, s + size_t(g) * 8 * s_stride, s_stride, c * 32,
-                        32, o + size_t(g) * 8 * os + c * 32, os, l2);
+      WeightedSumPairs(ent, n, s + size_t(g) * 8 * s_stride, s_stride, c * 32,
+                       o + size_t(g) * 8 * os + c * 32, os, l2);
     }
     if (chunks * 32 < lora) {
       WeightedSumTail<8>(ent, n, s + size_t(g) * 8 * s_stride, s_stride,
@@ -3123,7 +3195,7 @@ void MlaAttend(const LayerView& view, const int32_t* sel, int nsel,
   float* part = partial.data();
   float* mx = maxes.data();
   float* zs = sums.data();
-  const size_t tile_size = size_t((shapes.kv_dim + 15) / 16 * 16) * 32;
+  const size_t tile_size = size_t((shapes.kv_dim + 31) / 32) * 16 * 32;
   const size_t s_size = size_t(heads) * kAttendChunk;
   // Fixed chunks, whatever the split over cores; each core takes the next
   // chunk when it is done with one, so a core slowed by other work does
@@ -3180,7 +3252,8 @@ void MlaAttend(const LayerView& view, const int32_t* sel, int nsel,
 #endif
   } else {
     ParallelFor(pool, parts, 1, [&](int64_t, int64_t) {
-      thread_local AlignedVector<float> tile, scratch, wide;
+      thread_local AlignedVector<uint32_t> tile;
+      thread_local AlignedVector<float> scratch, wide;
       thread_local EntryRequests l1, l2;
       tile.resize(tile_size);
       scratch.resize(s_size);
@@ -3206,39 +3279,55 @@ void MlaAttend(const LayerView& view, const int32_t* sel, int nsel,
   }
   // Merge the chunks in order, split by heads where that is worth waking
   // the cores for.
-  ParallelFor(PoolFor(pool, double(nchunks) * heads * lora), heads, 1,
-              [&](int64_t b, int64_t e) {
-                for (int64_t h = b; h < e; ++h) {
-                  float mh = -INFINITY;
-                  for (int c = 0; c < nchunks; ++c)
-                    mh = std::max(mh, mx[c * heads + h]);
-                  // The chunks' weights, kept per calling thread (merge_w).
-                  thread_local std::vector<float> merge_w;
-                  merge_w.resize(nchunks);
-                  float z = 0.0f;
-                  for (int c = 0; c < nchunks; ++c) {
-                    merge_w[c] = KernelExp(mx[c * heads + h] - mh);
-                    z = std::fma(merge_w[c], zs[c * heads + h], z);
-                  }
-                  const __m512 inv = _mm512_set1_ps(1.0f / z);
-                  float* out = o_lat + h * os;
-                  for (int d0 = 0; d0 < lora; d0 += 16) {
-                    const int cnt = std::min(16, lora - d0);
-                    const __mmask16 mk = FirstLanes16(cnt);
-                    __m512 acc = _mm512_setzero_ps();
-                    for (int c = 0; c < nchunks; ++c) {
-                      const __m512 w = _mm512_set1_ps(merge_w[c]);
-                      acc = _mm512_fmadd_ps(
-                          w,
-                          _mm512_maskz_loadu_ps(
-                              mk, part + (size_t(c) * heads + h) * lora + d0),
-                          acc);
-                    }
-                    _mm512_mask_storeu_ps(out + d0, mk,
-                                          _mm512_mul_ps(acc, inv));
-                  }
-                }
-              });
+  ParallelFor(
+      PoolFor(pool, double(nchunks) * heads * lora), heads, 1,
+      [&](int64_t b, int64_t e) {
+        for (int64_t h = b; h < e; ++h) {
+          float mh = -INFINITY;
+          for (int c = 0; c < nchunks; ++c)
+            mh = std::max(mh, mx[c * heads + h]);
+          // The chunks' weights, kept per calling thread (merge_w),
+          // 16 at a time (KernelExp16 is KernelExp lane for lane;
+          // the scalar one's ldexp took most of the merge).
+          thread_local std::vector<float> merge_w;
+          merge_w.resize(size_t(nchunks + 15) / 16 * 16);
+          for (int c = 0; c < nchunks; ++c) merge_w[c] = mx[c * heads + h] - mh;
+          for (int c0 = 0; c0 < nchunks; c0 += 16) {
+            _mm512_storeu_ps(&merge_w[c0],
+                             KernelExp16(_mm512_loadu_ps(&merge_w[c0])));
+          }
+          float z = 0.0f;
+          for (int c = 0; c < nchunks; ++c) {
+            z = std::fma(merge_w[c], zs[c * heads + h], z);
+          }
+          const __m512 inv = _mm512_set1_ps(1.0f / z);
+          float* out = o_lat + h * os;
+          const float* w = merge_w.data();
+          // Up to 8 vectors of dims at a time, so that 8 fma
+          // chains (each over the chunks in order) run at once.
+          for (int d0 = 0; d0 < lora; d0 += 128) {
+            const int nv = std::min(8, (lora - d0 + 15) / 16);
+            __m512 acc[8];
+            for (int v = 0; v < 8; ++v) acc[v] = _mm512_setzero_ps();
+            for (int c = 0; c < nchunks; ++c) {
+              const __m512 wc = _mm512_set1_ps(w[c]);
+              const float* pc = part + (size_t(c) * heads + h) * lora + d0;
+              for (int v = 0; v < nv; ++v) {
+                const __mmask16 mk =
+                    FirstLanes16(std::min(16, lora - d0 - 16 * v));
+                acc[v] = _mm512_fmadd_ps(
+                    wc, _mm512_maskz_loadu_ps(mk, pc + 16 * v), acc[v]);
+              }
+            }
+            for (int v = 0; v < nv; ++v) {
+              const __mmask16 mk =
+                  FirstLanes16(std::min(16, lora - d0 - 16 * v));
+              _mm512_mask_storeu_ps(out + d0 + 16 * v, mk,
+                                    _mm512_mul_ps(acc[v], inv));
+            }
+          }
+        }
+      });
 }
 
 absl::Status RunIndexer(const AttnShapes& shapes, int layer, int pos_start,

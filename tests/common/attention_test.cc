@@ -1066,16 +1066,18 @@ TEST_CASE(
     "[attention][core_pool]") {
   // dsa-tiny's shape, an odd one (27 part rows: a 16-row and an 11-row
   // block; lora 40: a padded 32-dim pair), a wide one (48 heads: the
-  // whole-chunk weighted sums), two heads and one entry, over several
-  // chunks, with scores large enough that the softmax is peaked (an
-  // inexact split of q or p would show).
+  // whole-chunk weighted sums), two heads and one entry, odd entry widths
+  // (37 and 31 dims: a last bf16 pair with one dim), over several chunks, with
+  // scores large enough that the softmax is peaked (an inexact split of q or p
+  // would show).
   struct Case {
     int heads, lora, rope, n;
     float q_scale;
   };
   for (const Case& c : {Case{8, 128, 16, 2100, 3.0f}, Case{9, 40, 8, 700, 2.0f},
                         Case{48, 64, 16, 400, 1.0f}, Case{2, 16, 0, 40, 4.0f},
-                        Case{8, 128, 16, 1, 3.0f}}) {
+                        Case{8, 128, 16, 1, 3.0f}, Case{8, 32, 5, 300, 2.0f},
+                        Case{3, 24, 7, 45, 2.0f}}) {
     CAPTURE(c.heads, c.lora, c.rope, c.n);
     Store st(c.lora + c.rope, 32, 64);
     const int tokens = c.n + c.n / 16 + 2;
