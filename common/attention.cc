@@ -2599,6 +2599,48 @@ float KernelExp(float x) {
 
 namespace {
 
+// Heads [0, HN) of a chunk's softmax (rows s + i * s_stride of n scores):
+// m[i] = max, the numerators KernelExp(s - m[i]) in place and z[i] their
+// 16-lane sum (lane tree). The heads' exps are independent, so HN of them
+// are in flight at once (one head at a time, each exp's chain of ~15
+// dependent operations left the FP units mostly idle).
+template <int HN>
+void ChunkSoftmax(float* s, size_t s_stride, int n, float* m, float* z) {
+  const int nb = (n + 15) / 16;
+  __m512 vm[HN], vz[HN];
+#pragma GCC unroll 8
+  for (int i = 0; i < HN; ++i) {
+    vm[i] = _mm512_set1_ps(-INFINITY);
+    vz[i] = _mm512_setzero_ps();
+  }
+  for (int blk = 0; blk < nb; ++blk) {
+    const __mmask16 valid = FirstLanes16(std::min(16, n - blk * 16));
+#pragma GCC unroll 8
+    for (int i = 0; i < HN; ++i) {
+      vm[i] = _mm512_mask_max_ps(vm[i], valid, vm[i],
+                                 _mm512_loadu_ps(s + i * s_stride + blk * 16));
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < HN; ++i) {
+    m[i] = _mm512_reduce_max_ps(vm[i]);
+    vm[i] = _mm512_set1_ps(m[i]);
+  }
+  for (int blk = 0; blk < nb; ++blk) {
+    const __mmask16 valid = FirstLanes16(std::min(16, n - blk * 16));
+#pragma GCC unroll 8
+    for (int i = 0; i < HN; ++i) {
+      float* sb = s + i * s_stride + blk * 16;
+      const __m512 p = _mm512_maskz_mov_ps(
+          valid, KernelExp16(_mm512_sub_ps(_mm512_loadu_ps(sb), vm[i])));
+      _mm512_storeu_ps(sb, p);
+      vz[i] = _mm512_add_ps(vz[i], p);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < HN; ++i) z[i] = LaneTreeSum(vz[i]);
+}
+
 // One chunk of the selection (entries ent[0, n), n <= kAttendChunk) for
 // every head: scores, the chunk's max m[h], p = KernelExp(s - m[h]), the
 // 16-lane denominator z[h] and the unnormalised sums o[h][0, lora) (stride
@@ -2648,31 +2690,13 @@ void AttendChunk(const uint16_t* const* ent, int n, const uint16_t* const* nxt,
                     second, l1);
     }
   }
-  // The chunk's softmax numerators.
-  const int nb = (n + 15) / 16;
-  for (int h = 0; h < heads; ++h) {
-    float* sh = s + h * s_stride;
-    __m512 vm = _mm512_set1_ps(-INFINITY);
-    for (int blk = 0; blk < nb; ++blk) {
-      const int cnt = std::min(16, n - blk * 16);
-      const __mmask16 valid = FirstLanes16(cnt);
-      vm = _mm512_mask_max_ps(vm, valid, vm, _mm512_loadu_ps(sh + blk * 16));
-    }
-    const float mh = _mm512_reduce_max_ps(vm);
-    const __m512 vmh = _mm512_set1_ps(mh);
-    __m512 vz = _mm512_setzero_ps();
-    for (int blk = 0; blk < nb; ++blk) {
-      const int cnt = std::min(16, n - blk * 16);
-      const __mmask16 valid = FirstLanes16(cnt);
-      const __m512 p = _mm512_maskz_mov_ps(
-          valid,
-          KernelExp16(_mm512_sub_ps(_mm512_loadu_ps(sh + blk * 16), vmh)));
-      _mm512_storeu_ps(sh + blk * 16, p);
-      vz = _mm512_add_ps(vz, p);
-    }
-    m[h] = mh;
-    z[h] = LaneTreeSum(vz);
+  // The chunk's softmax numerators, 8 heads at a time.
+  int h = 0;
+  for (; h + 8 <= heads; h += 8) {
+    ChunkSoftmax<8>(s + h * s_stride, s_stride, n, m + h, z + h);
   }
+  for (; h < heads; ++h)
+    ChunkSoftmax<1>(s + h * s_stride, s_stride, n, m + h, z + h);
   // Weighted sums: each loaded entry vector feeds 8 heads. With several
   // groups of 8, each 32-dim slice of the entries is widened once, into
   // `wide`, for all of them; with one, as it is read.
@@ -2701,7 +2725,7 @@ void AttendChunk(const uint16_t* const* ent, int n, const uint16_t* const* nxt,
                          chunks * 32, lora, o + size_t(g) * 8 * os, os);
     }
   }
-  int h = full_groups * 8;
+  h = full_groups * 8;
   for (; h + 3 <= heads; h += 3) {
     WeightedSumHeads<3>(ent, n, s + h * s_stride, s_stride, lora, o + h * os,
                         os);
