@@ -2645,33 +2645,44 @@ void ChunkSoftmax(float* s, size_t s_stride, int n, float* m, float* z) {
 // every head: scores, the chunk's max m[h], p = KernelExp(s - m[h]), the
 // 16-lane denominator z[h] and the unnormalised sums o[h][0, lora) (stride
 // lora). The entries the core computes next, nxt[0, nn) (the next chunk it
-// claimed; none if nn is 0), are requested meanwhile: the 32 entries after
-// the current pair's into L1 during the pair's scores (two lines per
-// dimension: the next pair's entries come from this chunk, the last
-// pair's from the next chunk), and the next chunk's others into L2 during
-// the weighted sums (two lines per entry and pass). Requested all at once
-// before each pair and chunk instead, the misses of an entry mostly did
-// not overlap the arithmetic: on an AMD EPYC (Zen 5) VM, dsa-tiny's 2048
-// entries of 128K, from DRAM, took 72-78 us on two cores against ~30 warm
-// and ~25 to merely read them; spread this way, 62-66 us. s: heads x
-// kAttendChunk scratch; tile: the transposed entry tile; wide:
-// kAttendChunk x 32 floats; l1, l2: the requests' scratch.
+// claimed; none if nn is 0), are requested meanwhile (EntryRequests,
+// spread over the loops): during each 32-entry tile's scores, the entries
+// of the tile kAhead tiles on into L1 (in the chunk's last tiles, the next
+// chunk's first ones; in a core's first chunk, `first`, the tiles between
+// too), and during the weighted sums the next chunk's others into L2.
+// Requested all at once before each tile and chunk instead, the misses of
+// an entry mostly did not overlap the arithmetic: on an AMD EPYC (Zen 5)
+// VM, dsa-tiny's 2048 entries of 128K, from DRAM, took 72-78 us on two
+// cores against ~30 warm and ~25 to merely read them; spread, 62-66 us.
+// Without the L1 requests, with only the entries evicted: 40 us against
+// 29; without the L2 ones, 30 against 29. s: heads x kAttendChunk
+// scratch; tile: the transposed entry tile; wide: kAttendChunk x 32
+// floats; l1, l2: the requests' state.
 void AttendChunk(const uint16_t* const* ent, int n, const uint16_t* const* nxt,
-                 int nn, const float* q, const AttnShapes& shapes, float* s,
-                 uint32_t* tile, float* wide, float* m, float* z, float* o,
-                 EntryRequests* l1, EntryRequests* l2) {
+                 int nn, bool first, const float* q, const AttnShapes& shapes,
+                 float* s, uint32_t* tile, float* wide, float* m, float* z,
+                 float* o, EntryRequests* l1, EntryRequests* l2) {
+  // Tiles between a tile and the one whose entries are requested into L1
+  // during its scores: 2 measured ~2% faster than 1 on two cores with the
+  // entries evicted (dsa-tiny 2048 of 128K, six alternated runs: 27.5 us
+  // median against 28.0), 3 no better.
+  constexpr int kAhead = 2;
   const int heads = shapes.heads, kv_dim = shapes.kv_dim;
   const size_t s_stride = kAttendChunk;
   const size_t entry_bytes = size_t(kv_dim) * 2;
   // Scores, 32 entries (two 16-entry blocks) per tile.
   for (int j0 = 0; j0 < n; j0 += 32) {
     const bool second = j0 + 16 < n;
-    // Entries j0 + 32 .. j0 + 63, of this chunk and then the next.
-    const int here = std::clamp(n - (j0 + 32), 0, 32);
-    const int from = std::max(0, j0 + 32 - n);
-    const int there = std::max(0, std::min(nn, j0 + 64 - n) - from);
-    l1->Start(ent + j0 + 32, here, there > 0 ? nxt + from : nullptr, there,
-              entry_bytes, (kv_dim + 1) / 2);
+    // Entries [lo, j0 + 32 (kAhead + 1)), of this chunk and then the next:
+    // the tile kAhead after this one (and, in a core's first chunk, the
+    // ones between).
+    const int lo = j0 == 0 && first ? 32 : j0 + 32 * kAhead;
+    const int hi = j0 + 32 * (kAhead + 1);
+    const int here = std::clamp(n - lo, 0, hi - lo);
+    const int from = std::max(0, lo - n);
+    const int there = std::max(0, std::min(nn, hi - n) - from);
+    l1->Start(ent + std::min(lo, n), here, there > 0 ? nxt + from : nullptr,
+              there, entry_bytes, (kv_dim + 1) / 2);
     LoadEntryPairTile(ent + j0, std::min(kEntryBlock, n - j0), kv_dim, tile,
                       32);
     if (second) {
@@ -2705,7 +2716,7 @@ void AttendChunk(const uint16_t* const* ent, int n, const uint16_t* const* nxt,
   const int full_groups = heads / 8;
   const int chunks = lora / 32;
   // The next chunk's entries that the last pair's scores did not request.
-  const int requested = std::max(0, (n - 1) / 32 * 32 + 64 - n);
+  const int requested = std::max(0, (n - 1) / 32 * 32 + 32 * (kAhead + 1) - n);
   l2->Start(nxt + std::min(requested, nn), nn - requested, nullptr, 0,
             entry_bytes, std::max(chunks, 1) * n);
   for (int c = 0; c < chunks && full_groups > 1; ++c) {
@@ -3287,15 +3298,17 @@ void MlaAttend(const LayerView& view, const int32_t* sel, int nsel,
       // requested while it computes (AttendChunk).
       int c = next.fetch_add(1, std::memory_order_relaxed);
       int n = addresses(c);
+      bool first = true;
       while (c < nchunks) {
         const int c_next = next.fetch_add(1, std::memory_order_relaxed);
         const int n_next = addresses(c_next);
         const int j0 = c * kAttendChunk;
         const uint16_t* const* ent_next =
             n_next > 0 ? ent + size_t(c_next) * kAttendChunk : nullptr;
-        AttendChunk(ent + j0, n, ent_next, n_next, q, shapes, scratch.data(),
-                    tile.data(), wide.data(), mx + c * heads, zs + c * heads,
-                    part + size_t(c) * heads * lora, &l1, &l2);
+        AttendChunk(ent + j0, n, ent_next, n_next, first, q, shapes,
+                    scratch.data(), tile.data(), wide.data(), mx + c * heads,
+                    zs + c * heads, part + size_t(c) * heads * lora, &l1, &l2);
+        first = false;
         c = c_next;
         n = n_next;
       }
