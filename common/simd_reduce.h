@@ -95,13 +95,15 @@ inline void Transpose16(__m512i r[16]) {
   for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
-// Widened, transposed entries of one block of 16: tile[d * ld + j] =
-// e_j[d] for d < kv_dim. Entries past `count` are zero. The bf16 values are
-// transposed as 32-bit pairs (dims 2i, 2i + 1 of an entry in one lane) and
-// widened after the transpose: one transpose per 32 dims.
-inline void LoadEntryTile(const uint16_t* const* entries, int count, int kv_dim,
-                          float* tile, int ld) {
-  const __m512i hi_mask = _mm512_set1_epi32(int(0xFFFF0000u));
+// Entries[0, count) (count <= 16; the rows past it zero) 32 dims at a
+// time, transposed as 32-bit bf16 pairs: fn(d0, cnt, r) with r[i] lane j =
+// dims (d0 + 2i, d0 + 2i + 1) of entry j (dim d0 + 2i in the low half) for
+// the cnt = min(32, kv_dim - d0) dims from d0. Always inlined, so that r
+// stays in registers (not inlined, it went through memory: dsa-tiny's
+// attend ran 2% slower).
+template <typename Fn>
+[[gnu::always_inline]] inline void ForEachPairBlock(
+    const uint16_t* const* entries, int count, int kv_dim, Fn fn) {
   for (int d0 = 0; d0 < kv_dim; d0 += 32) {
     const int cnt = std::min(32, kv_dim - d0);
     const __mmask32 m =
@@ -112,16 +114,28 @@ inline void LoadEntryTile(const uint16_t* const* entries, int count, int kv_dim,
                        : _mm512_setzero_si512();
     }
     Transpose16(r);
-    const int pairs = (cnt + 1) / 2;
-    for (int i = 0; i < pairs; ++i) {
-      _mm512_store_si512(tile + size_t(d0 + 2 * i) * ld,
-                         _mm512_slli_epi32(r[i], 16));
-      if (2 * i + 1 < cnt) {
-        _mm512_store_si512(tile + size_t(d0 + 2 * i + 1) * ld,
-                           _mm512_and_si512(r[i], hi_mask));
-      }
-    }
+    fn(d0, cnt, r);
   }
+}
+
+// Widened, transposed entries of one block of 16: tile[d * ld + j] =
+// e_j[d] for d < kv_dim. Entries past `count` are zero. The bf16 values are
+// transposed as 32-bit pairs (dims 2i, 2i + 1 of an entry in one lane) and
+// widened after the transpose: one transpose per 32 dims.
+inline void LoadEntryTile(const uint16_t* const* entries, int count, int kv_dim,
+                          float* tile, int ld) {
+  const __m512i hi_mask = _mm512_set1_epi32(int(0xFFFF0000u));
+  ForEachPairBlock(entries, count, kv_dim,
+                   [&](int d0, int cnt, const __m512i* r) {
+                     for (int i = 0; i < (cnt + 1) / 2; ++i) {
+                       _mm512_store_si512(tile + size_t(d0 + 2 * i) * ld,
+                                          _mm512_slli_epi32(r[i], 16));
+                       if (2 * i + 1 < cnt) {
+                         _mm512_store_si512(tile + size_t(d0 + 2 * i + 1) * ld,
+                                            _mm512_and_si512(r[i], hi_mask));
+                       }
+                     }
+                   });
 }
 
 // LoadEntryTile without the widening: tile[i * ld + j] = the bf16 pair
@@ -130,24 +144,17 @@ inline void LoadEntryTile(const uint16_t* const* entries, int count, int kv_dim,
 // (dim 2i: shift left by 16; dim 2i + 1: clear the low half), which the
 // reader does as it goes: half the tile's stores, which bound the widened
 // tile's loads (dsa-tiny's 2048 entries, one core, in cache: 10.7 us
-// widened, 7.0 as pairs).
+// widened, 7.0 as pairs). (GQA's 64-dim rows scored over pairs came out
+// slower, 260 -> 300 us for a 16K dense attend: with 4 heads to a widened
+// value instead of 8, the widening competes with the FMAs.)
 inline void LoadEntryPairTile(const uint16_t* const* entries, int count,
                               int kv_dim, uint32_t* tile, int ld) {
-  for (int d0 = 0; d0 < kv_dim; d0 += 32) {
-    const int cnt = std::min(32, kv_dim - d0);
-    const __mmask32 m =
-        cnt >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << cnt) - 1);
-    __m512i r[16];
-    for (int j = 0; j < 16; ++j) {
-      r[j] = j < count ? _mm512_maskz_loadu_epi16(m, entries[j] + d0)
-                       : _mm512_setzero_si512();
-    }
-    Transpose16(r);
-    const int pairs = (cnt + 1) / 2;
-    for (int i = 0; i < pairs; ++i) {
-      _mm512_store_si512(tile + size_t(d0 / 2 + i) * ld, r[i]);
-    }
-  }
+  ForEachPairBlock(entries, count, kv_dim,
+                   [&](int d0, int cnt, const __m512i* r) {
+                     for (int i = 0; i < (cnt + 1) / 2; ++i) {
+                       _mm512_store_si512(tile + size_t(d0 / 2 + i) * ld, r[i]);
+                     }
+                   });
 }
 
 // Floats of one tile of LoadEntryTile(..., kv_dim = dim, ld = 16), a
