@@ -2296,9 +2296,9 @@ void SelectTopK(const float* scores, int n, int k, std::vector<int32_t>* out,
 // Weighted sum: the chunk's entries are read again (now cache-resident),
 // 32 dims as one vector of pairs, widened into even and odd dims, and
 // each widened vector feeds 8 heads' accumulators. The chunks' (max,
-// denominator, unnormalised sum) are then merged in chunk order (on the calling
-// thread unless the merge is large). The gathered data crosses memory once; the
-// cores take chunks as they finish the previous one.
+// denominator, unnormalised sum) are then merged in chunk order (on the
+// calling thread unless the merge is large). The gathered data crosses
+// memory once; the cores take chunks as they finish the previous one.
 //
 // Measured on dsa-tiny's shape (8 heads, 128 + 16; 2048 entries of 128K),
 // on a busy shared 2-core machine: one core takes ~225-250 us from DRAM,
@@ -2715,7 +2715,7 @@ void AttendChunk(const uint16_t* const* ent, int n, const uint16_t* const* nxt,
   const size_t os = size_t(lora);
   const int full_groups = heads / 8;
   const int chunks = lora / 32;
-  // The next chunk's entries that the last pair's scores did not request.
+  // The next chunk's entries that the last tiles' scores did not request.
   const int requested = std::max(0, (n - 1) / 32 * 32 + 32 * (kAhead + 1) - n);
   l2->Start(nxt + std::min(requested, nn), nn - requested, nullptr, 0,
             entry_bytes, std::max(chunks, 1) * n);

@@ -1067,9 +1067,9 @@ TEST_CASE(
   // dsa-tiny's shape, an odd one (27 part rows: a 16-row and an 11-row
   // block; lora 40: a padded 32-dim pair), a wide one (48 heads: the
   // whole-chunk weighted sums), two heads and one entry, odd entry widths
-  // (37 and 31 dims: a last bf16 pair with one dim), over several chunks, with
-  // scores large enough that the softmax is peaked (an inexact split of q or p
-  // would show).
+  // (37 and 31 dims: a last bf16 pair with one dim), over several chunks,
+  // with scores large enough that the softmax is peaked (an inexact split
+  // of q or p would show).
   struct Case {
     int heads, lora, rope, n;
     float q_scale;
