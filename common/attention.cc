@@ -2392,14 +2392,10 @@ template <int HB>
 
 // o[h][d0 .. d0 + 16 NV) = sum_j p[h][j] e_j for heads [h, h + HB) (fma
 // chain in selection order); entries widened from bf16 as they are read.
-// Ticks `l2` (if given; into L2) once per entry.
 template <int NV, int HB>
-[[gnu::noinline]] void WeightedSum(const uint16_t* const* entries, int nsel,
-                                   const float* p, size_t p_stride, int d0,
-                                   int width, float* o, size_t o_stride,
-                                   EntryRequests* l2 = nullptr) {
-  EntryRequests req;
-  if (l2 != nullptr) req = *l2;
+void WeightedSum(const uint16_t* const* entries, int nsel, const float* p,
+                 size_t p_stride, int d0, int width, float* o,
+                 size_t o_stride) {
   __m512 acc[HB][NV];
 #pragma GCC unroll 32
   for (int h = 0; h < HB; ++h) {
@@ -2407,7 +2403,6 @@ template <int NV, int HB>
     for (int i = 0; i < NV; ++i) acc[h][i] = _mm512_setzero_ps();
   }
   for (int j = 0; j < nsel; ++j) {
-    if (l2 != nullptr) req.Tick<false>();
     const uint16_t* e = entries[j] + d0;
     __m512 ph[HB];
 #pragma GCC unroll 16
@@ -2433,16 +2428,15 @@ template <int NV, int HB>
       _mm512_mask_storeu_ps(o + h * o_stride + 16 * i, mk, acc[h][i]);
     }
   }
-  if (l2 != nullptr) *l2 = req;
 }
 
-// WeightedSum<2, 8>'s sums (the same fma chains) with each entry's 32
-// dims read as one vector of bf16 pairs and widened in two instructions,
-// even dims (shift left by 16) and odd dims (low halves cleared), into
-// accumulators of even and of odd dims that are interleaved once at the
-// end. WeightedSum's widening (a zero-extending load and a shift per 16
-// dims) issues on the ports the FMAs need. Ticks `l2` (into L2) once per
-// entry.
+// WeightedSum's sums for 8 heads and 32 dims (the same fma chains) with
+// each entry's 32 dims read as one vector of bf16 pairs and widened in two
+// instructions, even dims (shift left by 16) and odd dims (low halves
+// cleared), into accumulators of even and of odd dims that are interleaved
+// once at the end. WeightedSum's widening (a zero-extending load and a
+// shift per 16 dims) issues on the ports the FMAs need. Ticks `l2` (into
+// L2) once per entry.
 [[gnu::noinline]] void WeightedSumPairs(const uint16_t* const* entries,
                                         int nsel, const float* p,
                                         size_t p_stride, int d0, float* o,
@@ -2500,8 +2494,9 @@ void WidenEntryChunk(const uint16_t* const* entries, int n, int d0, float* wide,
   *l2 = req;
 }
 
-// WeightedSum<2, 8> over a chunk WidenEntryChunk left in `wide`: the same
-// fma chains, with the entries widened once for every head group.
+// WeightedSum for 8 heads and 32 dims over a chunk WidenEntryChunk left in
+// `wide`: the same fma chains, with the entries widened once for every
+// head group.
 void WeightedSumWide(const float* wide, int nsel, const float* p,
                      size_t p_stride, float* o, size_t o_stride) {
   constexpr int HB = 8;
