@@ -12,11 +12,12 @@ namespace {
 
 // Wire layout of the fixed header, little-endian, no implicit padding:
 //   u32 magic, u16 version, u16 type, u32 src_node, u32 layer,
-//   u32 micro_batch, u32 device, u64 step, u64 session, u32 pos_start,
-//   u32 n_tokens, u32 status, u32 n_sections, u64 section_len[kMaxSections]
-// 120 bytes, a multiple of 8, so the first section starts aligned.
+//   u32 micro_batch, u32 device, u64 step, u64 session, u64 turn,
+//   u32 pos_start, u32 n_tokens, u32 status, u32 n_sections,
+//   u64 section_len[kMaxSections]
+// 128 bytes, a multiple of 8, so the first section starts aligned.
 constexpr size_t kHeaderSize =
-    4 + 2 + 2 + 4 * 4 + 8 + 8 + 4 * 4 + 8 * kMaxSections;
+    4 + 2 + 2 + 4 * 4 + 8 + 8 + 8 + 4 * 4 + 8 * kMaxSections;
 static_assert(kHeaderSize % 8 == 0);
 
 constexpr uint16_t kMinFrameType = static_cast<uint16_t>(FrameType::kHello);
@@ -106,6 +107,7 @@ void EncodeFrame(FrameHeader header,
   w.Put<uint32_t>(header.device);
   w.Put<uint64_t>(header.step);
   w.Put<uint64_t>(header.session);
+  w.Put<uint64_t>(header.turn);
   w.Put<uint32_t>(header.pos_start);
   w.Put<uint32_t>(header.n_tokens);
   w.Put<uint32_t>(header.status);
@@ -135,6 +137,7 @@ absl::StatusOr<FrameView> DecodeFrame(std::string_view message) {
   h.device = r.Get<uint32_t>();
   h.step = r.Get<uint64_t>();
   h.session = r.Get<uint64_t>();
+  h.turn = r.Get<uint64_t>();
   h.pos_start = r.Get<uint32_t>();
   h.n_tokens = r.Get<uint32_t>();
   h.status = r.Get<uint32_t>();

@@ -16,7 +16,7 @@
 namespace karat {
 
 constexpr uint32_t kFrameMagic = 0x4652544B;  // "KTRF" little-endian
-constexpr uint16_t kFrameVersion = 1;
+constexpr uint16_t kFrameVersion = 2;
 constexpr int kMaxSections = 8;
 
 enum class FrameType : uint16_t {
@@ -41,6 +41,12 @@ struct FrameHeader {
   uint32_t device = 0;     // KARAT device on the receiving node
   uint64_t step = 0;       // sender's step counter
   uint64_t session = 0;    // numeric session key
+  // The coordinator's turn epoch of the session's turn the frame belongs
+  // to (RunTurnRequest.turn_epoch, increasing): a KARAT device refuses the
+  // frames of a turn older than the last it was told of (KaratNode.Reserve),
+  // so that a cancelled or failed turn still in a GPU step cannot write a
+  // session's KV after its next turn began. 0 in frames outside a turn.
+  uint64_t turn = 0;
   uint32_t pos_start = 0;  // first position of the segment
   uint32_t n_tokens = 0;   // tokens in the segment
   uint32_t status = 0;     // kError: absl::StatusCode

@@ -9,7 +9,7 @@
 namespace karat {
 namespace {
 
-constexpr size_t kHeaderSize = 120;
+constexpr size_t kHeaderSize = 128;
 
 FrameHeader SampleHeader() {
   FrameHeader h;
@@ -20,6 +20,7 @@ FrameHeader SampleHeader() {
   h.device = 2;
   h.step = 0x0102030405060708ull;
   h.session = 0xfedcba9876543210ull;
+  h.turn = 0x1122334455667788ull;
   h.pos_start = 4096;
   h.n_tokens = 17;
   h.status = 0;
@@ -80,6 +81,7 @@ TEST_CASE("frame round trip keeps every header field and section", "[frame]") {
   CHECK(h.device == want.device);
   CHECK(h.step == want.step);
   CHECK(h.session == want.session);
+  CHECK(h.turn == want.turn);
   CHECK(h.pos_start == want.pos_start);
   CHECK(h.n_tokens == want.n_tokens);
   CHECK(h.n_sections == payloads.size());
@@ -124,10 +126,10 @@ TEST_CASE("frame header is little-endian, field by field", "[frame]") {
   // step at offset 24, least significant byte first.
   CHECK(static_cast<unsigned char>(out[24]) == 0x08);
   CHECK(static_cast<unsigned char>(out[31]) == 0x01);
-  // n_sections at offset 52, section_len[0] at 56.
-  CHECK(static_cast<unsigned char>(out[52]) == 4);
-  CHECK(static_cast<unsigned char>(out[56]) == 5);
-  // The first section follows the 120-byte header.
+  // n_sections at offset 60, section_len[0] at 64.
+  CHECK(static_cast<unsigned char>(out[60]) == 4);
+  CHECK(static_cast<unsigned char>(out[64]) == 5);
+  // The first section follows the 128-byte header.
   CHECK(out.substr(kHeaderSize, 5) == "query");
 }
 
@@ -180,16 +182,16 @@ TEST_CASE("bad magic, version, type and section counts are rejected",
   }
 
   f = good;
-  PutLe(&f, 52, kMaxSections + 1, 4);
+  PutLe(&f, 60, kMaxSections + 1, 4);
   expect_invalid(f, "sections");
 
   f = good;
-  PutLe(&f, 52, 0xffffffffull, 4);
+  PutLe(&f, 60, 0xffffffffull, 4);
   expect_invalid(f, "sections");
 
   // A length in a slot beyond n_sections.
   f = good;
-  PutLe(&f, 56 + 8 * 6, 8, 8);
+  PutLe(&f, 64 + 8 * 6, 8, 8);
   expect_invalid(f, "unused");
 
   // Non-zero padding after the 5-byte first section.
@@ -218,7 +220,7 @@ TEST_CASE("oversized section lengths never overflow", "[frame]") {
            static_cast<uint64_t>(good.size()),
            static_cast<uint64_t>(good.size()) - 1}) {
     std::string f = good;
-    PutLe(&f, 56, len, 8);
+    PutLe(&f, 64, len, 8);
     auto view = DecodeFrame(f);
     INFO("section length " << len);
     REQUIRE_FALSE(view.ok());
