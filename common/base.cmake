@@ -1,1 +1,1 @@
-target_sources(karat_common PRIVATE common/log.cc)
+target_sources(karat_common PRIVATE common/log.cc common/log_limiter.cc)

@@ -7,3 +7,5 @@ add_unit_test(safetensors_test SOURCES tests/common/safetensors_test.cc
               LIBS karat_common LABELS unit)
 add_unit_test(weights_test SOURCES tests/common/weights_test.cc
               LIBS karat_common LABELS unit)
+add_unit_test(log_limiter_test SOURCES tests/common/log_limiter_test.cc
+              LIBS karat_common LABELS unit)
