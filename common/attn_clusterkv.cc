@@ -148,6 +148,13 @@ class ClusterKvAttention final : public SparseAttention {
     return st;
   }
 
+  // Clusters cover [sink, clustered_upto): they hold no dropped position
+  // only when the cut is at or beyond their end.
+  bool SurvivesTruncation(const MethodLayerState* state,
+                          int length) const override {
+    return static_cast<const ClusterState*>(state)->clustered_upto <= length;
+  }
+
   void OnPrefillEnd(const LayerView& view, MethodLayerState* state,
                     KernelCost* cost, CorePool* pool) const override {
     auto* st = static_cast<ClusterState*>(state);

@@ -48,6 +48,7 @@ class PigState final : public MethodLayerState {
   // The centring mean is fixed at the end of the session's first prefill;
   // until then the layer attends densely and no key is hashed.
   bool fixed = false;
+  int fixed_length = 0;     // the layer's length when the mean was fixed
   std::vector<float> mean;  // Hkv x d
   // Per KV head, every position's L buckets: one byte each for K <= 8,
   // table-major in blocks of kCodeBlock positions (ByteCodeIndex: table j
@@ -107,6 +108,14 @@ class MagicPigAttention final : public SparseAttention {
     HashKeys(view, pos_start, pos_start + n, st, cost, nullptr);
   }
 
+  // The mean comes from the first prefill's keys; codes and norms are per
+  // position and rehashed on append.
+  bool SurvivesTruncation(const MethodLayerState* state,
+                          int length) const override {
+    const auto* st = static_cast<const PigState*>(state);
+    return !st->fixed || st->fixed_length <= length;
+  }
+
   void OnPrefillEnd(const LayerView& view, MethodLayerState* state,
                     KernelCost* cost, CorePool* pool) const override {
     auto* st = static_cast<PigState*>(state);
@@ -128,6 +137,7 @@ class MagicPigAttention final : public SparseAttention {
       for (float& m : st->mean) m /= float(hi - lo);
     }
     st->fixed = true;
+    st->fixed_length = view.length;
     HashKeys(view, 0, view.length, st, cost, pool);
   }
 

@@ -546,7 +546,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
 
 absl::StatusOr<std::vector<std::vector<float>>> ModelRunner::Step(
     const std::vector<Segment>& segs, AttentionBackend* backend,
-    ExpertBackend* experts) const {
+    ExpertBackend* experts, std::vector<absl::Status>* failed) const {
   const Impl& m = *impl_;
   const ModelConfig& c = m.cfg;
   const AttnShapes& s = m.shapes;
@@ -566,6 +566,7 @@ absl::StatusOr<std::vector<std::vector<float>>> ModelRunner::Step(
     N += static_cast<int>(seg.tokens.size());
   }
   if (N == 0) return std::vector<std::vector<float>>();
+  t.failed.assign(segs.size(), absl::OkStatus());
 
   std::vector<int64_t> pos(N);
   std::vector<float> x(size_t(N) * D);
@@ -806,6 +807,11 @@ absl::StatusOr<std::vector<std::vector<float>>> ModelRunner::Step(
     result[i].assign(logits.begin() + size_t(i) * c.vocab_size,
                      logits.begin() + size_t(i + 1) * c.vocab_size);
   }
+  if (failed != nullptr) {
+    *failed = std::move(t.failed);
+  } else {
+    for (const absl::Status& f : t.failed) RETURN_IF_ERROR(f);
+  }
   return result;
 }
 
@@ -874,6 +880,19 @@ void LocalAttentionBackend::Drop(uint64_t session) {
   impl_->sessions.erase(session);
 }
 
+bool LocalAttentionBackend::Truncate(uint64_t session, int length) {
+  auto it = impl_->sessions.find(session);
+  if (it == impl_->sessions.end() || !it->second.cache) return true;
+  Impl::Sess& s = it->second;
+  const int layers = impl_->cfg.num_hidden_layers;
+  if (TruncateSessionKv(impl_->method.get(), s.method_state.get(),
+                        s.cache.get(), layers, length))
+    return true;
+  for (int l = 0; l < layers; ++l) s.cache->Truncate(l, 0);
+  s.method_state = NewAttentionSessionState(*impl_->method, layers);
+  return false;
+}
+
 absl::Status LocalAttentionBackend::RunLayer(int layer,
                                              const std::vector<Segment>& segs,
                                              LayerTraffic* t) {
@@ -885,32 +904,41 @@ absl::Status LocalAttentionBackend::RunLayer(int layer,
     const KernelCost& cost;
     ~Charge() { ChargeKernelCost(cost); }
   } charge{cost};
+  // One segment's failure is its own (LayerTraffic::failed) when the
+  // caller sized `failed`; otherwise it fails the layer.
+  const bool isolate = t->failed.size() == segs.size();
   for (size_t i = 0; i < segs.size(); ++i) {
+    if (isolate && !t->failed[i].ok()) continue;  // failed in an earlier layer
     const Segment& seg = segs[i];
-    auto it = impl_->sessions.find(seg.session);
-    if (it == impl_->sessions.end()) {
-      return absl::NotFoundError(
-          absl::StrCat("session ", seg.session, " has no cache"));
-    }
-    auto& s = it->second;
     const int n = static_cast<int>(seg.tokens.size());
-    if (impl_->method != nullptr) {
-      RETURN_IF_ERROR(RunAttentionLayer(
-          *impl_->method, layer, seg.pos_start, n,
-          t->AttnFor(int(i), impl_->shapes), seg.ends_prefill, s.cache.get(),
-          s.method_state.get(), t->OutFor(int(i), impl_->shapes), &cost));
-      continue;
-    }
-    if (t->has_indexer) {
-      RETURN_IF_ERROR(RunIndexer(impl_->shapes, layer, seg.pos_start, n,
-                                 t->IndexFor(int(i), impl_->shapes),
-                                 s.cache.get(), &s.sel, nullptr, &cost));
-    }
-    RETURN_IF_ERROR(RunAttention(impl_->shapes, layer, seg.pos_start, n,
+    float* out = t->OutFor(int(i), impl_->shapes);
+    absl::Status st = [&]() -> absl::Status {
+      auto it = impl_->sessions.find(seg.session);
+      if (it == impl_->sessions.end()) {
+        return absl::NotFoundError(
+            absl::StrCat("session ", seg.session, " has no cache"));
+      }
+      auto& s = it->second;
+      if (impl_->method != nullptr) {
+        return RunAttentionLayer(*impl_->method, layer, seg.pos_start, n,
                                  t->AttnFor(int(i), impl_->shapes),
-                                 s.cache.get(), dsa ? &s.sel : nullptr,
-                                 t->OutFor(int(i), impl_->shapes), nullptr,
-                                 &cost));
+                                 seg.ends_prefill, s.cache.get(),
+                                 s.method_state.get(), out, &cost);
+      }
+      if (t->has_indexer) {
+        RETURN_IF_ERROR(RunIndexer(impl_->shapes, layer, seg.pos_start, n,
+                                   t->IndexFor(int(i), impl_->shapes),
+                                   s.cache.get(), &s.sel, nullptr, &cost));
+      }
+      return RunAttention(impl_->shapes, layer, seg.pos_start, n,
+                          t->AttnFor(int(i), impl_->shapes), s.cache.get(),
+                          dsa ? &s.sel : nullptr, out, nullptr, &cost);
+    }();
+    if (st.ok()) continue;
+    if (!isolate) return st;
+    t->failed[i] = st;
+    std::fill(out, out + size_t(n) * impl_->shapes.heads * impl_->shapes.out_dim,
+              0.0f);
   }
   return absl::OkStatus();
 }

@@ -45,6 +45,13 @@ struct LayerTraffic {
   std::vector<float> q;                // N x H x q_dim
   std::vector<uint16_t> kv;            // N x kv_dim
   std::vector<float> out;              // N x H x out_dim (backend fills)
+  // Per segment (sized by ModelRunner::Step): OK, or why the segment's
+  // attention failed on its own (its session freed, its KARAT node lost,
+  // its turn superseded, no answer in time). A backend that can tell one
+  // segment's failure from the layer's reports it here, zeroes the
+  // segment's rows of `out` and goes on with the others; it skips segments
+  // that failed in an earlier layer of the step.
+  std::vector<absl::Status> failed;
 
   IndexInputs IndexFor(int seg, const AttnShapes& s) const;
   AttnInputs AttnFor(int seg, const AttnShapes& s) const;
@@ -197,9 +204,16 @@ class ModelRunner {
   // outputs in increasing expert id, then the shared expert; with nullptr
   // every routed expert is computed here, which needs this rank to own each
   // expert the step routes to (else FAILED_PRECONDITION).
+  // Segments whose attention failed on their own (LayerTraffic::failed):
+  // with `failed` null the step fails with the first such error; otherwise
+  // the step goes on and `*failed` (one status per segment) says which
+  // failed; their logits are then meaningless. Every row is computed on
+  // its own (batch-invariant kernels), so the other segments' logits are
+  // the same bits as in a step without the failed ones.
   absl::StatusOr<std::vector<std::vector<float>>> Step(
       const std::vector<Segment>& segs, AttentionBackend* backend,
-      ExpertBackend* experts = nullptr) const;
+      ExpertBackend* experts = nullptr,
+      std::vector<absl::Status>* failed = nullptr) const;
 
  private:
   ModelRunner();
@@ -222,6 +236,10 @@ class LocalAttentionBackend : public AttentionBackend {
   // Ensures room for `tokens` positions of `session` (creating it).
   absl::Status Reserve(uint64_t session, int tokens);
   void Drop(uint64_t session);
+  // Drops the session's positions >= `length` (TruncateSessionKv); false
+  // when the method's metadata did not survive the cut and the session's
+  // KV was emptied instead (to be rebuilt from position 0).
+  bool Truncate(uint64_t session, int length);
   absl::Status RunLayer(int layer, const std::vector<Segment>& segs,
                         LayerTraffic* traffic) override;
   const KvLayout& layout() const;

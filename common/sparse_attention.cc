@@ -406,6 +406,22 @@ std::unique_ptr<AttentionSessionState> NewAttentionSessionState(
   return st;
 }
 
+bool TruncateSessionKv(const SparseAttention* method,
+                       const AttentionSessionState* state, SessionCache* cache,
+                       int num_layers, int length) {
+  length = std::max(length, 0);
+  if (method != nullptr && state != nullptr) {
+    for (int l = 0; l < num_layers && l < int(state->layers.size()); ++l) {
+      const MethodLayerState* st = state->layers[l].get();
+      if (st != nullptr && cache->length(l) > length &&
+          !method->SurvivesTruncation(st, length))
+        return false;
+    }
+  }
+  for (int l = 0; l < num_layers; ++l) cache->Truncate(l, length);
+  return true;
+}
+
 absl::Status RunAttentionLayer(const SparseAttention& method, int layer,
                                int pos_start, int n, const AttnInputs& in,
                                bool ends_prefill, SessionCache* cache,

@@ -108,6 +108,15 @@ class SparseAttention {
   // null) lends the device's cores; the metadata must not depend on it.
   virtual void OnPrefillEnd(const LayerView& view, MethodLayerState* state,
                             KernelCost* cost, CorePool* pool) const {}
+  // Whether `state` stays valid when the layer's positions >= `length` are
+  // dropped and written again later (TruncateSessionKv): true for metadata
+  // that OnAppend rebuilds for whatever is written (per page or block, per
+  // position); false when metadata fixed at a turn's end covers dropped
+  // positions (ClusterKV's clusters, MagicPIG's centring mean).
+  virtual bool SurvivesTruncation(const MethodLayerState* state,
+                                  int length) const {
+    return true;
+  }
   // Score + Select for the token at `pos` (its entry already stored) with
   // query `q` (H x q_dim floats). Fills heads[h] for every query head.
   // `pool` (may be null; RunAttentionLayer lends it for a lone token) lends
@@ -180,6 +189,17 @@ absl::Status RunAttentionLayer(const SparseAttention& method, int layer,
                                AttentionSessionState* state, float* out,
                                KernelCost* cost = nullptr,
                                CorePool* pool = nullptr);
+
+// Drops every layer's positions >= `length` of a session's cache: what a
+// turn that failed or was cancelled stored beyond what the coordinator
+// counts (KaratNode.Reserve kv_tokens), so that the next turn writes them
+// as if it had never run. `method` and `state` are null for mla_dsa. False,
+// leaving the cache as it was, when some layer's metadata does not survive
+// the cut (SparseAttention::SurvivesTruncation): the caller then drops the
+// session's KV and it is rebuilt from the token log.
+bool TruncateSessionKv(const SparseAttention* method,
+                       const AttentionSessionState* state, SessionCache* cache,
+                       int num_layers, int length);
 
 // --- Per-method factories (registry entries; one file each) ---
 std::unique_ptr<SparseAttention> NewGqaDenseAttention(const AttnShapes& s);

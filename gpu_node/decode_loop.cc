@@ -80,6 +80,7 @@ TurnRequest TurnRequestFromProto(const cluster::RunTurnRequest& r) {
   t.feed_tokens.assign(r.feed_tokens().begin(), r.feed_tokens().end());
   t.max_new_tokens = r.max_new_tokens();
   t.placement = r.placement();
+  t.turn_epoch = r.turn_epoch();
   t.micro_batch = r.micro_batch();
   for (int end : r.prefill_ends())
     t.prefill_ends.push_back(end - r.pos_start());
@@ -340,7 +341,8 @@ void DecodeLoop::Run() {
       }
     }
     for (auto& r : admitted) {
-      backend_->SetPlacement(r->turn.session, r->turn.placement);
+      backend_->SetPlacement(r->turn.session, r->turn.placement,
+                             r->turn.turn_epoch);
       KLOG(Debug, "gpu_node")
           << "session=" << r->turn.session
           << " turn admitted: " << r->turn.feed_tokens.size()
@@ -431,11 +433,16 @@ void DecodeLoop::RunStep(std::vector<std::shared_ptr<Request>>* active) {
   }
   const bool two = second_ != nullptr && mb_tokens[0] > 0 && mb_tokens[1] > 0;
   backend_->BeginStep();
-  auto run = [&](int slot, int mb, const std::vector<Segment>& part) {
+  // Segments whose attention failed on their own (their session freed, a
+  // KARAT node lost, their turn superseded): they leave the step, the
+  // others go on (ModelRunner::Step).
+  std::vector<absl::Status> seg_failed(segs.size());
+  auto run = [&](int slot, int mb, const std::vector<Segment>& part,
+                 std::vector<absl::Status>* failed) {
     token_.Begin(slot);
     AttentionBackend* attention = backend_->ForMicroBatch(mb, &hooks_[slot]);
     ExpertBackend* experts = experts_ ? experts_(mb, &hooks_[slot]) : nullptr;
-    auto result = runner_->Step(part, attention, experts);
+    auto result = runner_->Step(part, attention, experts, failed);
     token_.End(slot);
     return result;
   };
@@ -449,9 +456,11 @@ void DecodeLoop::RunStep(std::vector<std::shared_ptr<Request>>* active) {
       index[mb_of[k]].push_back(k);
     }
     absl::StatusOr<std::vector<std::vector<float>>> second;
+    std::vector<absl::Status> failed[2];
     token_.BeginStep(2);
-    second_->Run([&] { second = run(1, 1, part[1]); });
-    absl::StatusOr<std::vector<std::vector<float>>> first = run(0, 0, part[0]);
+    second_->Run([&] { second = run(1, 1, part[1], &failed[1]); });
+    absl::StatusOr<std::vector<std::vector<float>>> first =
+        run(0, 0, part[0], &failed[0]);
     second_->Wait();
     // One status and the logits in segment order.
     if (!first.ok()) {
@@ -464,13 +473,16 @@ void DecodeLoop::RunStep(std::vector<std::shared_ptr<Request>>* active) {
         auto& result = mb == 0 ? *first : *second;
         for (size_t i = 0; i < index[mb].size(); ++i) {
           (*logits)[index[mb][i]] = std::move(result[i]);
+          if (i < failed[mb].size())
+            seg_failed[index[mb][i]] = std::move(failed[mb][i]);
         }
       }
     }
   } else {
     // Every segment in one micro-batch: the step runs on this thread.
     token_.BeginStep(1);
-    logits = run(0, mb_tokens[0] > 0 ? 0 : 1, segs);
+    logits = run(0, mb_tokens[0] > 0 ? 0 : 1, segs, &seg_failed);
+    seg_failed.resize(segs.size());
   }
 
   // Outcomes are published after the statistics, so that a caller who saw
@@ -479,9 +491,11 @@ void DecodeLoop::RunStep(std::vector<std::shared_ptr<Request>>* active) {
     Request* request;
     cluster::RunTurnEvent event;
     bool has_event = false;
+    absl::Status failure;  // without an event: why the request failed
   };
   std::vector<Outcome> outcomes;
   uint64_t prefilled = 0, decoded = 0, generated = 0, step_tokens = 0;
+  uint64_t failed_requests = 0;
   // The step as every event reports it (RunTurnEvent.step_*), the context
   // counted before this step's tokens.
   const int64_t step_us = absl::ToInt64Microseconds(absl::Now() - step_start);
@@ -492,6 +506,12 @@ void DecodeLoop::RunStep(std::vector<std::shared_ptr<Request>>* active) {
     for (size_t k = 0; k < segs.size(); ++k) {
       Request* r = (*active)[owner[k]].get();
       const int n = int(segs[k].tokens.size());
+      if (!seg_failed[k].ok()) {
+        // This request alone fails; the step's others go on.
+        ++failed_requests;
+        outcomes.push_back(Outcome{r, {}, false, seg_failed[k]});
+        continue;
+      }
       step_tokens += n;
       r->next_pos += n;
       if (r->state == RequestState::kPrefill) {
@@ -499,7 +519,7 @@ void DecodeLoop::RunStep(std::vector<std::shared_ptr<Request>>* active) {
         prefilled += n;
         if (r->fed < r->turn.feed_tokens.size()) {
           // Part of a long feed: tell the caller how far it got.
-          Outcome o{r, {}, true};
+          Outcome o{r, {}, true, absl::OkStatus()};
           o.event.set_progress(true);
           o.event.set_prefill_fed(static_cast<int32_t>(r->fed));
           o.event.set_prefill_total(
@@ -516,7 +536,7 @@ void DecodeLoop::RunStep(std::vector<std::shared_ptr<Request>>* active) {
       ++r->generated;
       ++generated;
       const bool last = token == eos || r->generated >= r->turn.max_new_tokens;
-      Outcome o{r, {}, true};
+      Outcome o{r, {}, true, absl::OkStatus()};
       o.event.set_token_id(token);
       o.event.set_position(r->next_pos);
       o.event.set_kv_len(r->next_pos);
@@ -538,13 +558,16 @@ void DecodeLoop::RunStep(std::vector<std::shared_ptr<Request>>* active) {
                             << " requests failed: " << logits.status()
                             << "; failing session=" << sessions;
     for (size_t k = 0; k < segs.size(); ++k) {
-      outcomes.push_back(Outcome{(*active)[owner[k]].get(), {}, false});
+      outcomes.push_back(
+          Outcome{(*active)[owner[k]].get(), {}, false, logits.status()});
     }
   }
   {
     absl::MutexLock lock(&mu_);
     ++stats_.steps;
     if (!logits.ok()) ++stats_.failed_steps;
+    stats_.failed_requests +=
+        logits.ok() ? failed_requests : uint64_t(segs.size());
     stats_.tokens_prefilled += prefilled;
     stats_.tokens_decoded += decoded;
     stats_.tokens_generated += generated;
@@ -558,7 +581,12 @@ void DecodeLoop::RunStep(std::vector<std::shared_ptr<Request>>* active) {
   for (Outcome& o : outcomes) {
     Request* r = o.request;
     if (!o.has_event) {
-      r->stream->Finish(logits.status());
+      if (logits.ok()) {
+        KLOG(Warning, "gpu_node")
+            << "session=" << r->turn.session << " turn failed alone after "
+            << r->generated << " tokens: " << o.failure;
+      }
+      r->stream->Finish(o.failure);
       Retire(r);
       continue;
     }

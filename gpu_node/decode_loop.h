@@ -31,8 +31,10 @@ namespace karat {
 // batch, and when a new step begins. Called on the decode-loop thread only.
 class StepBackend : public AttentionBackend {
  public:
+  // `turn_epoch` (RunTurnRequest.turn_epoch) goes into the turn's frames.
   virtual void SetPlacement(uint64_t session,
-                            const cluster::KaratPlacement& placement) {}
+                            const cluster::KaratPlacement& placement,
+                            uint64_t turn_epoch) {}
   virtual void ClearPlacement(uint64_t session) {}
   virtual void BeginStep() {}
   // The backend micro-batch `mb` (0 or 1) runs its layers with; it calls
@@ -57,6 +59,7 @@ struct TurnRequest {
   std::vector<int32_t> feed_tokens;
   int max_new_tokens = 0;
   cluster::KaratPlacement placement;
+  uint64_t turn_epoch = 0;
   // Micro-batch of the session (0 or 1) until SetMicroBatches moves it.
   int micro_batch = 0;
   // Feed offsets (1 .. feed size) where a turn's prefill ended: prefill
@@ -124,6 +127,8 @@ struct DecodeStats {
   uint64_t tokens_decoded = 0;
   uint64_t tokens_generated = 0;
   uint64_t failed_steps = 0;
+  // Requests that failed, alone (their segment failed) or with their step.
+  uint64_t failed_requests = 0;
   uint64_t active_requests = 0;
   uint64_t queued_requests = 0;
   double mean_batch_size = 0;   // segments per step

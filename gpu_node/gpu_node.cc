@@ -214,8 +214,12 @@ class GpuNodeService final : public cluster::GpuNode::Service {
                         cluster::StatsResponse* response) override {
     Fill(response->mutable_stats());
     FillDevices(response->mutable_devices());
+    response->set_node_id(node_id_.load());
     return grpc::Status::OK;
   }
+
+  // The id of the node's registration in force (0: none), for GetStats.
+  void set_node_id(uint32_t id) { node_id_.store(id); }
 
   grpc::Status SetLinks(grpc::ServerContext*,
                         const cluster::SetLinksRequest* request,
@@ -286,9 +290,11 @@ class GpuNodeService final : public cluster::GpuNode::Service {
           grpc::StatusCode::INVALID_ARGUMENT,
           absl::StrCat("tokens must be > 0, got ", request->tokens()));
     }
-    absl::Status s = local_->Reserve(request->session(), request->tokens());
-    if (!s.ok()) return ToGrpc(s);
+    absl::StatusOr<bool> dropped = local_->Reserve(
+        request->session(), request->tokens(), request->kv_tokens());
+    if (!dropped.ok()) return ToGrpc(dropped.status());
     response->set_used_bytes(int64_t(local_->used_bytes()));
+    response->set_kv_dropped(*dropped);
     return grpc::Status::OK;
   }
 
@@ -320,6 +326,7 @@ class GpuNodeService final : public cluster::GpuNode::Service {
     const DecodeStats s = loop_->stats();
     (*stats)["steps"] = double(s.steps);
     (*stats)["failed_steps"] = double(s.failed_steps);
+    (*stats)["failed_requests"] = double(s.failed_requests);
     (*stats)["tokens_prefilled"] = double(s.tokens_prefilled);
     (*stats)["tokens_decoded"] = double(s.tokens_decoded);
     (*stats)["tokens_generated"] = double(s.tokens_generated);
@@ -339,6 +346,7 @@ class GpuNodeService final : public cluster::GpuNode::Service {
       (*stats)["data_bytes_sent"] = double(backend_->bytes_sent());
       (*stats)["data_bytes_received"] = double(backend_->bytes_received());
       (*stats)["frames_invalid"] = double(backend_->frames_invalid());
+      for (const auto& [k, v] : backend_->Counters()) (*stats)[k] = v;
     }
     if (experts_ != nullptr) {
       experts_->ExportTo(stats);
@@ -359,6 +367,7 @@ class GpuNodeService final : public cluster::GpuNode::Service {
 
  private:
   LinkEmulator* links_ = nullptr;
+  std::atomic<uint32_t> node_id_{0};
   const GpuNodeOptions* const options_;
   ModelRunner* const runner_;
   absl::Mutex set_peers_mu_;  // one SetPeers at a time
@@ -576,6 +585,7 @@ absl::StatusOr<std::unique_ptr<GpuNodeDaemon>> GpuNodeDaemon::Start(
     // dropped this node; the sessions whose KV is here are no longer counted
     // by it (DESIGN.md §7: their KV is rebuilt where they are placed next),
     // so their pages go now, before the registration lets it place new ones.
+    if (impl->registered_once.load()) impl->service->set_node_id(0);
     if (impl->local != nullptr && impl->registered_once.load()) {
       const int freed = impl->local->FreeAll();
       if (freed > 0) {
@@ -606,6 +616,7 @@ absl::StatusOr<std::unique_ptr<GpuNodeDaemon>> GpuNodeDaemon::Start(
   };
   reg.on_registered = [impl](uint32_t id) {
     impl->registered_once = true;
+    impl->service->set_node_id(id);
     if (impl->backend) impl->backend->set_node_id(id);
     impl->SetNodeId(id);
     KLOG(Info, "gpu_node") << "ready: " << impl->options.name

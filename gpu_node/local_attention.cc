@@ -30,19 +30,27 @@ size_t GpuLocalAttention::BytesFor(int tokens) const {
   return pages * l.page_bytes * size_t(l.num_layers);
 }
 
-absl::Status GpuLocalAttention::Reserve(uint64_t session, int tokens) {
+absl::StatusOr<bool> GpuLocalAttention::Reserve(uint64_t session, int tokens,
+                                                int kv_tokens) {
   absl::MutexLock lock(&mu_);
   const bool known = reserved_.contains(session);
   absl::Status s = local_.Reserve(session, tokens);
   if (!s.ok()) {
     if (!known) local_.Drop(session);
+    if (BytesFor(tokens) > capacity_) {
+      return absl::OutOfRangeError(absl::StrCat(
+          "the GPU rank's memory left for KV (", capacity_,
+          " bytes) cannot hold ", tokens, " positions (", BytesFor(tokens),
+          " bytes) even with no other session"));
+    }
     return absl::ResourceExhaustedError(absl::StrCat(
         "the GPU rank's memory left for KV (", capacity_,
         " bytes) cannot hold ", tokens, " more positions: ", s.message()));
   }
   int& r = reserved_[session];
   r = std::max(r, tokens);
-  return absl::OkStatus();
+  if (kv_tokens < 0) return false;
+  return !local_.Truncate(session, kv_tokens);
 }
 
 void GpuLocalAttention::Free(uint64_t session) {

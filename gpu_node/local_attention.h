@@ -30,8 +30,13 @@ class GpuLocalAttention : public StepBackend {
       int tokens_per_page, size_t capacity_bytes);
 
   // Room for `tokens` positions of `session` (all or nothing):
-  // RESOURCE_EXHAUSTED when the HBM left for KV cannot hold them.
-  absl::Status Reserve(uint64_t session, int tokens);
+  // RESOURCE_EXHAUSTED when the HBM left for KV cannot hold them now,
+  // OUT_OF_RANGE when it could not even empty. `kv_tokens` >= 0 cuts what
+  // the session stores beyond that many positions (a failed turn's
+  // leftovers: KaratNode.Reserve); the result says whether the session's
+  // KV had to be dropped whole instead (LocalAttentionBackend::Truncate).
+  absl::StatusOr<bool> Reserve(uint64_t session, int tokens,
+                               int kv_tokens = -1);
   void Free(uint64_t session);
   // Frees every session; returns how many there were.
   int FreeAll();

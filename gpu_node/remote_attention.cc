@@ -1,5 +1,6 @@
 #include "gpu_node/remote_attention.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <memory>
@@ -14,6 +15,8 @@
 #include "absl/synchronization/mutex.h"
 #include "common/frame.h"
 #include "common/log.h"
+#include "common/log_limiter.h"
+#include "common/rto_estimator.h"
 #include "common/status_macros.h"
 
 namespace karat {
@@ -43,18 +46,18 @@ struct RemoteAttentionBackend::Impl {
   void OnMessage(std::string_view message, PeerId from);
   absl::StatusOr<PeerId> EnsurePeer(const cluster::KaratPlacement& p);
   void MarkNotReady(const std::string& fabric_address);
-  // Sends one request frame of a layer without waiting for its completion;
-  // a send that fails later fails the segment's slot (`key`) and wakes the
-  // layer's wait with the error a refused send returns here.
   using Key = std::tuple<uint32_t, uint64_t, uint32_t,
                          uint64_t>;  // micro-batch, step, layer, session
-  absl::Status Send(int mb, PeerId peer, const std::string& node,
-                    const FrameHeader& header,
-                    const std::vector<std::string_view>& sections,
-                    const Key& key);
+  // Sends (again) the request frames of the segment awaited as `key`
+  // without waiting for their completions. A send the link refuses
+  // (UNAVAILABLE: down, or the peer's endpoint not there) is left to the
+  // retransmission timer; any other refusal fails the segment.
+  void SendSlot(const Key& key);
   absl::Status RunLayer(int mb, WaitHooks* hooks, int layer,
                         const std::vector<Segment>& segs,
                         LayerTraffic* traffic);
+  // The frame buffer for a new frame of micro-batch `mb` (see RunLayer).
+  std::shared_ptr<std::string> Buffer(int mb);
 
   class View : public AttentionBackend {
    public:
@@ -81,6 +84,11 @@ struct RemoteAttentionBackend::Impl {
   std::atomic<uint64_t> bytes_sent{0};
   std::atomic<uint64_t> bytes_received{0};
   std::atomic<uint64_t> frames_invalid{0};
+  std::atomic<uint64_t> retransmits{0};
+  std::atomic<uint64_t> resend_requests{0};
+  std::atomic<uint64_t> stale_answers{0};
+  std::atomic<uint64_t> segments_failed{0};
+  LogLimiter log_limiter{absl::Seconds(10)};
 
   struct Peer {
     PeerId id = kUnknownPeer;
@@ -95,14 +103,18 @@ struct RemoteAttentionBackend::Impl {
       0;  // id_generation the peers were greeted with
   uint64_t hello_nonce ABSL_GUARDED_BY(peers_mu) = 0;
   // Written by the decode loop between steps, read during steps.
-  absl::flat_hash_map<uint64_t, cluster::KaratPlacement> placements;
+  struct Placement {
+    cluster::KaratPlacement where;
+    uint64_t turn_epoch = 0;
+  };
+  absl::flat_hash_map<uint64_t, Placement> placements;
   std::atomic<uint64_t> step{0};
   // Per micro-batch: the last layer run, and the frame encoding buffers
-  // (see Send()).
+  // (see Buffer()).
   int last_layer[2] = {-1, -1};
   std::vector<std::shared_ptr<std::string>> buffers[2];
 
-  // Shared with the receive handler.
+  // Shared with the receive handler and the send callbacks.
   struct Slot {
     float* out = nullptr;
     size_t expected_bytes = 0;
@@ -111,21 +123,43 @@ struct RemoteAttentionBackend::Impl {
     int mb = 0;
     bool done = false;
     absl::Status status;
+    // Retransmission: the request frames, where they go, when they were
+    // first sent, how often, and when they go again.
+    PeerId peer = kUnknownPeer;
+    std::vector<std::shared_ptr<std::string>> frames;
+    bool decode = true;  // estimator class: a decode-sized segment
+    absl::Time first_sent;
+    int sends = 0;
+    absl::Time resend_at = absl::InfiniteFuture();
   };
   absl::Mutex mu;
   absl::flat_hash_map<Key, Slot> pending ABSL_GUARDED_BY(mu);
   int outstanding[2] ABSL_GUARDED_BY(mu) = {0, 0};
-  bool failed[2] ABSL_GUARDED_BY(mu) = {false, false};
+  // Set when a slot of the micro-batch is due for a resend before its
+  // timer (its device asked for it): wakes the wait.
+  bool resend_due[2] ABSL_GUARDED_BY(mu) = {false, false};
   bool aborted ABSL_GUARDED_BY(mu) = false;
   absl::flat_hash_set<uint64_t> hello_waiting ABSL_GUARDED_BY(mu);
   absl::flat_hash_set<uint64_t> hello_acked ABSL_GUARDED_BY(mu);
-  // Ends an awaited output with `status` and fails its micro-batch's wait.
+  // Answer-time estimates per KARAT node address, [decode, prefill].
+  struct Estimators {
+    explicit Estimators(const RemoteAttentionOptions& o)
+        : e{RtoEstimator(o.rto_initial_decode, o.rto_min, o.rto_max),
+            RtoEstimator(o.rto_initial_prefill, o.rto_min, o.rto_max)} {}
+    RtoEstimator e[2];
+  };
+  absl::flat_hash_map<std::string, Estimators> rto ABSL_GUARDED_BY(mu);
+  RtoEstimator& RtoFor(const Slot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    auto it = rto.try_emplace(slot.address, options).first;
+    return it->second.e[slot.decode ? 0 : 1];
+  }
+  // Ends an awaited output with `status`.
   void FailSlotLocked(Slot* slot, absl::Status status)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (slot->done) return;
     slot->done = true;
     slot->status = std::move(status);
     --outstanding[slot->mb];
-    failed[slot->mb] = true;
   }
   // Frames sent whose outcome the transport has not reported yet.
   int sends_in_flight ABSL_GUARDED_BY(mu) = 0;
@@ -137,9 +171,12 @@ void RemoteAttentionBackend::Impl::OnMessage(std::string_view message,
   absl::StatusOr<FrameView> frame = DecodeFrame(message);
   if (!frame.ok()) {
     frames_invalid.fetch_add(1);
-    KLOG(Warning, "gpu_node")
-        << "dropping an invalid frame of " << message.size() << " bytes from "
-        << transport->PeerName(from) << ": " << frame.status().message();
+    const std::string peer = transport->PeerName(from);
+    if (const int64_t held = log_limiter.Admit("invalid/" + peer); held >= 0) {
+      KLOG(Warning, "gpu_node")
+          << "dropping an invalid frame of " << message.size() << " bytes from "
+          << peer << ": " << frame.status().message() << HeldBackNote(held);
+    }
     return;
   }
   const FrameHeader& h = frame->header;
@@ -151,98 +188,133 @@ void RemoteAttentionBackend::Impl::OnMessage(std::string_view message,
   }
   if (type != FrameType::kAttnOut && type != FrameType::kError) {
     frames_invalid.fetch_add(1);
-    KLOG(Warning, "gpu_node")
-        << "unexpected " << FrameTypeName(h.type) << " frame from node "
-        << h.src_node << " (" << transport->PeerName(from) << ")";
+    if (const int64_t held =
+            log_limiter.Admit(absl::StrCat("unexpected/", h.src_node));
+        held >= 0) {
+      KLOG(Warning, "gpu_node")
+          << "unexpected " << FrameTypeName(h.type) << " frame from node "
+          << h.src_node << " (" << transport->PeerName(from) << ")"
+          << HeldBackNote(held);
+    }
     return;
   }
   auto it = pending.find(Key{h.micro_batch, h.step, h.layer, h.session});
   if (it == pending.end() || it->second.done) {
+    // The answer to a copy sent again, or to a segment given up on.
+    stale_answers.fetch_add(1);
     KLOG(Debug, "gpu_node")
         << "session=" << h.session << " stale " << FrameTypeName(h.type)
         << " (step " << h.step << ", layer " << h.layer << ") dropped";
     return;
   }
   Slot& slot = it->second;
-  slot.done = true;
-  --outstanding[slot.mb];
   if (type == FrameType::kError) {
+    const absl::StatusCode code = StatusCodeFromWire(h.status);
+    if (code == absl::StatusCode::kAborted) {
+      // The device lacked the segment's index keys (lost on the way): send
+      // both frames again now.
+      resend_requests.fetch_add(1);
+      slot.resend_at = absl::InfinitePast();
+      resend_due[slot.mb] = true;
+      return;
+    }
     const std::string_view text =
         h.n_sections > 0 ? frame->sections[0] : std::string_view();
-    slot.status = absl::Status(
-        StatusCodeFromWire(h.status),
-        absl::StrCat("KARAT node ", slot.node, ": ", std::string(text)));
-    failed[slot.mb] = true;
-  } else if (h.n_sections != 1 ||
-             frame->sections[0].size() != slot.expected_bytes) {
-    slot.status = absl::DataLossError(
-        absl::StrCat("KARAT node ", slot.node, " sent an attention output of ",
-                     h.n_sections > 0 ? frame->sections[0].size() : 0,
-                     " bytes; expected ", slot.expected_bytes));
-    failed[slot.mb] = true;
-  } else {
-    std::memcpy(slot.out, frame->sections[0].data(), slot.expected_bytes);
+    FailSlotLocked(&slot, absl::Status(code, absl::StrCat("KARAT node ",
+                                                          slot.node, ": ",
+                                                          std::string(text))));
+    return;
   }
+  if (h.n_sections != 1 || frame->sections[0].size() != slot.expected_bytes) {
+    FailSlotLocked(
+        &slot, absl::DataLossError(absl::StrCat(
+                   "KARAT node ", slot.node, " sent an attention output of ",
+                   h.n_sections > 0 ? frame->sections[0].size() : 0,
+                   " bytes; expected ", slot.expected_bytes)));
+    return;
+  }
+  std::memcpy(slot.out, frame->sections[0].data(), slot.expected_bytes);
+  // Only an answer to frames sent once times the node (Karn).
+  if (slot.sends == 1) RtoFor(slot).Sample(absl::Now() - slot.first_sent);
+  slot.done = true;
+  --outstanding[slot.mb];
 }
 
-absl::Status RemoteAttentionBackend::Impl::Send(
-    int mb, PeerId peer, const std::string& node, const FrameHeader& header,
-    const std::vector<std::string_view>& sections, const Key& key) {
+std::shared_ptr<std::string> RemoteAttentionBackend::Impl::Buffer(int mb) {
   // Frames are encoded into reused buffers, one per frame in flight. The
   // transport holds a buffer until the provider is done with it (even past
-  // a failed send); a buffer is rewritten only once this is again its only
+  // a failed send), and a segment awaiting its answer holds its frames for
+  // resends; a buffer is rewritten only once the pool is again its only
   // owner, and a new one joins the pool otherwise.
   std::vector<std::shared_ptr<std::string>>& pool = buffers[mb];
-  std::shared_ptr<std::string>* buffer = nullptr;
   for (std::shared_ptr<std::string>& b : pool) {
     if (b.use_count() == 1) {
-      buffer = &b;
-      break;
+      // Pairs with the transport's release of its reference, so that the
+      // provider's reads of the old bytes happen before the rewrite.
+      std::atomic_thread_fence(std::memory_order_acquire);
+      return b;
     }
   }
   // Beyond this many frames in flight, further buffers are not kept.
   constexpr size_t kMaxPooledBuffers = 64;
-  std::shared_ptr<std::string> fresh;
-  if (buffer != nullptr) {
-    // Pairs with the transport's release of its reference, so that the
-    // provider's reads of the old bytes happen before the rewrite.
-    std::atomic_thread_fence(std::memory_order_acquire);
-  } else if (pool.size() < kMaxPooledBuffers) {
-    pool.push_back(std::make_shared<std::string>());
-    buffer = &pool.back();
-  } else {
-    fresh = std::make_shared<std::string>();
-    buffer = &fresh;
-  }
-  EncodeFrame(header, sections, buffer->get());
-  const size_t size = (*buffer)->size();
-  const std::string prefix =
-      absl::StrCat("cannot send ", FrameTypeName(header.type),
-                   " to KARAT node ", node, ": ");
+  auto fresh = std::make_shared<std::string>();
+  if (pool.size() < kMaxPooledBuffers) pool.push_back(fresh);
+  return fresh;
+}
+
+void RemoteAttentionBackend::Impl::SendSlot(const Key& key) {
+  PeerId peer;
+  std::vector<std::shared_ptr<std::string>> frames;
+  std::string node;
   {
     absl::MutexLock lock(&mu);
-    ++sends_in_flight;
+    auto it = pending.find(key);
+    if (it == pending.end() || it->second.done) return;
+    Slot& slot = it->second;
+    peer = slot.peer;
+    frames = slot.frames;
+    node = slot.node;
+    const absl::Time now = absl::Now();
+    if (slot.sends == 0) slot.first_sent = now;
+    ++slot.sends;
+    if (slot.sends > 1) retransmits.fetch_add(1);
+    slot.resend_at = now + RtoFor(slot).Backoff(slot.sends);
+    sends_in_flight += int(frames.size());
   }
-  // The transport reads a large frame in place and copies a small one
-  // (FabricOptions::zero_copy_threshold). The callback runs on a transport
-  // thread (or here, before the call returns).
-  absl::Status s = transport->SendSharedAsync(
-      peer, *buffer, [this, key, prefix](absl::Status status) {
-        absl::MutexLock lock(&mu);
-        --sends_in_flight;
-        if (status.ok()) return;
-        auto it = pending.find(key);
-        if (it == pending.end() || it->second.done) return;  // answered
-        FailSlotLocked(&it->second, absl::UnavailableError(absl::StrCat(
-                                        prefix, status.message())));
-      });
-  if (!s.ok()) {
+  for (const std::shared_ptr<std::string>& frame : frames) {
+    const std::string prefix =
+        absl::StrCat("cannot send ", FrameTypeName(PeekFrameType(*frame)),
+                     " to KARAT node ", node, ": ");
+    // The transport reads a large frame in place and copies a small one
+    // (FabricOptions::zero_copy_threshold). The callback runs on a transport
+    // thread (or here, before the call returns).
+    const size_t size = frame->size();
+    absl::Status s = transport->SendSharedAsync(
+        peer, frame, [this, key, prefix](absl::Status status) {
+          absl::MutexLock lock(&mu);
+          --sends_in_flight;
+          // The link refused it for now: the timer sends it again.
+          if (status.ok() || absl::IsUnavailable(status) ||
+              absl::IsDeadlineExceeded(status))
+            return;
+          auto it = pending.find(key);
+          if (it == pending.end()) return;
+          FailSlotLocked(&it->second, absl::UnavailableError(absl::StrCat(
+                                          prefix, status.message())));
+        });
+    if (s.ok()) {
+      bytes_sent.fetch_add(size);
+      continue;
+    }
     absl::MutexLock lock(&mu);
     --sends_in_flight;
-    return absl::UnavailableError(absl::StrCat(prefix, s.message()));
+    if (absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s)) continue;
+    auto it = pending.find(key);
+    if (it != pending.end())
+      FailSlotLocked(&it->second,
+                     absl::UnavailableError(absl::StrCat(prefix, s.message())));
+    return;
   }
-  bytes_sent.fetch_add(size);
-  return absl::OkStatus();
 }
 
 void RemoteAttentionBackend::Impl::MarkNotReady(
@@ -278,26 +350,36 @@ absl::StatusOr<PeerId> RemoteAttentionBackend::Impl::EnsurePeer(
   // may be sending with its buffer meanwhile.
   std::string hello;
   EncodeFrame(header, {address}, &hello);
-  absl::Status sent = transport->Send(peer.id, hello.data(), hello.size());
-  if (!sent.ok()) {
-    sent = absl::UnavailableError(absl::StrCat(
-        "cannot send Hello to KARAT node ", peer.name, ": ", sent.message()));
-  }
+  // Sent again, the wait doubling, until answered or the timeout: a lost
+  // Hello or HelloAck, or a link down for a while, only delays it.
+  const absl::Time deadline = absl::Now() + options.timeout;
+  absl::Duration wait = options.rto_initial_decode;
+  absl::Status sent;
   bool acked = false;
+  while (!acked) {
+    sent = transport->Send(peer.id, hello.data(), hello.size());
+    if (!sent.ok()) {
+      sent = absl::UnavailableError(absl::StrCat(
+          "cannot send Hello to KARAT node ", peer.name, ": ", sent.message()));
+    }
+    absl::MutexLock lock(&mu);
+    auto done = [this, nonce]() ABSL_SHARED_LOCKS_REQUIRED(mu) {
+      return hello_acked.contains(nonce) || aborted;
+    };
+    const absl::Time until = std::min(absl::Now() + wait, deadline);
+    mu.AwaitWithDeadline(absl::Condition(&done), until);
+    acked = hello_acked.contains(nonce);
+    if (acked || aborted || absl::Now() >= deadline) break;
+    if (!sent.ok() && !absl::IsUnavailable(sent)) break;
+    wait = std::min(wait * 2, options.rto_max);
+  }
   {
     absl::MutexLock lock(&mu);
-    if (sent.ok()) {
-      auto done = [this, nonce]() ABSL_SHARED_LOCKS_REQUIRED(mu) {
-        return hello_acked.contains(nonce) || aborted;
-      };
-      mu.AwaitWithTimeout(absl::Condition(&done), options.timeout);
-      acked = hello_acked.contains(nonce);
-    }
     hello_waiting.erase(nonce);
     hello_acked.erase(nonce);
   }
-  RETURN_IF_ERROR(sent);
   if (!acked) {
+    RETURN_IF_ERROR(sent);
     return absl::UnavailableError(absl::StrCat(
         "KARAT node ", peer.name, " did not answer the handshake within ",
         absl::ToInt64Milliseconds(options.timeout), " ms"));
@@ -342,8 +424,9 @@ void RemoteAttentionBackend::set_node_id(uint32_t id) {
 }
 
 void RemoteAttentionBackend::SetPlacement(
-    uint64_t session, const cluster::KaratPlacement& placement) {
-  impl_->placements[session] = placement;
+    uint64_t session, const cluster::KaratPlacement& placement,
+    uint64_t turn_epoch) {
+  impl_->placements[session] = Impl::Placement{placement, turn_epoch};
 }
 
 void RemoteAttentionBackend::ClearPlacement(uint64_t session) {
@@ -403,6 +486,23 @@ uint64_t RemoteAttentionBackend::frames_invalid() const {
   return impl_->frames_invalid.load();
 }
 
+std::map<std::string, double> RemoteAttentionBackend::Counters() const {
+  std::map<std::string, double> c;
+  c["attention_retransmits"] = double(impl_->retransmits.load());
+  c["attention_resend_requests"] = double(impl_->resend_requests.load());
+  c["attention_stale_answers"] = double(impl_->stale_answers.load());
+  c["attention_segments_failed"] = double(impl_->segments_failed.load());
+  c["log_lines_held_back"] = double(impl_->log_limiter.held_back());
+  double rto_ms = 0;
+  {
+    absl::MutexLock lock(&impl_->mu);
+    for (const auto& [address, e] : impl_->rto)
+      rto_ms = std::max(rto_ms, absl::ToDoubleMilliseconds(e.e[0].rto()));
+  }
+  c["attention_rto_ms"] = rto_ms;
+  return c;
+}
+
 absl::Status RemoteAttentionBackend::RunLayer(int layer,
                                               const std::vector<Segment>& segs,
                                               LayerTraffic* traffic) {
@@ -424,73 +524,84 @@ absl::Status RemoteAttentionBackend::Impl::RunLayer(
     if (m.aborted)
       return absl::UnavailableError("the GPU node is shutting down");
   }
+  // A segment's failure is its own (LayerTraffic::failed) when the caller
+  // sized `failed`; otherwise it fails the layer.
+  const bool isolate = traffic->failed.size() == segs.size();
+  auto out_floats = [&](size_t i) {
+    return segs[i].tokens.size() * size_t(s.heads) * size_t(s.out_dim);
+  };
+  auto fail_segment = [&](size_t i, const absl::Status& st) {
+    m.segments_failed.fetch_add(1);
+    if (!isolate) return st;
+    traffic->failed[i] = st;
+    float* out = traffic->OutFor(int(i), s);
+    std::fill(out, out + out_floats(i), 0.0f);
+    return absl::OkStatus();
+  };
 
-  std::vector<PeerId> peers(segs.size());
-  std::vector<const cluster::KaratPlacement*> homes(segs.size());
+  // The segments to send: placed, their node greeted.
+  std::vector<size_t> live;
+  std::vector<PeerId> peers(segs.size(), kUnknownPeer);
+  std::vector<const Placement*> homes(segs.size(), nullptr);
   for (size_t i = 0; i < segs.size(); ++i) {
+    if (isolate && !traffic->failed[i].ok()) continue;  // an earlier layer
     auto it = m.placements.find(segs[i].session);
+    absl::Status st;
     if (it == m.placements.end()) {
-      return absl::FailedPreconditionError(
+      st = absl::FailedPreconditionError(
           absl::StrCat("session ", segs[i].session, " has no KARAT placement"));
+    } else {
+      homes[i] = &it->second;
+      absl::StatusOr<PeerId> peer = m.EnsurePeer(it->second.where);
+      if (peer.ok()) {
+        peers[i] = *peer;
+      } else {
+        st = peer.status();
+      }
     }
-    homes[i] = &it->second;
-    ASSIGN_OR_RETURN(peers[i], m.EnsurePeer(*homes[i]));
+    if (st.ok()) {
+      live.push_back(i);
+      continue;
+    }
+    RETURN_IF_ERROR(fail_segment(i, st));
   }
 
   auto key = [&](size_t i) {
     return Impl::Key{uint32_t(mb), step, uint32_t(layer), segs[i].session};
   };
-  {
-    absl::MutexLock lock(&m.mu);
-    m.failed[mb] = false;
-    m.outstanding[mb] = 0;
-    for (size_t i = 0; i < segs.size(); ++i) {
-      Impl::Slot slot;
-      slot.out = traffic->OutFor(int(i), s);
-      slot.expected_bytes = segs[i].tokens.size() * size_t(s.heads) *
-                            size_t(s.out_dim) * sizeof(float);
-      slot.node = NodeName(*homes[i]);
-      slot.address = homes[i]->fabric_address();
-      slot.mb = mb;
-      if (m.pending.emplace(key(i), std::move(slot)).second) {
-        ++m.outstanding[mb];
-      }
-    }
-  }
-  auto clear_pending = [&] {
-    absl::MutexLock lock(&m.mu);
-    for (size_t i = 0; i < segs.size(); ++i) m.pending.erase(key(i));
-    m.outstanding[mb] = 0;
-  };
-
   // The projections are done (on the emulated GPU) before they are sent.
-  if (hooks != nullptr) hooks->BeforeSend();
-  for (size_t i = 0; i < segs.size(); ++i) {
-    const size_t n = segs[i].tokens.size();
-    FrameHeader header;
-    header.src_node = m.node_id.load();
-    header.layer = uint32_t(layer);
-    header.micro_batch = uint32_t(mb);
-    header.device = uint32_t(homes[i]->device());
-    header.step = step;
-    header.session = segs[i].session;
-    header.pos_start = uint32_t(segs[i].pos_start);
-    header.n_tokens = uint32_t(n);
-    const std::string node = NodeName(*homes[i]);
-    absl::Status sent;
-    if (traffic->has_indexer) {
-      const IndexInputs in = traffic->IndexFor(int(i), s);
-      const size_t hi = s.index_heads, di = s.index_dim;
-      header.type = static_cast<uint16_t>(FrameType::kIndexQK);
-      sent = m.Send(mb, peers[i], node, header,
+  if (hooks != nullptr && !live.empty()) hooks->BeforeSend();
+  // Each segment's request frames, encoded once and kept for resends.
+  {
+    std::vector<Impl::Slot> slots(live.size());
+    for (size_t j = 0; j < live.size(); ++j) {
+      const size_t i = live[j];
+      const size_t n = segs[i].tokens.size();
+      const cluster::KaratPlacement& where = homes[i]->where;
+      FrameHeader header;
+      header.src_node = m.node_id.load();
+      header.layer = uint32_t(layer);
+      header.micro_batch = uint32_t(mb);
+      header.device = uint32_t(where.device());
+      header.step = step;
+      header.session = segs[i].session;
+      header.turn = homes[i]->turn_epoch;
+      header.pos_start = uint32_t(segs[i].pos_start);
+      header.n_tokens = uint32_t(n);
+      Impl::Slot& slot = slots[j];
+      if (traffic->has_indexer) {
+        const IndexInputs in = traffic->IndexFor(int(i), s);
+        const size_t hi = s.index_heads, di = s.index_dim;
+        header.type = static_cast<uint16_t>(FrameType::kIndexQK);
+        slot.frames.push_back(m.Buffer(mb));
+        EncodeFrame(header,
                     {SectionBytes(in.q_codes, n * hi * di),
                      SectionBytes(in.q_scales, n * hi * sizeof(float)),
                      SectionBytes(in.weights, n * hi * sizeof(float)),
                      SectionBytes(in.k_codes, n * di),
                      SectionBytes(in.k_scales, n * sizeof(float))},
-                    key(i));
-    }
-    if (sent.ok()) {
+                    slot.frames.back().get());
+      }
       const AttnInputs in = traffic->AttnFor(int(i), s);
       header.type = static_cast<uint16_t>(FrameType::kAttnQKV);
       std::vector<std::string_view> sections = {
@@ -504,51 +615,98 @@ absl::Status RemoteAttentionBackend::Impl::RunLayer(
       if (segs[i].ends_prefill && s.kv_heads > 0) {
         sections.push_back(SectionBytes(&kEndsPrefill, sizeof(kEndsPrefill)));
       }
-      sent = m.Send(mb, peers[i], node, header, sections, key(i));
+      slot.frames.push_back(m.Buffer(mb));
+      EncodeFrame(header, sections, slot.frames.back().get());
+      slot.out = traffic->OutFor(int(i), s);
+      slot.expected_bytes = out_floats(i) * sizeof(float);
+      slot.node = NodeName(where);
+      slot.address = where.fabric_address();
+      slot.mb = mb;
+      slot.peer = peers[i];
+      slot.decode = n <= 4;
     }
-    if (!sent.ok()) {
-      clear_pending();
-      m.MarkNotReady(homes[i]->fabric_address());
-      return sent;
+    absl::MutexLock lock(&m.mu);
+    m.outstanding[mb] = 0;
+    m.resend_due[mb] = false;
+    for (size_t j = 0; j < live.size(); ++j) {
+      if (m.pending.emplace(key(live[j]), std::move(slots[j])).second)
+        ++m.outstanding[mb];
     }
   }
+  for (size_t i : live) m.SendSlot(key(i));
 
+  // Waits for every output; resends what is due; gives up on a segment at
+  // the deadline.
+  const absl::Time deadline = absl::Now() + m.options.timeout;
   absl::Status result;
   if (hooks != nullptr) hooks->BeforeWait();
+  for (;;) {
+    std::vector<Impl::Key> due;
+    {
+      absl::MutexLock lock(&m.mu);
+      absl::Time wake = deadline;
+      for (size_t i : live) {
+        const Impl::Slot& slot = m.pending[key(i)];
+        if (!slot.done) wake = std::min(wake, slot.resend_at);
+      }
+      auto ready = [&m, mb]() ABSL_SHARED_LOCKS_REQUIRED(m.mu) {
+        return m.outstanding[mb] == 0 || m.aborted || m.resend_due[mb];
+      };
+      m.mu.AwaitWithDeadline(absl::Condition(&ready), wake);
+      m.resend_due[mb] = false;
+      if (m.aborted) {
+        result = absl::UnavailableError("the GPU node is shutting down");
+        break;
+      }
+      if (m.outstanding[mb] == 0) break;
+      const absl::Time now = absl::Now();
+      for (size_t i : live) {
+        Impl::Slot& slot = m.pending[key(i)];
+        if (slot.done) continue;
+        if (now >= deadline) {
+          m.FailSlotLocked(
+              &slot,
+              absl::UnavailableError(absl::StrCat(
+                  "no attention output from KARAT node ", slot.node,
+                  " for session ", segs[i].session, " layer ", layer,
+                  " within ", absl::ToInt64Milliseconds(m.options.timeout),
+                  " ms (sent ", slot.sends, " times)")));
+        } else if (now >= slot.resend_at) {
+          due.push_back(key(i));
+        }
+      }
+      if (m.outstanding[mb] == 0) break;
+    }
+    for (const Impl::Key& k : due) m.SendSlot(k);
+  }
+  // Collect the outcomes.
+  std::vector<absl::Status> outcome(segs.size());
   {
     absl::MutexLock lock(&m.mu);
-    auto done = [&m, mb]() ABSL_SHARED_LOCKS_REQUIRED(m.mu) {
-      return m.outstanding[mb] == 0 || m.failed[mb] || m.aborted;
-    };
-    m.mu.AwaitWithTimeout(absl::Condition(&done), m.options.timeout);
-    if (m.aborted)
-      result = absl::UnavailableError("the GPU node is shutting down");
-    for (size_t i = 0; i < segs.size() && result.ok(); ++i) {
-      const Impl::Slot& slot = m.pending[key(i)];
-      if (!slot.status.ok()) {
-        result = slot.status;
-      } else if (!slot.done && !m.failed[mb]) {
-        result = absl::UnavailableError(absl::StrCat(
-            "no attention output from KARAT node ", slot.node, " for session ",
-            segs[i].session, " layer ", layer, " within ",
-            absl::ToInt64Milliseconds(m.options.timeout), " ms"));
-      }
+    for (size_t i : live) {
+      auto it = m.pending.find(key(i));
+      if (result.ok()) outcome[i] = it->second.status;
+      m.pending.erase(it);
     }
-    for (size_t i = 0; i < segs.size(); ++i) m.pending.erase(key(i));
     m.outstanding[mb] = 0;
   }
   if (hooks != nullptr) hooks->AfterWait();
-  if (!result.ok()) {
+  if (!result.ok()) return result;
+  for (size_t i : live) {
+    if (outcome[i].ok()) continue;
     // A node that stopped answering gets a fresh handshake next time.
-    if (absl::IsUnavailable(result)) {
-      for (size_t i = 0; i < segs.size(); ++i) {
-        m.MarkNotReady(homes[i]->fabric_address());
-      }
+    if (absl::IsUnavailable(outcome[i]))
+      m.MarkNotReady(homes[i]->where.fabric_address());
+    if (const int64_t held = m.log_limiter.Admit(
+            absl::StrCat("segment/", int(outcome[i].code())));
+        held >= 0) {
+      KLOG(Warning, "gpu_node")
+          << "session=" << segs[i].session << " layer " << layer << " of step "
+          << step << " failed: " << outcome[i] << HeldBackNote(held);
     }
-    KLOG(Warning, "gpu_node")
-        << "layer " << layer << " of step " << step << " failed: " << result;
+    RETURN_IF_ERROR(fail_segment(i, outcome[i]));
   }
-  return result;
+  return absl::OkStatus();
 }
 
 }  // namespace karat

@@ -10,7 +10,9 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -25,9 +27,21 @@
 namespace karat {
 
 struct RemoteAttentionOptions {
-  // Bound on a handshake and on waiting for a layer's outputs; past it the
-  // layer fails with UNAVAILABLE naming the KARAT node.
+  // Bound on a handshake and on waiting for a segment's attention output,
+  // however often its frames were resent; past it the segment fails with
+  // UNAVAILABLE naming the KARAT node (a link down for less stalls the
+  // segment for about as long; README "Data plane", lossy links).
   absl::Duration timeout = absl::Seconds(30);
+  // Retransmission (common/rto_estimator.h): a segment whose output has not
+  // come back within the RTO of its KARAT node is sent again (its index and
+  // attention frames), the wait doubling per resend. The RTO is estimated
+  // per node from the answers to frames sent once, apart for decode-sized
+  // segments and for longer ones (prefill chunks), starting from these
+  // values; clamped to [rto_min, rto_max].
+  absl::Duration rto_initial_decode = absl::Milliseconds(50);
+  absl::Duration rto_initial_prefill = absl::Seconds(1);
+  absl::Duration rto_min = absl::Milliseconds(2);
+  absl::Duration rto_max = absl::Seconds(1);
 };
 
 // Thread safety: SetPlacement, ClearPlacement and BeginStep are called from
@@ -47,8 +61,8 @@ class RemoteAttentionBackend : public StepBackend {
   // This node's id (from registration), sent as src_node.
   void set_node_id(uint32_t id);
 
-  void SetPlacement(uint64_t session,
-                    const cluster::KaratPlacement& placement) override;
+  void SetPlacement(uint64_t session, const cluster::KaratPlacement& placement,
+                    uint64_t turn_epoch) override;
   void ClearPlacement(uint64_t session) override;
   void BeginStep() override;
   // Micro-batch 0 without wait hooks.
@@ -77,6 +91,12 @@ class RemoteAttentionBackend : public StepBackend {
   uint64_t bytes_sent() const;
   uint64_t bytes_received() const;
   uint64_t frames_invalid() const;
+  // attention_retransmits (segments sent again), attention_resend_requests
+  // (a KARAT device asked for the index keys again), attention_stale_answers
+  // (answers to a segment already answered), attention_segments_failed,
+  // attention_rto_ms (the largest decode RTO over the KARAT nodes),
+  // log_lines_held_back.
+  std::map<std::string, double> Counters() const;
 
  private:
   struct Impl;

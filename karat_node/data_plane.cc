@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "common/log_limiter.h"
 #include "common/status_macros.h"
 
 namespace karat {
@@ -66,8 +67,9 @@ void DataPlaneHandler::Stop() {
   for (auto& d : devices_) d->Stop();
 }
 
-absl::StatusOr<int64_t> DataPlaneHandler::Reserve(uint64_t session, int device,
-                                                  int tokens) {
+absl::StatusOr<DataPlaneHandler::Reserved> DataPlaneHandler::Reserve(
+    uint64_t session, int device, int tokens, uint64_t turn_epoch,
+    int kv_tokens) {
   if (device < 0 || device >= num_devices()) {
     return absl::InvalidArgumentError(
         absl::StrCat("device ", device, " does not exist (the node has ",
@@ -86,9 +88,11 @@ absl::StatusOr<int64_t> DataPlaneHandler::Reserve(uint64_t session, int device,
         absl::StrCat("session ", session, " lives on device ", it->second,
                      ", not ", device));
   }
-  RETURN_IF_ERROR(devices_[device]->Reserve(session, tokens));
+  ASSIGN_OR_RETURN(
+      KaratDevice::ReserveResult r,
+      devices_[device]->Reserve(session, tokens, turn_epoch, kv_tokens));
   session_device_[session] = device;
-  return int64_t(devices_[device]->used_bytes());
+  return Reserved{int64_t(devices_[device]->used_bytes()), r.kv_dropped};
 }
 
 absl::Status DataPlaneHandler::FreeSession(uint64_t session) {
@@ -130,6 +134,7 @@ std::map<std::string, double> DataPlaneHandler::Counters() const {
   c["frames_invalid"] = double(frames_invalid_.load());
   c["errors"] = double(errors_.load() + reply_failures_->load());
   c["kv_bytes_ingested"] = double(kv_bytes_ingested_.load());
+  c["log_lines_held_back"] = double(log_limiter_->held_back());
   {
     absl::MutexLock lock(&invalid_mu_);
     for (const auto& [peer, n] : invalid_by_peer_) {
@@ -165,9 +170,13 @@ void DataPlaneHandler::OnMessage(PeerId from, std::string_view message) {
       absl::MutexLock lock(&invalid_mu_);
       ++invalid_by_peer_[peer];
     }
-    KLOG(Warning, "karat_node")
-        << "dropping an invalid frame of " << message.size()
-        << " bytes from peer '" << peer << "': " << frame.status().message();
+    if (const int64_t held = log_limiter_->Admit("invalid/" + peer);
+        held >= 0) {
+      KLOG(Warning, "karat_node")
+          << "dropping an invalid frame of " << message.size()
+          << " bytes from peer '" << peer << "': " << frame.status().message()
+          << HeldBackNote(held);
+    }
     return;
   }
   const FrameHeader& h = frame->header;
@@ -254,8 +263,11 @@ void DataPlaneHandler::HandleData(KaratDevice* device, PeerId from,
   const FrameHeader& h = frame.header;
   std::vector<float> out;
   uint64_t ingested = 0;
-  absl::Status status = device->Process(frame, &out, &ingested);
+  bool skipped = false;
+  absl::Status status = device->Process(frame, &out, &ingested, &skipped);
   kv_bytes_ingested_.fetch_add(ingested);
+  // A stale copy, or an index frame applied before: nothing to answer.
+  if (skipped) return;
   if (!status.ok()) {
     ReplyError(h, status, from);
     return;
@@ -270,11 +282,16 @@ void DataPlaneHandler::HandleData(KaratDevice* device, PeerId from,
 void DataPlaneHandler::ReplyError(const FrameHeader& request,
                                   const absl::Status& status, PeerId from) {
   errors_.fetch_add(1);
-  KLOG(Warning, "karat_node")
-      << "session=" << request.session << " device=" << request.device
-      << " layer=" << request.layer << " from node " << request.src_node
-      << " (peer '" << SenderName(from) << "'): " << FrameTypeName(request.type)
-      << " failed: " << status;
+  const std::string peer = SenderName(from);
+  if (const int64_t held = log_limiter_->Admit(
+          absl::StrCat("error/", peer, "/", int(status.code())));
+      held >= 0) {
+    KLOG(Warning, "karat_node")
+        << "session=" << request.session << " device=" << request.device
+        << " layer=" << request.layer << " from node " << request.src_node
+        << " (peer '" << peer << "'): " << FrameTypeName(request.type)
+        << " failed: " << status << HeldBackNote(held);
+  }
   const std::string text(status.message());
   Reply(request, FrameType::kError, {text},
         static_cast<uint32_t>(status.code()));
@@ -291,9 +308,13 @@ void DataPlaneHandler::Reply(const FrameHeader& request, FrameType type,
   }
   if (peer == kUnknownPeer) {
     errors_.fetch_add(1);
-    KLOG(Warning, "karat_node")
-        << "session=" << request.session << " cannot answer node "
-        << request.src_node << ": no kHello from it";
+    if (const int64_t held = log_limiter_->Admit(
+            absl::StrCat("no-hello/", request.src_node));
+        held >= 0) {
+      KLOG(Warning, "karat_node")
+          << "session=" << request.session << " cannot answer node "
+          << request.src_node << ": no kHello from it" << HeldBackNote(held);
+    }
     return;
   }
   FrameHeader header;
@@ -304,6 +325,7 @@ void DataPlaneHandler::Reply(const FrameHeader& request, FrameType type,
   header.device = request.device;
   header.step = request.step;
   header.session = request.session;
+  header.turn = request.turn;
   header.pos_start = request.pos_start;
   header.n_tokens = request.n_tokens;
   header.status = status_code;
@@ -319,14 +341,26 @@ void DataPlaneHandler::Reply(const FrameHeader& request, FrameType type,
                    FrameTypeName(header.type), " to node ", request.src_node);
   absl::Status sent = transport_->SendSharedAsync(
       peer, std::move(buffer),
-      [failures = reply_failures_, what](absl::Status status) {
+      [failures = reply_failures_, limiter = log_limiter_, what,
+       node = request.src_node](absl::Status status) {
         if (status.ok()) return;
         failures->fetch_add(1);
-        KLOG(Warning, "karat_node") << what << " failed: " << status;
+        if (const int64_t held =
+                limiter->Admit(absl::StrCat("send/", node, "/",
+                                            int(status.code())));
+            held >= 0) {
+          KLOG(Warning, "karat_node")
+              << what << " failed: " << status << HeldBackNote(held);
+        }
       });
   if (!sent.ok()) {
     errors_.fetch_add(1);
-    KLOG(Warning, "karat_node") << what << " failed: " << sent;
+    if (const int64_t held = log_limiter_->Admit(
+            absl::StrCat("send/", request.src_node, "/", int(sent.code())));
+        held >= 0) {
+      KLOG(Warning, "karat_node") << what << " failed: " << sent
+                                  << HeldBackNote(held);
+    }
   }
 }
 

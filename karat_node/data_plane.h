@@ -45,6 +45,7 @@
 #include "absl/synchronization/mutex.h"
 #include "cluster.pb.h"
 #include "common/frame.h"
+#include "common/log_limiter.h"
 #include "common/model_config.h"
 #include "common/transport.h"
 #include "karat_node/karat_device.h"
@@ -89,11 +90,18 @@ class DataPlaneHandler {
   void set_node_id(uint32_t id) { node_id_.store(id); }
   uint32_t node_id() const { return node_id_.load(); }
 
+  struct Reserved {
+    int64_t used_bytes = 0;   // the device's, afterwards
+    bool kv_dropped = false;  // KaratDevice::ReserveResult
+  };
   // KaratNode.Reserve: makes room for `tokens` positions of `session` on
-  // `device` (creating its cache there on first use). A session lives on
-  // one device: naming another is FAILED_PRECONDITION. RESOURCE_EXHAUSTED
-  // changes nothing. Returns the device's used bytes afterwards.
-  absl::StatusOr<int64_t> Reserve(uint64_t session, int device, int tokens);
+  // `device` (creating its cache there on first use), fences its older
+  // turns off and cuts what it stores beyond `kv_tokens` (-1: nothing; see
+  // KaratDevice::Reserve). A session lives on one device: naming another is
+  // FAILED_PRECONDITION. RESOURCE_EXHAUSTED and OUT_OF_RANGE change nothing.
+  absl::StatusOr<Reserved> Reserve(uint64_t session, int device, int tokens,
+                                   uint64_t turn_epoch = 0,
+                                   int kv_tokens = -1);
   // KaratNode.FreeSession: frees every page of the session. NOT_FOUND when
   // the node does not hold it.
   absl::Status FreeSession(uint64_t session);
@@ -144,6 +152,11 @@ class DataPlaneHandler {
   const std::shared_ptr<std::atomic<uint64_t>> reply_failures_ =
       std::make_shared<std::atomic<uint64_t>>(0);
   std::atomic<uint64_t> kv_bytes_ingested_{0};
+  // Warnings about single frames (invalid, refused, unanswerable, a reply
+  // that could not be sent) at most once per 10 s per peer and kind; the
+  // counters above count every one. Shared with the send callbacks.
+  const std::shared_ptr<LogLimiter> log_limiter_ =
+      std::make_shared<LogLimiter>(absl::Seconds(10));
   // Invalid frames per sender name (only touched for invalid frames).
   mutable absl::Mutex invalid_mu_;
   std::map<std::string, uint64_t> invalid_by_peer_ ABSL_GUARDED_BY(invalid_mu_);

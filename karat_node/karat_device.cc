@@ -134,6 +134,10 @@ void ExportDeviceMetrics(int index, const DeviceMetrics& m,
   st[p + "busy_seconds"] = m.busy_seconds;
   st[p + "frames"] = double(m.frames);
   st[p + "frame_errors"] = double(m.frame_errors);
+  st[p + "frames_stale"] = double(m.frames_stale);
+  st[p + "frames_repeated"] = double(m.frames_repeated);
+  st[p + "frames_superseded"] = double(m.frames_superseded);
+  st[p + "frames_without_index"] = double(m.frames_without_index);
   st[p + "kernel_bytes"] = double(m.kernel_bytes);
   st[p + "cross_device_bytes"] = double(m.cross_device_bytes);
   st[p + "used_bytes"] = double(m.used_bytes);
@@ -217,27 +221,42 @@ absl::StatusOr<std::unique_ptr<KaratDevice>> KaratDevice::Create(
   return device;
 }
 
-absl::Status KaratDevice::Reserve(uint64_t session, int tokens) {
+KaratDevice::Session KaratDevice::NewSession() {
+  Session s;
+  std::vector<PageArena*> arenas = {arena_.get()};
+  if (options_.memory != nullptr) arenas = options_.memory->ArenasFor(index_);
+  s.cache = std::make_unique<SessionCache>(&layout_, std::move(arenas));
+  if (method_ != nullptr) {
+    s.method_state =
+        NewAttentionSessionState(*method_, config_.num_hidden_layers);
+  }
+  return s;
+}
+
+bool KaratDevice::FitsEmptyNode(int tokens) const {
+  const int64_t need =
+      int64_t(layout_.KvPagesFor(tokens) + layout_.IndexPagesFor(tokens)) *
+      layout_.num_layers;
+  int64_t pages = arena_->total_pages();
+  if (options_.memory != nullptr) {
+    pages = 0;
+    for (PageArena* a : options_.memory->ArenasFor(index_))
+      pages += a->total_pages();
+  }
+  return need <= pages;
+}
+
+absl::StatusOr<KaratDevice::ReserveResult> KaratDevice::Reserve(
+    uint64_t session, int tokens, uint64_t turn_epoch, int kv_tokens) {
   if (tokens <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("reserve of ", tokens, " tokens; must be > 0"));
   }
+  ReserveResult result;
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(session);
   const bool created = it == sessions_.end();
-  if (created) {
-    Session s;
-    std::vector<PageArena*> arenas = {arena_.get()};
-    if (options_.memory != nullptr) {
-      arenas = options_.memory->ArenasFor(index_);
-    }
-    s.cache = std::make_unique<SessionCache>(&layout_, std::move(arenas));
-    if (method_ != nullptr) {
-      s.method_state =
-          NewAttentionSessionState(*method_, config_.num_hidden_layers);
-    }
-    it = sessions_.emplace(session, std::move(s)).first;
-  }
+  if (created) it = sessions_.emplace(session, NewSession()).first;
   Session& s = it->second;
   const int before = s.cache->reserved_tokens();
   absl::Status status = EnsureRoom(session, &s, tokens);
@@ -252,10 +271,38 @@ absl::Status KaratDevice::Reserve(uint64_t session, int tokens) {
     } else {
       UpdatePageCounts(&s);
     }
+    if (absl::IsResourceExhausted(status) && !FitsEmptyNode(tokens)) {
+      return absl::OutOfRangeError(absl::StrCat(
+          "session ", session, " needs room for ", tokens,
+          " positions, more than the node's devices hold even empty (",
+          status.message(), ")"));
+    }
     return status;
   }
   if (created) num_sessions_.fetch_add(1);
-  return absl::OkStatus();
+  // The turn about to run: older turns' frames are refused from now on.
+  if (turn_epoch > s.fence) s.fence = turn_epoch;
+  if (kv_tokens >= 0 &&
+      !TruncateSessionKv(method_.get(), s.method_state.get(), s.cache.get(),
+                         config_.num_hidden_layers, kv_tokens)) {
+    // Metadata fixed at a turn's end covers the cut: start the session's
+    // KV afresh (its pages stay reserved), to be rebuilt from the token log.
+    for (int l = 0; l < config_.num_hidden_layers; ++l) s.cache->Truncate(l, 0);
+    metadata_bytes_.fetch_sub(s.metadata_bytes);
+    s.metadata_bytes = 0;
+    s.method_state =
+        NewAttentionSessionState(*method_, config_.num_hidden_layers);
+    (void)ChargeMetadata(session, &s);
+    s.last.reset();
+    s.last_out.clear();
+    s.selection_key.reset();
+    result.kv_dropped = true;
+    KLOG(Info, "karat_node")
+        << "session=" << session << " device=" << index_
+        << ": the attention metadata covers positions past " << kv_tokens
+        << "; its KV is dropped and rebuilt from the token log";
+  }
+  return result;
 }
 
 absl::Status KaratDevice::EnsureRoom(uint64_t session, Session* s, int tokens) {
@@ -321,9 +368,13 @@ absl::Status KaratDevice::Free(uint64_t session) {
 }
 
 absl::Status KaratDevice::Process(const FrameView& frame,
-                                  std::vector<float>* out, uint64_t* ingested) {
+                                  std::vector<float>* out, uint64_t* ingested,
+                                  bool* skipped) {
   const FrameHeader& h = frame.header;
   *ingested = 0;
+  bool skip = false;
+  if (skipped == nullptr) skipped = &skip;
+  *skipped = false;
   const auto type = static_cast<FrameType>(h.type);
   absl::Status status;
   if (type != FrameType::kIndexQK && type != FrameType::kAttnQKV) {
@@ -333,6 +384,10 @@ absl::Status KaratDevice::Process(const FrameView& frame,
     status = absl::InvalidArgumentError(
         absl::StrCat("layer ", h.layer, " out of range (the model has ",
                      layout_.num_layers, ")"));
+  } else if (type == FrameType::kIndexQK &&
+             (!config_.HasIndexer(int(h.layer)) || shapes_.index_dim == 0)) {
+    status = absl::InvalidArgumentError(
+        absl::StrCat("layer ", h.layer, " runs no indexer"));
   } else if (h.n_tokens == 0 || h.n_tokens > kMaxSegmentTokens) {
     status = absl::InvalidArgumentError(
         absl::StrCat("segment of ", h.n_tokens, " tokens"));
@@ -354,8 +409,9 @@ absl::Status KaratDevice::Process(const FrameView& frame,
   {
     absl::MutexLock lock(&mu_);
     kernel_start = absl::Now();
-    status = ProcessLocked(frame, out, ingested, &cost);
+    status = ProcessLocked(frame, out, ingested, &cost, skipped);
   }
+  if (*skipped) return status;
   // Frames run one at a time on the device worker, so sleeping here keeps
   // the device busy until the roofline time without blocking Reserve().
   if (status.ok()) {
@@ -371,7 +427,62 @@ absl::Status KaratDevice::Process(const FrameView& frame,
 
 absl::Status KaratDevice::ProcessLocked(const FrameView& frame,
                                         std::vector<float>* out,
-                                        uint64_t* ingested, KernelCost* cost) {
+                                        uint64_t* ingested, KernelCost* cost,
+                                        bool* skipped) {
+  const FrameHeader& h = frame.header;
+  const auto type = static_cast<FrameType>(h.type);
+  auto it = sessions_.find(h.session);
+  if (it == sessions_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("unknown session ", h.session, " on device ", index_));
+  }
+  Session& session = it->second;
+  const FrameKey key = KeyOf(h);
+  switch (JudgeFrame(key, session.fence, session.last)) {
+    case FrameVerdict::kSuperseded:
+      frames_superseded_.fetch_add(1);
+      return absl::FailedPreconditionError(absl::StrCat(
+          "turn ", h.turn, " of session ", h.session,
+          " was superseded by turn ", session.fence,
+          " (cancelled or failed while its step ran)"));
+    case FrameVerdict::kStale:
+      frames_stale_.fetch_add(1);
+      *skipped = true;
+      return absl::OkStatus();
+    case FrameVerdict::kRepeat:
+      if (type == FrameType::kIndexQK) {
+        frames_stale_.fetch_add(1);
+        *skipped = true;
+        return absl::OkStatus();
+      }
+      // The answer to this attention frame was lost (or is late): nothing
+      // was applied since, so the kept output, or the same computation
+      // again, is the same bits; it stores nothing new.
+      frames_repeated_.fetch_add(1);
+      if (!session.last_out.empty()) {
+        *out = session.last_out;
+        return absl::OkStatus();
+      }
+      RETURN_IF_ERROR(ApplyLocked(frame, &session, out, ingested, cost));
+      *ingested = 0;
+      return absl::OkStatus();
+    case FrameVerdict::kApply:
+      break;
+  }
+  RETURN_IF_ERROR(ApplyLocked(frame, &session, out, ingested, cost));
+  session.last = key;
+  session.last_out.clear();
+  if (type == FrameType::kIndexQK) {
+    session.selection_key = key;
+  } else if (h.n_tokens <= kKeptOutputTokens) {
+    session.last_out = *out;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status KaratDevice::ApplyLocked(const FrameView& frame, Session* sp,
+                                      std::vector<float>* out,
+                                      uint64_t* ingested, KernelCost* cost) {
   const FrameHeader& h = frame.header;
   const auto type = static_cast<FrameType>(h.type);
   const int layer = int(h.layer);
@@ -379,12 +490,7 @@ absl::Status KaratDevice::ProcessLocked(const FrameView& frame,
   const int pos_start = int(h.pos_start);
   const uint64_t un = h.n_tokens;
   const AttnShapes& s = shapes_;
-  auto it = sessions_.find(h.session);
-  if (it == sessions_.end()) {
-    return absl::NotFoundError(
-        absl::StrCat("unknown session ", h.session, " on device ", index_));
-  }
-  Session& session = it->second;
+  Session& session = *sp;
 
   if (type == FrameType::kIndexQK) {
     if (!config_.HasIndexer(layer) || s.index_dim == 0) {
@@ -423,6 +529,19 @@ absl::Status KaratDevice::ProcessLocked(const FrameView& frame,
         frame, 0, un * uint64_t(s.heads) * uint64_t(s.q_dim) * 4, "q"));
     RETURN_IF_ERROR(CheckSection(frame, 1, un * uint64_t(s.kv_dim) * 2, "kv"));
     RETURN_IF_ERROR(EnsureRoom(h.session, &session, pos_start + n));
+    // The selection must be this segment's, from its own index frame (a
+    // lost or late one leaves another layer's or step's): the sender is
+    // asked to send both again. A segment beyond the stored positions is
+    // the kernel's error to report.
+    const std::optional<FrameKey> need = NeededSelection(config_, KeyOf(h));
+    if (need.has_value() && session.selection_key != need &&
+        pos_start <= session.cache->length(layer)) {
+      frames_without_index_.fetch_add(1);
+      return absl::AbortedError(absl::StrCat(
+          "no index keys of layer ", need->layer, " for positions ",
+          pos_start, "..", pos_start + n - 1, " of turn ", h.turn,
+          " arrived before this attention frame; resend both"));
+    }
     AttnInputs in;
     in.q = reinterpret_cast<const float*>(frame.sections[0].data());
     in.kv = reinterpret_cast<const uint16_t*>(frame.sections[1].data());
@@ -464,6 +583,10 @@ DeviceMetrics KaratDevice::Metrics() const {
   m.busy_seconds = double(busy_ns_.load()) * 1e-9;
   m.frames = frames_.load();
   m.frame_errors = frame_errors_.load();
+  m.frames_stale = frames_stale_.load();
+  m.frames_repeated = frames_repeated_.load();
+  m.frames_superseded = frames_superseded_.load();
+  m.frames_without_index = frames_without_index_.load();
   m.kernel_bytes = kernel_bytes_.load();
   m.cross_device_bytes = cross_device_bytes_.load();
   m.used_bytes = used_bytes();

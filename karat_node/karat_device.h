@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <deque>
 #include <map>
+#include <optional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -32,6 +33,7 @@
 #include "common/kv_store.h"
 #include "common/model_config.h"
 #include "common/sparse_attention.h"
+#include "karat_node/frame_order.h"
 
 namespace karat {
 
@@ -117,6 +119,13 @@ struct DeviceMetrics {
   double busy_seconds = 0;
   uint64_t frames = 0;        // data frames processed successfully
   uint64_t frame_errors = 0;  // data frames refused or failed
+  // Frame order (karat_node/frame_order.h): stale copies skipped, repeats
+  // of an attention frame computed again, frames of superseded turns
+  // refused, attention frames refused for want of their index keys.
+  uint64_t frames_stale = 0;
+  uint64_t frames_repeated = 0;
+  uint64_t frames_superseded = 0;
+  uint64_t frames_without_index = 0;
   // Bytes the kernels read (their KernelCost), and the part of it read from
   // other devices' arenas: a frame's bytes are attributed to spilled pages
   // in proportion to the layer's stored positions that lie on them.
@@ -136,7 +145,8 @@ struct DeviceMetrics {
 };
 
 // Adds `m` to a stats map as "device.<index>.<name>" entries (busy_seconds,
-// frames, frame_errors, kernel_bytes, cross_device_bytes, used_bytes,
+// frames, frame_errors, frames_stale, frames_repeated, frames_superseded,
+// frames_without_index, kernel_bytes, cross_device_bytes, used_bytes,
 // capacity_bytes, spilled_bytes, hosted_bytes, metadata_bytes, sessions).
 void ExportDeviceMetrics(int index, const DeviceMetrics& m,
                          std::map<std::string, double>* stats);
@@ -173,12 +183,25 @@ class KaratDevice {
   const KvLayout& layout() const { return layout_; }
   const AttnShapes& shapes() const { return shapes_; }
 
+  // What Reserve did besides making room.
+  struct ReserveResult {
+    // The session's KV could not be cut at kv_tokens (an attention method's
+    // turn-end metadata covered the cut: TruncateSessionKv) and was dropped
+    // whole; the caller feeds the whole token log.
+    bool kv_dropped = false;
+  };
   // Ensures room for `tokens` positions of `session`, creating its cache on
   // first use. Pages the arena cannot hold spill to the node's other devices
   // (DeviceOptions::memory). RESOURCE_EXHAUSTED (and nothing changed, a new
-  // session not created) when the node's arenas cannot hold them, counting
-  // the pages held for the session's metadata.
-  absl::Status Reserve(uint64_t session, int tokens);
+  // session not created) when the node's arenas cannot hold them now,
+  // counting the pages held for the session's metadata; OUT_OF_RANGE when
+  // they could not even with no other session on the node. `turn_epoch`
+  // fences the session's older turns off (their frames are refused from
+  // now on: frame_order.h); `kv_tokens` >= 0 cuts what is stored beyond
+  // that many positions (a failed turn's leftovers), -1 keeps everything.
+  absl::StatusOr<ReserveResult> Reserve(uint64_t session, int tokens,
+                                        uint64_t turn_epoch = 0,
+                                        int kv_tokens = -1);
   bool HasSession(uint64_t session) const;
   // Frees the session's pages, each to its own arena; NOT_FOUND when the
   // session's home is not this device.
@@ -191,9 +214,14 @@ class KaratDevice {
   // and index-key entries appended. Never reads outside the frame. The
   // methods' metadata that grows in a frame is charged to the arenas after
   // the kernels; when they cannot supply the pages the frame fails with
-  // RESOURCE_EXHAUSTED naming the metadata.
+  // RESOURCE_EXHAUSTED naming the metadata. Frames go in the session's
+  // frame order (frame_order.h): `*skipped` (may be null) is set for a
+  // stale copy or a repeated index frame, which changes nothing and needs
+  // no answer; a frame of a superseded turn fails FAILED_PRECONDITION; an
+  // attention frame whose index keys did not arrive fails ABORTED (the
+  // sender resends both).
   absl::Status Process(const FrameView& frame, std::vector<float>* out,
-                       uint64_t* ingested);
+                       uint64_t* ingested, bool* skipped = nullptr);
 
   // Runs `work` on the device's worker thread, after the work posted before.
   void Post(absl::AnyInvocable<void()> work) { worker_.Post(std::move(work)); }
@@ -232,7 +260,21 @@ class KaratDevice {
     // home_pages_ and spilled_pages_.
     int64_t home_pages = 0;
     int64_t spilled_pages = 0;
+    // Frame order (frame_order.h): the newest turn Reserve fenced in, the
+    // last frame applied, and the index frame `selection` came from.
+    uint64_t fence = 0;
+    std::optional<FrameKey> last;
+    std::optional<FrameKey> selection_key;
+    // The output of `last` when it is a decode-sized attention frame
+    // (kKeptOutputTokens), answered again to its repeat.
+    std::vector<float> last_out;
   };
+  static constexpr uint32_t kKeptOutputTokens = 4;
+  // A fresh cache (and method state) on this device's arenas.
+  Session NewSession();
+  // Pages `tokens` positions of a session take in every layer; whether the
+  // node's arenas could hold them with nothing else on them.
+  bool FitsEmptyNode(int tokens) const;
   KaratDevice(int index, const ModelConfig& config, int tokens_per_page,
               const DeviceOptions& options);
   absl::Status EnsureRoom(uint64_t session, Session* s, int tokens)
@@ -246,8 +288,13 @@ class KaratDevice {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The frame's work under mu_ (Process validates the header first).
   absl::Status ProcessLocked(const FrameView& frame, std::vector<float>* out,
-                             uint64_t* ingested, KernelCost* cost)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                             uint64_t* ingested, KernelCost* cost,
+                             bool* skipped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Applies a frame the session's frame order admits: appends its entries
+  // and runs the kernels.
+  absl::Status ApplyLocked(const FrameView& frame, Session* session,
+                           std::vector<float>* out, uint64_t* ingested,
+                           KernelCost* cost) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // kAttnQKV for the GQA forms: validates the sections (q, kv, optional
   // flags) and runs RunAttentionLayer.
   absl::Status ProcessGqa(const FrameView& frame, Session* session,
@@ -272,6 +319,10 @@ class KaratDevice {
   std::atomic<int64_t> busy_ns_{0};
   std::atomic<uint64_t> frames_{0};
   std::atomic<uint64_t> frame_errors_{0};
+  std::atomic<uint64_t> frames_stale_{0};
+  std::atomic<uint64_t> frames_repeated_{0};
+  std::atomic<uint64_t> frames_superseded_{0};
+  std::atomic<uint64_t> frames_without_index_{0};
   std::atomic<uint64_t> kernel_bytes_{0};
   std::atomic<uint64_t> cross_device_bytes_{0};
 

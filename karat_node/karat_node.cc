@@ -54,8 +54,9 @@ class KaratNodeService final : public cluster::KaratNode::Service {
   grpc::Status Reserve(grpc::ServerContext*,
                        const cluster::ReserveRequest* request,
                        cluster::ReserveResponse* response) override {
-    absl::StatusOr<int64_t> used = handler_->Reserve(
-        request->session(), request->device(), request->tokens());
+    absl::StatusOr<DataPlaneHandler::Reserved> used = handler_->Reserve(
+        request->session(), request->device(), request->tokens(),
+        request->turn_epoch(), request->kv_tokens());
     if (!used.ok()) {
       KLOG(Info, "karat_node")
           << "session=" << request->session() << " reserve of "
@@ -66,8 +67,9 @@ class KaratNodeService final : public cluster::KaratNode::Service {
     KLOG(Debug, "karat_node")
         << "session=" << request->session() << " reserved " << request->tokens()
         << " tokens on device " << request->device() << " (device used "
-        << *used << " bytes)";
-    response->set_used_bytes(*used);
+        << used->used_bytes << " bytes)";
+    response->set_used_bytes(used->used_bytes);
+    response->set_kv_dropped(used->kv_dropped);
     return grpc::Status::OK;
   }
 
@@ -89,6 +91,7 @@ class KaratNodeService final : public cluster::KaratNode::Service {
     ExportDevices(*handler_, response->mutable_stats());
     for (const auto& d : handler_->Devices()) *response->add_devices() = d;
     if (links_ != nullptr) links_->stats()->ExportTo(response->mutable_stats());
+    response->set_node_id(handler_->node_id());
     return grpc::Status::OK;
   }
 
@@ -281,6 +284,9 @@ absl::StatusOr<std::unique_ptr<KaratNodeDaemon>> KaratNodeDaemon::Start(
     // placed again and its KV rebuilt), so their pages go now, before the
     // registration lets the coordinator place new ones.
     if (impl->registered_once.load()) {
+      // Until the coordinator answers, the node has no registration (a
+      // probe's GetStats says 0).
+      impl->handler->set_node_id(0);
       const int freed = impl->handler->FreeAllSessions();
       if (freed > 0) {
         KLOG(Info, "karat_node")

@@ -1,5 +1,6 @@
 # karat_node: the KARAT-node daemon (devices, data plane, control service).
 add_library(karat_karat_node STATIC
+  karat_node/frame_order.cc
   karat_node/karat_device.cc
   karat_node/data_plane.cc
   karat_node/karat_node.cc)

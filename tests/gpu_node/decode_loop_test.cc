@@ -82,7 +82,8 @@ class LocalStepBackend : public StepBackend {
   LocalStepBackend() : local_(Runner().config(), 16, size_t(64) << 20) {
     init_ = local_.Init();
   }
-  void SetPlacement(uint64_t session, const cluster::KaratPlacement&) override {
+  void SetPlacement(uint64_t session, const cluster::KaratPlacement&,
+                    uint64_t) override {
     absl::Status s = local_.Reserve(session, 256);
     if (!s.ok()) init_ = s;
   }

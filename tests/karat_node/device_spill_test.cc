@@ -340,14 +340,19 @@ TEST_CASE(
   CHECK(dev1->used_bytes() == page * layers);
   CHECK(dev2->used_bytes() == page * layers * 4);
 
-  // The node has 4 pages per layer left: 12 more per layer cannot fit.
+  // The node has 4 pages per layer left: 8 more per layer do not fit now,
+  // and 13 would not fit even an empty node (12 pages per layer in all).
   const size_t used[3] = {dev0->used_bytes(), dev1->used_bytes(),
                           dev2->used_bytes()};
-  absl::Status st = dev0->Reserve(1, 13 * kTpp);
+  absl::Status st = dev0->Reserve(1, 8 * kTpp).status();
   CHECK(absl::IsResourceExhausted(st));
   CHECK(std::string(st.message()).find("device 0") != std::string::npos);
+  st = dev0->Reserve(1, 13 * kTpp).status();
+  CHECK(absl::IsOutOfRange(st));
+  CHECK(std::string(st.message()).find("even empty") != std::string::npos);
   // A new session that cannot fit is not created.
-  CHECK(absl::IsResourceExhausted(dev1->Reserve(3, 20 * kTpp)));
+  CHECK(absl::IsResourceExhausted(dev1->Reserve(3, 6 * kTpp).status()));
+  CHECK(absl::IsOutOfRange(dev1->Reserve(3, 20 * kTpp).status()));
   CHECK_FALSE(dev1->HasSession(3));
   CHECK(dev0->used_bytes() == used[0]);
   CHECK(dev1->used_bytes() == used[1]);
@@ -374,7 +379,7 @@ TEST_CASE("a device without a node memory does not spill",
   auto dev = NewDevice(
       c, 0, layout.page_bytes * layers * layout.PagesFor(2 * kTpp), nullptr);
   REQUIRE(dev->Reserve(1, 2 * kTpp).ok());
-  CHECK(absl::IsResourceExhausted(dev->Reserve(1, 3 * kTpp)));
+  CHECK(absl::IsOutOfRange(dev->Reserve(1, 3 * kTpp).status()));
   CHECK(dev->used_bytes() == dev->capacity_bytes());
 }
 

@@ -217,12 +217,12 @@ TEST_CASE(
     CHECK((*device)->used_bytes() == kv + meta);
     // The KV of 256 tokens would fit the capacity; with the metadata it
     // does not, and nothing changes.
-    absl::Status st = (*device)->Reserve(7, 256);
+    absl::Status st = (*device)->Reserve(7, 256).status();
     CHECK(absl::IsResourceExhausted(st));
     CHECK((*device)->used_bytes() == kv + meta);
     // Nor does the KV of 128 more tokens for a new session, which leaves no
     // trace.
-    CHECK(absl::IsResourceExhausted((*device)->Reserve(8, 128)));
+    CHECK(absl::IsResourceExhausted((*device)->Reserve(8, 128).status()));
     CHECK_FALSE((*device)->HasSession(8));
     CHECK((*device)->used_bytes() <= (*device)->capacity_bytes());
     REQUIRE((*device)->Free(7).ok());

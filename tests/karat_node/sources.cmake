@@ -19,3 +19,5 @@ add_unit_test(karat_node_stats_test
               SOURCES tests/karat_node/karat_node_stats_test.cc
               LIBS karat_karat_node
               LABELS unit loopback)
+add_unit_test(frame_order_test SOURCES tests/karat_node/frame_order_test.cc
+              LIBS karat_karat_node)
