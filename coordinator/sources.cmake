@@ -1,7 +1,14 @@
 # karat_coordinator: client API, sessions, placement, membership.
 add_library(karat_coordinator STATIC
+  coordinator/admin_service.cc
+  coordinator/admission.cc
   coordinator/cluster_config.cc
+  coordinator/control_push.cc
   coordinator/coordinator.cc
+  coordinator/generate.cc
+  coordinator/karat_service.cc
+  coordinator/membership_service.cc
+  coordinator/turn_resume.cc
   coordinator/placement.cc
   coordinator/scheduling.cc
   coordinator/wal.cc
@@ -12,6 +19,7 @@ add_library(karat_coordinator STATIC
   # API's process-fault check (common/process_fault.h). Compiled in so that
   # the coordinator does not pull the model kernels and libfabric.
   common/log.cc
+  common/log_limiter.cc
   common/link_rules.cc
   common/process_fault.cc
   common/json.cc

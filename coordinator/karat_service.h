@@ -1,0 +1,152 @@
+// karat.v1.Karat, the client API (proto/karat.proto): sessions, turns
+// (Generate: karat_service_generate.cc), admission (admission.cc), turns
+// resumed after a lost node (turn_resume.cc) and the cluster's status.
+#pragma once
+
+#include "coordinator/control_push.h"
+#include "coordinator/state.h"
+
+namespace karat::coordinator {
+
+// Everything a turn needs once it is admitted, copied out of the state.
+struct AdmittedTurn {
+  uint64_t key = 0;
+  uint64_t seed = 0;
+  int rank = 0;
+  uint32_t gpu_id = 0;
+  std::string gpu_name;
+  std::shared_ptr<grpc::Channel> gpu_channel;
+  cl::KaratPlacement placement;  // empty in gpu_only mode
+  int pos_start = 0;
+  std::vector<int32_t> feed;
+  std::vector<int32_t> prefill_ends;
+};
+
+class KaratService final : public v1::Karat::Service {
+ public:
+  explicit KaratService(State* state) : s_(state) {}
+
+  // Runs the SetMicroBatches pushes.
+  void set_control_pusher(ControlPusher* pusher) { control_ = pusher; }
+  // Posts a SetMicroBatches push for `rank`.
+  void PostMicroBatchPush(int rank);
+
+  grpc::Status CreateSession(grpc::ServerContext*,
+                             const v1::CreateSessionRequest* req,
+                             v1::Session* resp) override;
+
+  grpc::Status GetSession(grpc::ServerContext*,
+                          const v1::GetSessionRequest* req,
+                          v1::Session* resp) override;
+
+  grpc::Status CloseSession(grpc::ServerContext*,
+                            const v1::CloseSessionRequest* req,
+                            v1::CloseSessionResponse*) override;
+
+  grpc::Status GetClusterStatus(grpc::ServerContext*,
+                                const v1::GetClusterStatusRequest*,
+                                v1::ClusterStatus* resp) override;
+
+  grpc::Status Generate(
+      grpc::ServerContext* ctx, const v1::GenerateRequest* req,
+      grpc::ServerWriter<v1::GenerateResponse>* writer) override;
+
+ private:
+  void FillStatsLocked(absl::Time now,
+                       google::protobuf::Map<std::string, double>* stats) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(s_->mu_);
+
+  static grpc::Status NoSession(const std::string& id);
+
+  void FillSession(const Session& s, bool tokens, v1::Session* out) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(s_->mu_);
+
+  // A client that cancels a Generate sees CANCELLED before the coordinator
+  // has noticed and wound the turn down. So that the client's next call
+  // sees the session idle with its final history, calls on a busy session
+  // first wait up to `grace` for the running turn's cancellation to become
+  // visible, and then (bounded) for the turn to end.
+  void WaitForCancelledTurn(const std::string& session_id,
+                            absl::Duration grace) const;
+
+  absl::Status Validate(const v1::GenerateRequest& req) const;
+  // Appends what the session's history, prefill ends and turn count gained
+  // since its last record to the write-ahead log (nothing without one, or
+  // when nothing changed). Call without the lock, while the session is busy
+  // (so that no close comes in between).
+  absl::Status LogTurn(const std::string& sid);
+  // UNAVAILABLE unless a GPU node (and in karat mode a KARAT node) is alive
+  // and every routed expert has an alive owner that acknowledged it: with
+  // several ranks whose nodes report the expert count, the alive ranks
+  // acknowledged the ownership pushed for them (a lost rank's experts
+  // spread over them, DESIGN.md §7); otherwise every rank is alive. While
+  // the ownership is being pushed and acknowledged `*settling` (may be
+  // null) is set: the caller may wait instead of failing.
+  absl::Status CheckNodesLocked(bool* settling = nullptr) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(s_->mu_);
+
+  // Asks every alive node for its stats; those that cannot be reached are
+  // taken for lost at once (not after node_timeout_ms): for a GPU node the
+  // rank table is pushed again, for a KARAT node the GPU nodes are told
+  // (NoteLostKaratNodesLocked). Makes RPCs: call without the lock.
+  void ProbeNodes();
+  // What a turn's GPU call started with, to tell afterwards whether a node
+  // was lost meanwhile.
+  struct LossMarks {
+    uint64_t rank_removals = 0;           // State::rank_removals_
+    uint64_t karat_losses = 0;            // State::karat_losses_
+    std::map<int, uint32_t> alive_ranks;  // rank -> node id
+  };
+  // After the GPU call of the turn on `turn->rank` failed with UNAVAILABLE:
+  // false when no node was lost since the call started (`before`: no table
+  // without one of its ranks was pushed, the alive ranks it started with
+  // are alive, no KARAT node was taken for lost; the nodes are probed
+  // first). Otherwise waits (bounded) for the alive ranks to own every
+  // expert, moves the turn to an alive rank if a rank was lost (gpu_only:
+  // to the rank holding the session's KV), to a new home if the node
+  // holding its KV was lost (ReplaceHome: a KARAT node, in gpu_only mode
+  // its rank), and rewrites
+  // `run` to continue it: the KV up to the session's kv_len is on its home,
+  // the token log's tail is fed again (after `generated` tokens of the turn
+  // it holds sampled ones: resumed_decode), `remaining` tokens are left.
+  // True once resumed; CANCELLED when the client went away meanwhile, other
+  // errors when it cannot be resumed.
+  absl::StatusOr<bool> ResumeTurn(grpc::ServerContext* ctx,
+                                  const std::string& sid, int generated,
+                                  int remaining, const LossMarks& before,
+                                  AdmittedTurn* turn, cl::RunTurnRequest* run);
+  // For ResumeTurn: the node holding the session's KV is lost (its home
+  // KARAT node; in gpu_only mode its rank). Reserves KV for its token log
+  // plus `remaining` tokens on the device ChooseHomeDevices prefers (gpu_only:
+  // the alive rank with the fewest running turns), the next one when one
+  // refuses, makes it the session's home (and rank) with no KV stored
+  // (kv_len 0) and points `turn` and `run` there.
+  absl::Status ReplaceHome(const std::string& sid, int remaining,
+                           AdmittedTurn* turn, cl::RunTurnRequest* run);
+
+  struct Attempt {
+    enum Kind { kAdmitted, kWait, kFailed } kind;
+    absl::Status status;  // kFailed
+  };
+  // One admission attempt of the turn at the head of the queue: picks the
+  // rank (fewest running; gpu_only: the one holding the KV) if its batch has
+  // room, reserves the KV (home device, or the rank in gpu_only mode) and on
+  // success appends the prompt and enters the turn into the rank's batch
+  // (filling `turn`). kWait: no room now; kFailed: never (RESOURCE_EXHAUSTED
+  // when even an empty device or rank refuses) or a node error. The session
+  // is left unchanged unless admitted.
+  Attempt TryAdmit(const std::string& session_id, int tokens,
+                   const std::vector<int32_t>& prompt, AdmittedTurn* turn);
+  // Queues the turn and returns once it is admitted, streaming its queue
+  // position; fails on timeout (RESOURCE_EXHAUSTED), cancel (CANCELLED),
+  // shutdown or lost nodes (UNAVAILABLE).
+  absl::StatusOr<AdmittedTurn> WaitForAdmission(
+      grpc::ServerContext* ctx,
+      grpc::ServerWriter<v1::GenerateResponse>* writer, const std::string& sid,
+      int reserve_tokens, const std::vector<int32_t>& prompt);
+
+  State* s_;
+  ControlPusher* control_ = nullptr;
+};
+
+}  // namespace karat::coordinator
