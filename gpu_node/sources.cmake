@@ -2,6 +2,7 @@
 add_library(karat_gpu_node STATIC
   gpu_node/decode_loop.cc
   gpu_node/expert_parallel.cc
+  gpu_node/moe_retransmit.cc
   gpu_node/remote_attention.cc
   gpu_node/local_attention.cc
   gpu_node/worker_token.cc

@@ -14,3 +14,9 @@ add_unit_test(expert_parallel_test
   SOURCES tests/gpu_node/expert_parallel_test.cc
   LIBS karat_gpu_node
   LABELS unit)
+
+# The MoE retransmission timers, as pure logic.
+add_unit_test(moe_retransmit_test
+  SOURCES tests/gpu_node/moe_retransmit_test.cc
+  LIBS karat_gpu_node
+  LABELS unit)
