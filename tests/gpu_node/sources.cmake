@@ -15,8 +15,13 @@ add_unit_test(expert_parallel_test
   LIBS karat_gpu_node
   LABELS unit)
 
-# The MoE retransmission timers, as pure logic.
+# The MoE retransmission timers and the serving rank's duplicate cache, as
+# pure logic.
 add_unit_test(moe_retransmit_test
   SOURCES tests/gpu_node/moe_retransmit_test.cc
+  LIBS karat_gpu_node
+  LABELS unit)
+add_unit_test(combine_cache_test
+  SOURCES tests/gpu_node/combine_cache_test.cc
   LIBS karat_gpu_node
   LABELS unit)
