@@ -22,167 +22,12 @@
 #include "common/model_runner.h"
 #include "common/transport.h"
 #include "common/weights.h"
+#include "tests/gpu_node/expert_parallel_fixtures.h"
 
 namespace karat {
 namespace {
 
-const ModelFiles& Files(const std::string& preset) {
-  static auto* cache = new std::map<std::string, ModelFiles>();
-  auto it = cache->find(preset);
-  if (it == cache->end()) {
-    ModelFiles f;
-    auto cfg = PresetConfig(preset);
-    REQUIRE(cfg.ok());
-    f.config = *cfg;
-    f.tensors = GenerateWeights(f.config, 1);
-    it = cache->emplace(preset, std::move(f)).first;
-  }
-  return it->second;
-}
-
-std::unique_ptr<ModelRunner> MakeRunner(const ModelFiles& f, int rank,
-                                        int ranks) {
-  auto r = ModelRunner::Create(f, RunnerOptions{rank, ranks});
-  REQUIRE(r.ok());
-  return std::move(*r);
-}
-
-constexpr uint32_t kNodeIdBase = 100;
-
-// G ranks on one FakeFabric; rank r has node id kNodeIdBase + r.
-// Rank `rank`'s entry in a rank table: node "gpu<rank>", node id
-// kNodeIdBase + rank, at `address`.
-cluster::GpuPeer RankEntry(int rank, const std::string& address) {
-  cluster::GpuPeer p;
-  p.set_rank(rank);
-  p.set_name("gpu" + std::to_string(rank));
-  p.set_node_id(kNodeIdBase + rank);
-  p.set_fabric_address(address);
-  return p;
-}
-
-struct Cluster {
-  struct Rank {
-    std::unique_ptr<ModelRunner> runner;
-    std::unique_ptr<Transport> transport;
-    std::unique_ptr<ExpertParallel> ep;
-  };
-
-  // Without `set_peers` no rank has its table yet (SetPeers(peers) later).
-  Cluster(const ModelFiles& f, int ranks,
-          const ExpertParallelOptions& options = {}, bool set_peers = true) {
-    for (int r = 0; r < ranks; ++r) {
-      Rank rank;
-      rank.runner = MakeRunner(f, r, ranks);
-      rank.transport = fabric.NewEndpoint("gpu" + std::to_string(r));
-      rank.ep = std::make_unique<ExpertParallel>(rank.runner.get(),
-                                                 rank.transport.get(), options);
-      rank.ep->set_node_id(kNodeIdBase + r);
-      ExpertParallel* ep = rank.ep.get();
-      rank.transport->SetPeerReceiveHandler(
-          [ep](PeerId from, std::string_view message) {
-            ep->OnMessage(message, from);
-          });
-      peers.push_back(RankEntry(r, rank.transport->LocalAddress()));
-      this->ranks.push_back(std::move(rank));
-    }
-    if (set_peers) {
-      for (Rank& rank : this->ranks) REQUIRE(rank.ep->SetPeers(peers).ok());
-    }
-  }
-  ~Cluster() {
-    // Deliveries stop before the ExpertParallel objects go.
-    for (Rank& rank : ranks) rank.transport->Shutdown();
-  }
-
-  FakeFabric fabric;
-  std::vector<Rank> ranks;
-  std::vector<cluster::GpuPeer> peers;
-};
-
-std::vector<int32_t> Prompt(uint64_t session, int len) {
-  std::vector<int32_t> p{256};
-  for (int j = 0; j < len; ++j) p.push_back(int((session * 37 + j * 11) % 256));
-  return p;
-}
-
-// One micro-batch's work: a prefill of its sessions in one step, then
-// `decodes` greedy decode steps. Returns every step's logits, in order.
-struct Stream {
-  std::vector<uint64_t> sessions;
-  int decodes = 3;
-};
-
-absl::Status RunStream(const ModelRunner& runner, ExpertBackend* experts,
-                       const Stream& stream,
-                       std::vector<std::vector<float>>* logits) {
-  LocalAttentionBackend attention(runner.config(), 16, size_t(64) << 20);
-  absl::Status s = attention.Init();
-  if (!s.ok()) return s;
-  std::vector<Segment> segs;
-  for (uint64_t session : stream.sessions) {
-    s = attention.Reserve(session, 128);
-    if (!s.ok()) return s;
-    segs.push_back({session, 0, Prompt(session, 6 + int(session % 7) * 3)});
-  }
-  for (int step = 0; step <= stream.decodes; ++step) {
-    auto out = runner.Step(segs, &attention, experts);
-    if (!out.ok()) return out.status();
-    for (size_t i = 0; i < segs.size(); ++i) {
-      logits->push_back((*out)[i]);
-      const int next = segs[i].pos_start + int(segs[i].tokens.size());
-      segs[i].tokens = {SampleToken((*out)[i], 0.0f, 0, next)};
-      segs[i].pos_start = next;
-    }
-  }
-  return absl::OkStatus();
-}
-
-bool SameBits(const std::vector<std::vector<float>>& a,
-              const std::vector<std::vector<float>>& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (a[i].size() != b[i].size() ||
-        std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)) !=
-            0) {
-      return false;
-    }
-  }
-  return true;
-}
-
-class CountingHooks : public WaitHooks {
- public:
-  void BeforeWait() override {
-    absl::MutexLock lock(&mu_);
-    ++before_;
-    if (in_wait_) unbalanced_ = true;
-    in_wait_ = true;
-  }
-  void AfterWait() override {
-    absl::MutexLock lock(&mu_);
-    ++after_;
-    if (!in_wait_) unbalanced_ = true;
-    in_wait_ = false;
-  }
-  int before() {
-    absl::MutexLock lock(&mu_);
-    return before_;
-  }
-  int after() {
-    absl::MutexLock lock(&mu_);
-    return after_;
-  }
-  bool unbalanced() {
-    absl::MutexLock lock(&mu_);
-    return unbalanced_;
-  }
-
- private:
-  absl::Mutex mu_;
-  int before_ = 0, after_ = 0;
-  bool in_wait_ = false, unbalanced_ = false;
-};
+using namespace moe_test;  // NOLINT: the fixtures of these tests
 
 // Runs, on every rank at once, one stream per micro-batch (two on rank 0,
 // one on the others) and checks every logit against a single-rank runner.
@@ -190,47 +35,7 @@ void CheckAgainstOneRank(const std::string& preset, int ranks) {
   const ModelFiles& f = Files(preset);
   auto reference = MakeRunner(f, 0, 1);
   Cluster cluster(f, ranks);
-
-  struct Job {
-    int rank, mb;
-    Stream stream;
-    std::vector<std::vector<float>> logits;
-    absl::Status status;
-  };
-  std::vector<Job> jobs;
-  uint64_t session = 1;
-  for (int r = 0; r < ranks; ++r) {
-    for (int mb = 0; mb < (r == 0 ? 2 : 1); ++mb) {
-      Job job{r, mb, {}, {}, {}};
-      job.stream.sessions = {session, session + 1};
-      session += 2;
-      jobs.push_back(std::move(job));
-    }
-  }
-  std::vector<CountingHooks> hooks(jobs.size());
-  std::vector<std::thread> threads;
-  for (size_t i = 0; i < jobs.size(); ++i) {
-    Job& job = jobs[i];
-    ExpertBackend* experts =
-        cluster.ranks[job.rank].ep->ForMicroBatch(job.mb, &hooks[i]);
-    REQUIRE(experts != nullptr);
-    const ModelRunner* runner = cluster.ranks[job.rank].runner.get();
-    threads.emplace_back([&job, runner, experts] {
-      job.status = RunStream(*runner, experts, job.stream, &job.logits);
-    });
-  }
-  for (std::thread& t : threads) t.join();
-
-  for (size_t i = 0; i < jobs.size(); ++i) {
-    const Job& job = jobs[i];
-    INFO("rank " << job.rank << " micro-batch " << job.mb);
-    REQUIRE(job.status.ok());
-    std::vector<std::vector<float>> expected;
-    REQUIRE(RunStream(*reference, nullptr, job.stream, &expected).ok());
-    CHECK(SameBits(job.logits, expected));
-    CHECK(hooks[i].before() == hooks[i].after());
-    CHECK_FALSE(hooks[i].unbalanced());
-  }
+  RunAllAgainstOneRank(cluster, *reference);
   // The MoE layers did cross ranks.
   double sent = 0, served = 0, invalid = 0;
   for (auto& rank : cluster.ranks) {
@@ -242,7 +47,6 @@ void CheckAgainstOneRank(const std::string& preset, int ranks) {
   CHECK(sent > 0);
   CHECK(served >= sent);  // dispatches and combines
   CHECK(invalid == 0);
-  CHECK(hooks[0].before() > 0);
 }
 
 TEST_CASE("2 ranks: logits bit-identical to one rank, prefill and decode",
@@ -384,27 +188,6 @@ TEST_CASE("a rank's rows are split over several frames to fit the limit",
             .ep->ForMicroBatch(0, nullptr)
             ->RunExperts(work, &out)
             .code() == absl::StatusCode::kResourceExhausted);
-}
-
-// A prefill long enough that some row of some MoE layer routes to rank 1.
-absl::Status PrefillOnRank0(const ModelRunner& runner, ExpertBackend* experts) {
-  std::vector<std::vector<float>> logits;
-  Stream stream;
-  stream.sessions = {7, 8, 9};
-  stream.decodes = 0;
-  return RunStream(runner, experts, stream, &logits);
-}
-
-// Polls `stat` of `ep` until it reaches `value`; false past a generous
-// bound, so that a broken build fails instead of hanging.
-bool WaitForStat(const ExpertParallel& ep, const std::string& stat,
-                 double value) {
-  const absl::Time give_up = absl::Now() + absl::Seconds(60);
-  while (ep.Stats()[stat] < value) {
-    if (absl::Now() > give_up) return false;
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  return true;
 }
 
 TEST_CASE("a rank table that arrives during the first step is waited for",
@@ -560,52 +343,6 @@ TEST_CASE("a dead or missing peer fails the step with UNAVAILABLE",
     CHECK(s.code() == absl::StatusCode::kUnavailable);
   }
   t0->Shutdown();
-}
-
-// Frames a rank receives: collected by a raw endpoint's handler.
-struct Inbox {
-  absl::Mutex mu;
-  std::vector<std::string> frames;
-  // Keeps every message `t` receives.
-  void Collect(Transport* t) {
-    t->SetReceiveHandler([this](std::string_view m) {
-      absl::MutexLock lock(&mu);
-      frames.emplace_back(m);
-    });
-  }
-  bool WaitFor(size_t n) {
-    absl::MutexLock lock(&mu);
-    auto ready = [this, n]() ABSL_SHARED_LOCKS_REQUIRED(mu) {
-      return frames.size() >= n;
-    };
-    // A bound so that a broken build fails instead of hanging.
-    return mu.AwaitWithTimeout(absl::Condition(&ready), absl::Seconds(60));
-  }
-};
-
-std::string Dispatch(uint32_t src_node, uint64_t request, int layer,
-                     const std::vector<int32_t>& experts,
-                     const std::vector<int32_t>& counts,
-                     const std::vector<int32_t>& indices,
-                     const std::vector<float>& rows, int hidden) {
-  FrameHeader h;
-  h.type = static_cast<uint16_t>(FrameType::kMoeDispatch);
-  h.src_node = src_node;
-  h.layer = uint32_t(layer);
-  h.session = request;
-  h.n_tokens = uint32_t(rows.size() / size_t(hidden));
-  std::string out;
-  EncodeFrame(h,
-              {std::string_view(reinterpret_cast<const char*>(experts.data()),
-                                experts.size() * 4),
-               std::string_view(reinterpret_cast<const char*>(counts.data()),
-                                counts.size() * 4),
-               std::string_view(reinterpret_cast<const char*>(indices.data()),
-                                indices.size() * 4),
-               std::string_view(reinterpret_cast<const char*>(rows.data()),
-                                rows.size() * 4)},
-              &out);
-  return out;
 }
 
 TEST_CASE("invalid, unknown-sender and stale frames are dropped and counted",
