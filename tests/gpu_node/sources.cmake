@@ -14,6 +14,11 @@ add_unit_test(expert_parallel_test
   SOURCES tests/gpu_node/expert_parallel_test.cc
   LIBS karat_gpu_node
   LABELS unit)
+# Its failure paths: late rank tables, dead peers, bad frames.
+add_unit_test(expert_parallel_peers_test
+  SOURCES tests/gpu_node/expert_parallel_peers_test.cc
+  LIBS karat_gpu_node
+  LABELS unit)
 
 # The MoE retransmission timers and the serving rank's duplicate cache, as
 # pure logic.
