@@ -45,6 +45,11 @@ ExpertParallel::ExpertParallel(const ModelRunner* runner, Transport* transport,
     absl::MutexLock lock(&impl_->peers_mu);
     impl_->peers.resize(size_t(impl_->ranks));
   }
+  {
+    absl::MutexLock lock(&impl_->mu);
+    impl_->timing.assign(size_t(impl_->ranks),
+                         Impl::PeerTiming{false, 0, RttEstimator(options.rto)});
+  }
   for (int mb = 0; mb < kMicroBatches; ++mb) {
     backends_.push_back(std::make_unique<MicroBatchExperts>(impl_.get(), mb));
   }
@@ -171,12 +176,30 @@ absl::Status ExpertParallel::SetPeers(
     for (auto& [id, p] : m.pending) {
       if (p.done) continue;
       const Impl::Peer& now = table[size_t(p.rank)];
-      if (now.known && now.node_id == p.node_id) continue;
+      if (now.known && now.node_id == p.node_id) {
+        p.peer = now.id;  // its copies go to the address of the new table
+        continue;
+      }
       p.Fail(absl::UnavailableError(absl::StrCat(
           "GPU rank ", p.rank, " (", p.peer_name, ") left the rank table ",
           now.known ? "(it rejoined as another node)" : "(it was lost)",
           " while layer ", p.layer, " waited for its MoeCombine")));
     }
+    // Answer times are a node's: a rank that comes back as another node
+    // starts from the initial RTO.
+    absl::flat_hash_set<uint32_t> senders;
+    for (size_t r = 0; r < table.size(); ++r) {
+      Impl::PeerTiming& timing = m.timing[r];
+      const bool same = table[r].known && timing.in_table &&
+                        timing.node_id == table[r].node_id;
+      if (!same) {
+        timing.rtt = RttEstimator(m.options.rto);
+        timing.node_id = table[r].node_id;
+      }
+      timing.in_table = table[r].known;
+      if (table[r].known) senders.insert(table[r].node_id);
+    }
+    m.combines.RetainSenders(senders);
     peer_count = built.rank_of_node.size();
     m.peers = std::move(table);
     m.rank_of_node = std::move(built.rank_of_node);
@@ -191,7 +214,7 @@ absl::Status ExpertParallel::SetPeers(
           {std::move(*it), known->second, m.peers[size_t(known->second)]});
       it = m.parked.erase(it);
     }
-    if (!released.empty()) ++m.parked_events;
+    if (!released.empty()) ++m.service_events;
   }
   KLOG(Info, kLogModule) << "rank " << m.rank << " of " << m.ranks << ": "
                          << peer_count << " GPU peers"
@@ -233,7 +256,7 @@ void ExpertParallel::OnMessage(std::string_view message, PeerId from) {
     impl_->frames_received.fetch_add(1);
     impl_->bytes_received.fetch_add(message.size());
     impl_->frames_invalid.fetch_add(1);
-    KLOG(Warning, kLogModule)
+    EP_LOG(impl_, Warning, "undecodable")
         << "rank " << impl_->rank << ": dropping an undecodable "
         << message.size() << "-byte frame: " << frame.status().message();
     return;
@@ -256,12 +279,39 @@ void ExpertParallel::Abort() {
   impl_->parked.clear();
   impl_->parked_bytes = 0;
   impl_->refused.clear();
-  ++impl_->parked_events;
+  impl_->resends.clear();
+  impl_->combines.Clear();
+  ++impl_->service_events;
 }
 
 std::map<std::string, double> ExpertParallel::Stats() const {
-  const Impl& m = *impl_;
+  Impl& m = *impl_;
+  double rto_sum_ms = 0, rto_max_ms = 0, cache_entries = 0, cache_bytes = 0,
+         cache_evictions = 0;
+  int timed = 0;
+  {
+    absl::MutexLock lock(&m.mu);
+    for (const Impl::PeerTiming& t : m.timing) {
+      if (!t.in_table) continue;
+      const double ms = absl::ToDoubleMilliseconds(t.rtt.rto());
+      rto_sum_ms += ms;
+      rto_max_ms = std::max(rto_max_ms, ms);
+      ++timed;
+    }
+    cache_entries = double(m.combines.entries());
+    cache_bytes = double(m.combines.bytes());
+    cache_evictions = double(m.combines.evictions());
+  }
   return {
+      {"moe_retransmits", double(m.retransmits.load())},
+      {"moe_duplicates_served", double(m.duplicates_served.load())},
+      {"moe_duplicates_joined", double(m.duplicates_joined.load())},
+      {"moe_combine_cache_entries", cache_entries},
+      {"moe_combine_cache_bytes", cache_bytes},
+      {"moe_combine_cache_evictions", cache_evictions},
+      {"moe_rto_ms", timed > 0 ? rto_sum_ms / timed : 0.0},
+      {"moe_rto_max_ms", rto_max_ms},
+      {"moe_log_lines_held_back", double(m.log_limiter.held_back())},
       {"moe_frames_sent", double(m.frames_sent.load())},
       {"moe_bytes_sent", double(m.bytes_sent.load())},
       {"moe_frames_received", double(m.frames_received.load())},

@@ -2,6 +2,8 @@
 // sends, and the wait for the other ranks' combines.
 #include <algorithm>
 #include <cstring>
+#include <optional>
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -10,8 +12,6 @@
 #include "gpu_node/expert_parallel_impl.h"
 
 namespace karat {
-
-using expert_parallel_internal::kLogModule;
 
 absl::StatusOr<std::vector<DispatchPlan>> ExpertParallel::Impl::Plan(
     const ExpertWork& work, const std::vector<int>& owners) const {
@@ -72,39 +72,64 @@ absl::StatusOr<std::vector<DispatchPlan>> ExpertParallel::Impl::Plan(
   return plans;
 }
 
-absl::Status ExpertParallel::Impl::SendDispatch(
-    PeerId peer, const FrameHeader& header,
-    const std::vector<std::string_view>& sections, uint64_t id,
-    std::string failure_prefix) {
-  auto buffer = std::make_shared<std::string>();
-  EncodeFrame(header, sections, buffer.get());
-  const size_t size = buffer->size();
+void ExpertParallel::Impl::Transmit(uint64_t id) {
+  std::shared_ptr<const std::string> frame;
+  PeerId peer;
   {
     absl::MutexLock lock(&mu);
+    auto it = pending.find(id);
+    if (it == pending.end() || it->second.done) return;
+    it->second.timer.OnPosting(absl::Now());
+    frame = it->second.frame;
+    peer = it->second.peer;
     ++sends_in_flight;
   }
-  // Runs on a transport thread (or here, before the call returns): only
-  // marks the dispatch failed.
+  const size_t size = frame->size();
+  // The callback runs on a transport thread, or here before the call
+  // returns.
   absl::Status s = transport->SendSharedAsync(
-      peer, std::move(buffer), [this, id, failure_prefix](absl::Status status) {
-        absl::MutexLock lock(&mu);
-        --sends_in_flight;
-        if (status.ok()) return;
-        send_errors.fetch_add(1);
-        auto it = pending.find(id);
-        if (it == pending.end() || it->second.done) return;  // answered
-        it->second.Fail(absl::UnavailableError(
-            absl::StrCat(failure_prefix, status.message())));
+      peer, std::move(frame), [this, id](absl::Status status) {
+        OnSendOutcome(id, status, /*refused=*/false);
       });
   if (!s.ok()) {
-    absl::MutexLock lock(&mu);
-    --sends_in_flight;
-    send_errors.fetch_add(1);
-    return s;
+    OnSendOutcome(id, s, /*refused=*/true);
+    return;
   }
   frames_sent.fetch_add(1);
   bytes_sent.fetch_add(size);
-  return absl::OkStatus();
+}
+
+void ExpertParallel::Impl::OnSendOutcome(uint64_t id,
+                                         const absl::Status& status,
+                                         bool refused) {
+  absl::MutexLock lock(&mu);
+  --sends_in_flight;
+  if (!status.ok()) send_errors.fetch_add(1);
+  auto it = pending.find(id);
+  if (it == pending.end() || it->second.done) return;  // answered, or over
+  Pending& p = it->second;
+  const absl::Time now = absl::Now();
+  ++p.call->events;
+  if (status.ok()) {
+    p.timer.OnCompleted(now);
+    return;
+  }
+  if (status.code() != absl::StatusCode::kUnavailable) {
+    p.Fail(absl::Status(status.code(),
+                        absl::StrCat(p.send_prefix, status.message())));
+    return;
+  }
+  // The link or the peer is unreachable for now: another copy one RTO
+  // later, until the deadline.
+  if (refused) {
+    p.timer.OnRefused(now);
+  } else {
+    p.timer.OnFailed(now);
+  }
+  p.last_send_error = status;
+  EP_LOG(this, Warning, absl::StrCat("send/", p.rank))
+      << "rank " << rank << ": " << p.send_prefix << status.message()
+      << "; sending it again in " << absl::FormatDuration(p.timer.due() - now);
 }
 
 absl::Status ExpertParallel::Impl::Run(int mb, WaitHooks* hooks, uint64_t step,
@@ -167,8 +192,9 @@ absl::Status ExpertParallel::Impl::Run(int mb, WaitHooks* hooks, uint64_t step,
     }
     if (!status.ok()) {
       calls_failed.fetch_add(1);
-      KLOG(Warning, kLogModule) << "rank " << rank << " layer " << work.layer
-                                << " micro-batch " << mb << ": " << status;
+      EP_LOG(this, Warning, absl::StrCat("call/", int(status.code())))
+          << "rank " << rank << " layer " << work.layer << " micro-batch " << mb
+          << ": " << status;
     }
     return status;
   };
@@ -235,12 +261,6 @@ absl::Status ExpertParallel::Impl::Run(int mb, WaitHooks* hooks, uint64_t step,
     for (int row : distinct) local_of[row] = -1;
 
     const uint64_t id = next_request.fetch_add(1);
-    {
-      absl::MutexLock lock(&mu);
-      pending.emplace(id, std::move(p));
-      ++call.outstanding;
-    }
-    registered.push_back(id);
     FrameHeader header;
     header.type = static_cast<uint16_t>(FrameType::kMoeDispatch);
     header.src_node = node_id.load();
@@ -249,24 +269,39 @@ absl::Status ExpertParallel::Impl::Run(int mb, WaitHooks* hooks, uint64_t step,
     header.step = step;
     header.session = id;
     header.n_tokens = uint32_t(distinct.size());
-    // Every dispatch is posted before any is waited for; one whose send
-    // fails later fails the call as one refused now does.
-    std::string failure_prefix =
+    // A fresh buffer per frame: the transport keeps a reference past the
+    // call, and a resend sends the same bytes.
+    auto frame = std::make_shared<std::string>();
+    EncodeFrame(header,
+                {SectionBytes(ids.data(), ids.size() * 4),
+                 SectionBytes(counts.data(), counts.size() * 4),
+                 SectionBytes(indices.data(), indices.size() * 4),
+                 SectionBytes(rows.data(), rows.size() * sizeof(float))},
+                frame.get());
+    p.peer = peer.id;
+    p.frame = std::move(frame);
+    p.send_prefix =
         absl::StrCat("cannot send MoeDispatch of layer ", work.layer,
                      " to GPU rank ", plan.rank, " (", peer.name, "): ");
-    absl::Status sent =
-        SendDispatch(peer.id, header,
-                     {SectionBytes(ids.data(), ids.size() * 4),
-                      SectionBytes(counts.data(), counts.size() * 4),
-                      SectionBytes(indices.data(), indices.size() * 4),
-                      SectionBytes(rows.data(), rows.size() * sizeof(float))},
-                     id, failure_prefix);
-    if (!sent.ok()) {
-      return finish(
-          absl::UnavailableError(absl::StrCat(failure_prefix, sent.message())));
+    {
+      absl::MutexLock lock(&mu);
+      p.timer = RetransmitTimer(TimingOf(plan.rank).rtt.rto());
+      pending.emplace(id, std::move(p));
+      ++call.outstanding;
     }
+    registered.push_back(id);
     dispatches_sent.fetch_add(1);
     rows_sent.fetch_add(distinct.size());
+    // Every dispatch is posted before any is waited for. A send that fails
+    // with UNAVAILABLE, now or later, is tried again (step 3); another
+    // error fails the call.
+    Transmit(id);
+    absl::Status refused;
+    {
+      absl::MutexLock lock(&mu);
+      refused = pending.at(id).status;
+    }
+    if (!refused.ok()) return finish(refused);
   }
 
   // 2. This rank's experts, while the dispatches are in flight.
@@ -280,35 +315,75 @@ absl::Status ExpertParallel::Impl::Run(int mb, WaitHooks* hooks, uint64_t step,
   }
   if (registered.empty()) return finish(absl::OkStatus());
 
-  // 3. The other ranks' combines.
+  // 3. The other ranks' combines, sending again the dispatches whose
+  // timers expire, until every combine is in or the deadline passes.
   if (hooks != nullptr) hooks->BeforeWait();
   absl::Status result;
   const absl::Time start = absl::Now();
-  {
-    absl::MutexLock lock(&mu);
-    auto done = [this, &call]() ABSL_SHARED_LOCKS_REQUIRED(mu) {
-      return call.outstanding == 0 || call.failed || aborted;
-    };
-    mu.AwaitWithTimeout(absl::Condition(&done), options.timeout);
-    if (aborted) {
-      result = absl::UnavailableError(
-          "expert parallelism stopped: the GPU node is shutting down");
-    }
+  const absl::Time deadline = start + options.timeout;
+  mu.Lock();
+  for (;;) {
+    if (aborted || call.failed || call.outstanding == 0) break;
+    const absl::Time now = absl::Now();
+    if (now >= deadline) break;
+    std::vector<uint64_t> due;
+    absl::Time wake = deadline;
     for (uint64_t id : registered) {
-      if (!result.ok()) break;
-      const Pending& p = pending.at(id);
-      if (!p.status.ok()) {
-        result = p.status;
-      } else if (!p.done && !call.failed) {
-        result = absl::UnavailableError(
-            absl::StrCat("no MoeCombine from GPU rank ", p.rank, " (",
-                         p.peer_name, ") for layer ", work.layer, " within ",
-                         absl::ToInt64Milliseconds(options.timeout), " ms"));
+      Pending& p = pending.at(id);
+      if (p.done) continue;
+      if (!p.timer.Due(now)) {
+        wake = std::min(wake, p.timer.due());
+        continue;
       }
+      const absl::Duration waited = p.timer.rto();
+      p.timer.OnExpired(&TimingOf(p.rank).rtt);
+      due.push_back(id);
+      EP_LOG(this, Info, absl::StrCat("resend/", p.rank))
+          << "rank " << rank << ": no MoeCombine from GPU rank " << p.rank
+          << " (" << p.peer_name << ") for request " << id << " (layer "
+          << p.layer << ") within " << absl::FormatDuration(waited)
+          << "; sending it again (copy " << p.timer.attempts() + 1 << ")";
     }
-    for (uint64_t id : registered) pending.erase(id);
-    registered.clear();
+    if (!due.empty()) {
+      retransmits.fetch_add(due.size());
+      mu.Unlock();
+      for (uint64_t id : due) Transmit(id);
+      mu.Lock();
+      continue;
+    }
+    const uint64_t seen = call.events;
+    auto changed = [this, &call, seen]() ABSL_SHARED_LOCKS_REQUIRED(mu) {
+      return aborted || call.failed || call.outstanding == 0 ||
+             call.events != seen;
+    };
+    mu.AwaitWithDeadline(absl::Condition(&changed), wake);
   }
+  if (aborted) {
+    result = absl::UnavailableError(
+        "expert parallelism stopped: the GPU node is shutting down");
+  }
+  for (uint64_t id : registered) {
+    if (!result.ok()) break;
+    const Pending& p = pending.at(id);
+    if (!p.status.ok()) {
+      result = p.status;
+    } else if (!p.done && !call.failed) {
+      std::string sends =
+          absl::StrCat("; sent ", p.timer.attempts(),
+                       p.timer.attempts() == 1 ? " time" : " times");
+      if (!p.last_send_error.ok()) {
+        absl::StrAppend(
+            &sends, ", the last failed send: ", p.last_send_error.message());
+      }
+      result = absl::UnavailableError(absl::StrCat(
+          "no MoeCombine from GPU rank ", p.rank, " (", p.peer_name,
+          ") for layer ", work.layer, " within ",
+          absl::ToInt64Milliseconds(options.timeout), " ms", sends));
+    }
+  }
+  for (uint64_t id : registered) pending.erase(id);
+  registered.clear();
+  mu.Unlock();
   waits.fetch_add(1);
   wait_ns.fetch_add(uint64_t(absl::ToInt64Nanoseconds(absl::Now() - start)));
   if (hooks != nullptr) hooks->AfterWait();
@@ -322,8 +397,10 @@ void ExpertParallel::Impl::OnAnswer(const FrameView& frame, int from_rank) {
   absl::MutexLock lock(&mu);
   auto it = pending.find(h.session);
   if (it == pending.end() || it->second.done) {
+    // Answered already (a dispatch sent twice can be answered twice), or
+    // its call is over.
     frames_stale.fetch_add(1);
-    KLOG(Debug, kLogModule)
+    EP_LOG(this, Debug, absl::StrCat("stale/", h.src_node))
         << "rank " << rank << ": stale " << FrameTypeName(h.type)
         << " from node " << h.src_node << " (request " << h.session
         << ", layer " << h.layer << ") dropped";
@@ -358,6 +435,15 @@ void ExpertParallel::Impl::OnAnswer(const FrameView& frame, int from_rank) {
         p.expected_floats * sizeof(float)));
     p.call->failed = true;
     return;
+  }
+  // The answer time, where it is unambiguous (a dispatch sent once), for
+  // the rank's RTO.
+  if (const std::optional<absl::Duration> sample = p.timer.Sample(absl::Now());
+      sample.has_value()) {
+    PeerTiming& timing_of_rank = TimingOf(p.rank);
+    if (timing_of_rank.node_id == p.node_id) {
+      timing_of_rank.rtt.AddSample(*sample);
+    }
   }
   const char* src = frame.sections[0].data();
   for (const auto& [dst, floats] : p.dst) {

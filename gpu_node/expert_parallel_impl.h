@@ -14,7 +14,11 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
+#include "common/log.h"
+#include "common/log_limiter.h"
+#include "gpu_node/combine_cache.h"
 #include "gpu_node/expert_parallel.h"
+#include "gpu_node/moe_retransmit.h"
 
 namespace karat {
 namespace expert_parallel_internal {
@@ -42,9 +46,35 @@ struct DispatchPlan {
   std::vector<int> experts;
 };
 
+// A log line that LogLimiter let through, ending with how many like it
+// were held back (EP_LOG).
+class LimitedLogLine {
+ public:
+  LimitedLogLine(LogLevel level, int64_t held)
+      : message_(level, kLogModule), held_(held) {}
+  ~LimitedLogLine() { message_.stream() << HeldBackNote(held_); }
+  std::ostream& stream() { return message_.stream(); }
+
+ private:
+  LogMessage message_;
+  const int64_t held_;
+};
+
 }  // namespace expert_parallel_internal
 
 using expert_parallel_internal::DispatchPlan;
+
+// KLOG for lines that can repeat at the rate of traffic: at most one per
+// `key` (a string) per interval of `impl`'s LogLimiter.
+//   EP_LOG(this, Warning, StrCat("invalid/", node)) << "dropping ...";
+#define EP_LOG(impl, level, key)                             \
+  if (int64_t ep_log_held_ = -1;                             \
+      !::karat::LogEnabled(::karat::LogLevel::k##level) ||   \
+      (ep_log_held_ = (impl)->log_limiter.Admit(key)) < 0) { \
+  } else                                                     \
+    ::karat::expert_parallel_internal::LimitedLogLine(       \
+        ::karat::LogLevel::k##level, ep_log_held_)           \
+        .stream()
 
 struct ExpertParallel::Impl {
   Impl(const ModelRunner* r, Transport* t, const ExpertParallelOptions& o)
@@ -53,7 +83,8 @@ struct ExpertParallel::Impl {
         options(o),
         rank(r->rank()),
         ranks(r->ranks()),
-        hidden(r->config().hidden_size) {}
+        hidden(r->config().hidden_size),
+        combines(o.combine_cache) {}
 
   struct Peer {
     bool known = false;
@@ -67,6 +98,9 @@ struct ExpertParallel::Impl {
   struct Call {
     int outstanding = 0;
     bool failed = false;
+    // Bumped when a send of one of its dispatches reports, so that the
+    // waiting caller looks at their timers again.
+    uint64_t events = 0;
   };
   // One dispatch awaiting its combine; guarded by mu.
   struct Pending {
@@ -75,6 +109,15 @@ struct ExpertParallel::Impl {
     uint32_t node_id = 0;
     std::string peer_name;
     int layer = 0;
+    // The rank's transport peer (SetPeers updates it for a rank that keeps
+    // its node id at a new address) and the encoded frame, sent again as
+    // is.
+    PeerId peer = kUnknownPeer;
+    std::shared_ptr<const std::string> frame;
+    RetransmitTimer timer{absl::ZeroDuration()};
+    // "cannot send MoeDispatch of layer L to GPU rank R (name): "
+    std::string send_prefix;
+    absl::Status last_send_error;
     // Destination of each expert's outputs, in the dispatch's order.
     std::vector<std::pair<float*, size_t>> dst;  // (out, floats)
     size_t expected_floats = 0;
@@ -104,6 +147,22 @@ struct ExpertParallel::Impl {
     // (SetPeers may give some back before it is served).
     ExpertSnapshot held;
   };
+  // A combine sent again from the cache (the service thread sends it).
+  struct Resend {
+    FrameHeader header;  // of the dispatch that came again
+    int from_rank = 0;
+    PeerId peer = kUnknownPeer;
+    std::string peer_name;
+    std::shared_ptr<const std::string> answer;
+  };
+  // The answer times of one rank (reset when it comes back as another
+  // node); guarded by mu.
+  struct PeerTiming {
+    bool in_table = false;
+    uint32_t node_id = 0;
+    RttEstimator rtt;
+  };
+
   // A dispatch from a node id outside the rank table, kept until SetPeers
   // names its sender or `deadline` passes.
   struct Parked {
@@ -132,14 +191,23 @@ struct ExpertParallel::Impl {
   // `owners`: the runner's expert ownership, one snapshot per call.
   absl::StatusOr<std::vector<DispatchPlan>> Plan(
       const ExpertWork& work, const std::vector<int>& owners) const;
+  // Sends an encoded frame, waiting for its completion (the serving
+  // side's answers); counts it.
+  absl::Status SendEncoded(PeerId peer,
+                           std::shared_ptr<const std::string> frame);
   absl::Status SendFrame(PeerId peer, const FrameHeader& header,
                          const std::vector<std::string_view>& sections);
-  // A dispatch frame, sent without waiting for its completion: a send that
-  // fails later fails the dispatch `id` (and wakes its call) with the
-  // message SendFrame()'s caller would have given.
-  absl::Status SendDispatch(PeerId peer, const FrameHeader& header,
-                            const std::vector<std::string_view>& sections,
-                            uint64_t id, std::string failure_prefix);
+  // Sends (again) the frame of dispatch `id`, without waiting for its
+  // completion; the outcome goes to OnSendOutcome. Call without mu.
+  void Transmit(uint64_t id);
+  // What became of a copy of dispatch `id`: `refused` when the transport
+  // refused it at once. UNAVAILABLE schedules another copy; another error
+  // fails the dispatch and wakes its call.
+  void OnSendOutcome(uint64_t id, const absl::Status& status, bool refused);
+  // The answer times of `r` (mu held).
+  PeerTiming& TimingOf(int r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    return timing[size_t(r)];
+  }
   void Receive(const FrameView& frame, PeerId from,
                const std::string_view* message);
   // Queues the dispatch for the service thread; `seq` 0 takes the next
@@ -150,7 +218,10 @@ struct ExpertParallel::Impl {
   // dispatch whose sender stayed unknown.
   void DropParked(const Parked& p, std::string_view why);
   void OnAnswer(const FrameView& frame, int from_rank);
+  // The cache key of a dispatch.
+  static DispatchKey KeyOf(const FrameHeader& h);
   void Serve(Job& job);
+  void SendAgain(const Resend& resend);
   void ServiceLoop();
   void CountInvalid(const FrameHeader& h, std::string_view why);
 
@@ -181,7 +252,14 @@ struct ExpertParallel::Impl {
   // Refused on arrival (over the bounds): dropped by the service thread,
   // since answering sends and the receive thread must not block.
   std::deque<Parked> refused ABSL_GUARDED_BY(mu);
-  uint64_t parked_events ABSL_GUARDED_BY(mu) = 0;  // wakes the service thread
+  // Combines to send again, ahead of `jobs`.
+  std::deque<Resend> resends ABSL_GUARDED_BY(mu);
+  uint64_t service_events ABSL_GUARDED_BY(mu) = 0;  // wakes the service thread
+  // The dispatches served and being served, per sender.
+  CombineCache combines ABSL_GUARDED_BY(mu);
+  // By rank; sized by the constructor.
+  std::vector<PeerTiming> timing ABSL_GUARDED_BY(mu);
+  LogLimiter log_limiter{absl::Seconds(10)};
   std::thread service;
   // Dispatches sent asynchronously whose outcome is not reported yet: the
   // destructor waits for them (the transport reports each exactly once, at
@@ -194,7 +272,8 @@ struct ExpertParallel::Impl {
       rows_served{0}, frames_invalid{0}, frames_unknown_sender{0},
       frames_stale{0}, send_errors{0}, calls{0}, calls_failed{0}, waits{0},
       wait_ns{0}, dispatches_parked{0}, parked_released{0}, parked_expired{0},
-      parked_refused{0}, parked_answered{0};
+      parked_refused{0}, parked_answered{0}, retransmits{0},
+      duplicates_served{0}, duplicates_joined{0};
 };
 
 }  // namespace karat

@@ -13,18 +13,11 @@ namespace karat {
 
 using expert_parallel_internal::CopyArray;
 using expert_parallel_internal::FrameBytes;
-using expert_parallel_internal::kLogModule;
 
-absl::Status ExpertParallel::Impl::SendFrame(
-    PeerId peer, const FrameHeader& header,
-    const std::vector<std::string_view>& sections) {
-  // A fresh buffer per frame: the transport may keep a shared one past the
-  // call (Transport::SendShared), and two micro-batches and the service
-  // thread send concurrently.
-  auto buffer = std::make_shared<std::string>();
-  EncodeFrame(header, sections, buffer.get());
-  const size_t size = buffer->size();
-  absl::Status s = transport->SendShared(peer, std::move(buffer));
+absl::Status ExpertParallel::Impl::SendEncoded(
+    PeerId peer, std::shared_ptr<const std::string> frame) {
+  const size_t size = frame->size();
+  absl::Status s = transport->SendShared(peer, std::move(frame));
   if (!s.ok()) {
     send_errors.fetch_add(1);
     return s;
@@ -34,18 +27,55 @@ absl::Status ExpertParallel::Impl::SendFrame(
   return absl::OkStatus();
 }
 
+absl::Status ExpertParallel::Impl::SendFrame(
+    PeerId peer, const FrameHeader& header,
+    const std::vector<std::string_view>& sections) {
+  // A fresh buffer per frame: the transport may keep a shared one past the
+  // call (Transport::SendShared), and two micro-batches and the service
+  // thread send concurrently.
+  auto buffer = std::make_shared<std::string>();
+  EncodeFrame(header, sections, buffer.get());
+  return SendEncoded(peer, std::move(buffer));
+}
+
 void ExpertParallel::Impl::CountInvalid(const FrameHeader& h,
                                         std::string_view why) {
   frames_invalid.fetch_add(1);
-  KLOG(Warning, kLogModule)
+  EP_LOG(this, Warning, absl::StrCat("invalid/", h.src_node))
       << "rank " << rank << ": dropping a " << FrameTypeName(h.type)
       << " frame from node " << h.src_node << " (request " << h.session
       << ", layer " << h.layer << "): " << why;
 }
 
+DispatchKey ExpertParallel::Impl::KeyOf(const FrameHeader& h) {
+  return DispatchKey{h.session, h.step, h.layer, h.micro_batch};
+}
+
 void ExpertParallel::Impl::OnDispatch(const FrameView& frame, int from_rank,
                                       const Peer& peer, uint64_t seq) {
   const FrameHeader& h = frame.header;
+  const DispatchKey key = KeyOf(h);
+  {
+    // A dispatch sent again: answered with the kept combine, or by the
+    // combine of the copy that is queued or being computed.
+    absl::MutexLock lock(&mu);
+    if (aborted || stopping) return;
+    CombineCache::Seen seen = combines.Begin(h.src_node, key);
+    if (seen.state == CombineCache::State::kAnswered) {
+      resends.push_back(
+          Resend{h, from_rank, peer.id, peer.name, std::move(seen.answer)});
+      ++service_events;
+      return;
+    }
+    if (seen.state == CombineCache::State::kInProgress) {
+      duplicates_joined.fetch_add(1);
+      EP_LOG(this, Debug, absl::StrCat("joined/", h.src_node))
+          << "rank " << rank << ": MoeDispatch request " << h.session
+          << " (layer " << h.layer << ") of GPU rank " << from_rank
+          << " came again while it is served; its combine answers both";
+      return;
+    }
+  }
   const ModelConfig& c = runner->config();
   Job job;
   job.header = h;
@@ -118,7 +148,11 @@ void ExpertParallel::Impl::OnDispatch(const FrameView& frame, int from_rank,
     if (job.error.ok()) job.rows = CopyArray<float>(frame.sections[3]);
   }
   absl::MutexLock lock(&mu);
-  if (aborted || stopping) return;
+  if (aborted || stopping) {
+    combines.Abandon(h.src_node, key);
+    return;
+  }
+  ++service_events;
   if (seq == 0) {
     job.seq = next_seq++;
     jobs.push_back(std::move(job));
@@ -162,7 +196,7 @@ void ExpertParallel::Impl::Receive(const FrameView& frame, PeerId from,
       absl::MutexLock jobs_lock(&mu);
       if (aborted || stopping) return;
       p.seq = next_seq++;
-      ++parked_events;
+      ++service_events;
       if (parked.size() >= options.max_parked ||
           parked_bytes + p.size > options.max_parked_bytes) {
         p.why = absl::StrCat("the node id is not in the GPU rank table and ",
@@ -185,7 +219,7 @@ void ExpertParallel::Impl::Receive(const FrameView& frame, PeerId from,
       }
       parked_bytes += p.size;
       dispatches_parked.fetch_add(1);
-      KLOG(Info, kLogModule)
+      EP_LOG(this, Info, absl::StrCat("park/", h.src_node))
           << "rank " << rank << ": parking a MoeDispatch from node "
           << h.src_node << " (request " << h.session << ", layer " << h.layer
           << ") until the rank table names it (at most "
@@ -230,7 +264,7 @@ void ExpertParallel::Impl::DropParked(const Parked& p, std::string_view why) {
   if (sent.ok()) {
     parked_answered.fetch_add(1);
   } else {
-    KLOG(Warning, kLogModule)
+    EP_LOG(this, Warning, absl::StrCat("answer/node/", h.src_node))
         << "rank " << rank << ": cannot answer request " << h.session
         << " of node " << h.src_node << ": " << sent;
   }
@@ -264,26 +298,53 @@ void ExpertParallel::Impl::Serve(Job& job) {
     if (gate != nullptr) gate->Leave();
   }
   answer.type = static_cast<uint16_t>(FrameType::kMoeCombine);
-  absl::Status sent;
+  auto encoded = std::make_shared<std::string>();
   if (status.ok()) {
     answer.n_tokens = uint32_t(job.indices.size());
-    sent = SendFrame(job.peer, answer,
-                     {SectionBytes(out.data(), out.size() * sizeof(float))});
-    if (sent.ok()) {
-      dispatches_served.fetch_add(1);
-      rows_served.fetch_add(job.rows.size() / size_t(hidden));
-    }
+    EncodeFrame(answer, {SectionBytes(out.data(), out.size() * sizeof(float))},
+                encoded.get());
   } else {
     answer.status = uint32_t(status.code());
     const std::string text(status.message());
-    sent = SendFrame(job.peer, answer, {text});
+    EncodeFrame(answer, {text}, encoded.get());
+  }
+  {
+    // Kept before the send: a copy of the dispatch that arrives from now on
+    // is answered from the cache (one that arrives during the send gets a
+    // second combine, which its sender drops as stale), never left
+    // waiting for a combine that is already gone.
+    absl::MutexLock lock(&mu);
+    combines.Finish(h.src_node, KeyOf(h), encoded);
+  }
+  const absl::Status sent = SendEncoded(job.peer, std::move(encoded));
+  if (sent.ok() && status.ok()) {
+    dispatches_served.fetch_add(1);
+    rows_served.fetch_add(job.rows.size() / size_t(hidden));
   }
   if (!sent.ok()) {
-    KLOG(Warning, kLogModule)
+    EP_LOG(this, Warning, absl::StrCat("answer/", job.from_rank))
         << "rank " << rank << ": cannot answer request " << h.session
         << " (layer " << h.layer << ") of GPU rank " << job.from_rank << " ("
-        << job.peer_name << "): " << sent;
+        << job.peer_name << "): " << sent.message()
+        << "; its combine is kept for the dispatch sent again";
   }
+}
+
+void ExpertParallel::Impl::SendAgain(const Resend& r) {
+  const FrameHeader& h = r.header;
+  const absl::Status sent = SendEncoded(r.peer, r.answer);
+  if (sent.ok()) {
+    duplicates_served.fetch_add(1);
+    EP_LOG(this, Debug, absl::StrCat("again/", r.from_rank))
+        << "rank " << rank << ": MoeDispatch request " << h.session
+        << " (layer " << h.layer << ") of GPU rank " << r.from_rank
+        << " came again; answered with the kept combine";
+    return;
+  }
+  EP_LOG(this, Warning, absl::StrCat("answer/", r.from_rank))
+      << "rank " << rank << ": cannot answer request " << h.session
+      << " (layer " << h.layer << ") of GPU rank " << r.from_rank << " ("
+      << r.peer_name << ") again: " << sent.message();
 }
 
 void ExpertParallel::Impl::ServiceLoop() {
@@ -291,15 +352,16 @@ void ExpertParallel::Impl::ServiceLoop() {
     Job job;
     bool have_job = false;
     std::vector<Parked> expired, dropped;
+    std::vector<Resend> again;
     {
       absl::MutexLock lock(&mu);
       for (;;) {
         if (stopping) return;
-        if (!jobs.empty() || !refused.empty()) break;
+        if (!jobs.empty() || !refused.empty() || !resends.empty()) break;
         if (!parked.empty() && parked.front().deadline <= absl::Now()) break;
-        const uint64_t events = parked_events;
+        const uint64_t events = service_events;
         auto ready = [this, events]() ABSL_SHARED_LOCKS_REQUIRED(mu) {
-          return stopping || !jobs.empty() || parked_events != events;
+          return stopping || !jobs.empty() || service_events != events;
         };
         if (parked.empty()) {
           mu.Await(absl::Condition(&ready));
@@ -318,12 +380,17 @@ void ExpertParallel::Impl::ServiceLoop() {
         dropped.push_back(std::move(refused.front()));
         refused.pop_front();
       }
+      while (!resends.empty()) {
+        again.push_back(std::move(resends.front()));
+        resends.pop_front();
+      }
       if (!jobs.empty()) {
         job = std::move(jobs.front());
         jobs.pop_front();
         have_job = true;
       }
     }
+    for (const Resend& r : again) SendAgain(r);
     for (const Parked& p : dropped) DropParked(p, p.why);
     for (const Parked& p : expired) {
       DropParked(p, absl::StrCat("the node id is still not in the GPU rank "

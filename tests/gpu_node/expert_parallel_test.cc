@@ -38,16 +38,22 @@ void CheckAgainstOneRank(const std::string& preset, int ranks) {
   Cluster cluster(f, ranks);
   RunAllAgainstOneRank(cluster, *reference);
   // The MoE layers did cross ranks.
-  double sent = 0, served = 0, invalid = 0;
+  double sent = 0, served = 0, invalid = 0, stale = 0, resent = 0;
   for (auto& rank : cluster.ranks) {
     auto stats = rank.ep->Stats();
     sent += stats["moe_dispatches_sent"];
     served += stats["moe_frames_received"];
-    invalid += stats["moe_frames_invalid"] + stats["moe_frames_stale"];
+    invalid += stats["moe_frames_invalid"];
+    stale += stats["moe_frames_stale"];
+    resent += stats["moe_retransmits"];
   }
   CHECK(sent > 0);
   CHECK(served >= sent);  // dispatches and combines
   CHECK(invalid == 0);
+  // Nothing is lost here, but on a busy machine an answer can take longer
+  // than the RTO: its dispatch is sent again and answered twice. A second
+  // combine comes only from such a resend.
+  CHECK(stale <= resent);
 }
 
 TEST_CASE("2 ranks: logits bit-identical to one rank, prefill and decode",
@@ -103,7 +109,11 @@ TEST_CASE("only ranks that own routed rows get a dispatch; rows travel once",
   CHECK(s0["moe_dispatches_sent"] == 1);
   CHECK(s0["moe_rows_sent"] == 2);
   CHECK(cluster.ranks[1].ep->Stats()["moe_frames_received"] == 0);
-  CHECK(cluster.ranks[2].ep->Stats()["moe_frames_received"] == 1);
+  // One dispatch; more copies only if the answer took longer than the RTO
+  // (a stalled machine).
+  const double copies = cluster.ranks[2].ep->Stats()["moe_frames_received"];
+  CHECK(copies >= 1);
+  CHECK(copies <= 1 + s0["moe_retransmits"]);
   CHECK(cluster.ranks[3].ep->Stats()["moe_frames_received"] == 0);
   CHECK(hooks.before() == 1);
   CHECK(hooks.after() == 1);
