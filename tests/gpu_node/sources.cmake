@@ -19,6 +19,11 @@ add_unit_test(expert_parallel_peers_test
   SOURCES tests/gpu_node/expert_parallel_peers_test.cc
   LIBS karat_gpu_node
   LABELS unit)
+# The same over link emulators: loss, links down, resends, duplicates.
+add_unit_test(expert_parallel_links_test
+  SOURCES tests/gpu_node/expert_parallel_links_test.cc
+  LIBS karat_gpu_node
+  LABELS unit)
 
 # The MoE retransmission timers and the serving rank's duplicate cache, as
 # pure logic.
