@@ -35,6 +35,20 @@
 // A step's rows for one rank are split over several dispatches (by expert)
 // when one frame, dispatch or combine, would exceed the frame limit
 // (ExpertParallelOptions::max_frame_bytes, the transport's MaxMessageSize()).
+//
+// Lossy and broken links (gpu_node/moe_retransmit.h, combine_cache.h): a
+// dispatch whose combine has not come within the peer's retransmission
+// timeout (RTO, from the measured answer times of that peer) is sent again,
+// byte for byte, with exponential back-off; so is one whose send fails with
+// UNAVAILABLE (a link that is down). A call fails only when `timeout` passes
+// without an answer, when an answer carries an error, when a send fails
+// otherwise, when the peer leaves the rank table (SetPeers) or on Abort.
+// The serving rank remembers, per sender, the dispatches it has queued or
+// is computing and the combines it answered last: a dispatch that arrives
+// again is answered with the kept combine, or, while the first copy is
+// still queued or computed, by that copy's combine; it is never computed
+// twice (unless its combine was evicted from the bounded cache). A combine
+// for a dispatch already answered is dropped and counted (frames_stale).
 #pragma once
 
 #include <cstdint>
@@ -51,14 +65,21 @@
 #include "common/model_runner.h"
 #include "common/transport.h"
 #include "google/protobuf/map.h"
+#include "gpu_node/combine_cache.h"
+#include "gpu_node/moe_retransmit.h"
 #include "gpu_node/worker_token.h"
 
 namespace karat {
 
 struct ExpertParallelOptions {
-  // Bound on waiting for another rank's combine; past it the layer fails
-  // with UNAVAILABLE naming the rank.
+  // Bound on waiting for another rank's combine, resends included; past it
+  // the layer fails with UNAVAILABLE naming the rank.
   absl::Duration timeout = absl::Seconds(30);
+  // Retransmission timeout of a dispatch: srtt + 4 * rttvar of the peer's
+  // answer times within [min, max], `initial` before its first answer.
+  RtoBounds rto;
+  // Per sender, the combines kept to answer a dispatch sent again.
+  CombineCacheLimits combine_cache;
   // Bound on waiting for a rank's address (GpuNode.SetPeers): a rank that
   // has just joined may start its first turn before the coordinator's
   // table reaches it.
@@ -80,7 +101,8 @@ struct ExpertParallelOptions {
 // the backends from ForMicroBatch() may run concurrently (one thread per
 // micro-batch); OnFrame/OnMessage run on the transport's receive thread and
 // never block on computation or sends. Dispatches from other ranks are
-// computed, in arrival order, on one service thread owned by this object.
+// computed, in arrival order, on one service thread owned by this object;
+// a combine sent again from the cache goes ahead of the queued ones.
 class ExpertParallel {
  public:
   static constexpr int kMicroBatches = 2;
@@ -138,7 +160,9 @@ class ExpertParallel {
   // cannot tell). Frames that fail validation are dropped, counted and
   // logged with the sender's node id; a malformed dispatch from a known
   // rank is also answered with an error combine so that its sender fails
-  // at once. A dispatch from a node id outside the rank table is parked
+  // at once. A dispatch this object has answered or is serving (same
+  // sender, request id, layer, step and micro-batch) is not computed again
+  // (see above). A dispatch from a node id outside the rank table is parked
   // (ExpertParallelOptions::max_parked) and served in arrival order once
   // SetPeers names its sender; other frames from such a node id, and parked
   // dispatches whose sender is still unknown after `peer_wait`, are
@@ -163,7 +187,18 @@ class ExpertParallel {
   // dispatches_parked (parked on arrival), parked_released (queued once
   // their sender became known), parked_expired (still unknown after
   // peer_wait), parked_refused (over the parking bounds), parked_answered
-  // (expired or refused ones answered with an error combine).
+  // (expired or refused ones answered with an error combine), retransmits
+  // (dispatches sent again: timer expired or send failed; dispatches_sent
+  // counts each dispatch once), duplicates_served (dispatches that arrived
+  // again, answered from the combine cache), duplicates_joined (arrived
+  // again while the first copy was queued or computed: answered by its
+  // combine), combine_cache_entries, combine_cache_bytes,
+  // combine_cache_evictions, rto_ms (the mean current RTO over the ranks
+  // of the table) and rto_max_ms (the largest). Log lines about single
+  // frames (invalid, unknown sender, stale, failed sends, resends) are
+  // rate-limited (common/log_limiter.h: one per kind and peer per 10 s);
+  // the counters count every event, and log_lines_held_back the lines
+  // left out.
   std::map<std::string, double> Stats() const;
   void ExportTo(google::protobuf::Map<std::string, double>* stats) const;
 

@@ -1,7 +1,11 @@
 # gpu_node: the GPU-node daemon (decode loop, remote attention, control).
 add_library(karat_gpu_node STATIC
   gpu_node/decode_loop.cc
+  gpu_node/combine_cache.cc
   gpu_node/expert_parallel.cc
+  gpu_node/expert_parallel_dispatch.cc
+  gpu_node/expert_parallel_serve.cc
+  gpu_node/moe_retransmit.cc
   gpu_node/remote_attention.cc
   gpu_node/local_attention.cc
   gpu_node/worker_token.cc

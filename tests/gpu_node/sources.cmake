@@ -14,3 +14,24 @@ add_unit_test(expert_parallel_test
   SOURCES tests/gpu_node/expert_parallel_test.cc
   LIBS karat_gpu_node
   LABELS unit)
+# Its failure paths: late rank tables, dead peers, bad frames.
+add_unit_test(expert_parallel_peers_test
+  SOURCES tests/gpu_node/expert_parallel_peers_test.cc
+  LIBS karat_gpu_node
+  LABELS unit)
+# The same over link emulators: loss, links down, resends, duplicates.
+add_unit_test(expert_parallel_links_test
+  SOURCES tests/gpu_node/expert_parallel_links_test.cc
+  LIBS karat_gpu_node
+  LABELS unit)
+
+# The MoE retransmission timers and the serving rank's duplicate cache, as
+# pure logic.
+add_unit_test(moe_retransmit_test
+  SOURCES tests/gpu_node/moe_retransmit_test.cc
+  LIBS karat_gpu_node
+  LABELS unit)
+add_unit_test(combine_cache_test
+  SOURCES tests/gpu_node/combine_cache_test.cc
+  LIBS karat_gpu_node
+  LABELS unit)
