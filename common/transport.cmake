@@ -3,5 +3,4 @@ target_sources(karat_common PRIVATE
   common/fabric_transport.cc
   common/fake_transport.cc
   common/frame.cc
-  common/rto_estimator.cc
   common/transport.cc)

@@ -16,8 +16,8 @@
 #include "common/frame.h"
 #include "common/log.h"
 #include "common/log_limiter.h"
-#include "common/rto_estimator.h"
 #include "common/status_macros.h"
+#include "gpu_node/moe_retransmit.h"
 
 namespace karat {
 namespace {
@@ -130,6 +130,7 @@ struct RemoteAttentionBackend::Impl {
     bool decode = true;  // estimator class: a decode-sized segment
     absl::Time first_sent;
     int sends = 0;
+    absl::Duration rto;  // this segment's wait, doubled per resend
     absl::Time resend_at = absl::InfiniteFuture();
   };
   absl::Mutex mu;
@@ -141,15 +142,18 @@ struct RemoteAttentionBackend::Impl {
   bool aborted ABSL_GUARDED_BY(mu) = false;
   absl::flat_hash_set<uint64_t> hello_waiting ABSL_GUARDED_BY(mu);
   absl::flat_hash_set<uint64_t> hello_acked ABSL_GUARDED_BY(mu);
-  // Answer-time estimates per KARAT node address, [decode, prefill].
+  // Answer-time estimates per KARAT node address, [decode, prefill]
+  // (gpu_node/moe_retransmit.h: RFC 6298, Karn's rule).
   struct Estimators {
     explicit Estimators(const RemoteAttentionOptions& o)
-        : e{RtoEstimator(o.rto_initial_decode, o.rto_min, o.rto_max),
-            RtoEstimator(o.rto_initial_prefill, o.rto_min, o.rto_max)} {}
-    RtoEstimator e[2];
+        : e{RttEstimator(RtoBounds{o.rto_initial_decode, o.rto_min, o.rto_max}
+                             .Sanitized()),
+            RttEstimator(RtoBounds{o.rto_initial_prefill, o.rto_min, o.rto_max}
+                             .Sanitized())} {}
+    RttEstimator e[2];
   };
   absl::flat_hash_map<std::string, Estimators> rto ABSL_GUARDED_BY(mu);
-  RtoEstimator& RtoFor(const Slot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+  RttEstimator& RtoFor(const Slot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     auto it = rto.try_emplace(slot.address, options).first;
     return it->second.e[slot.decode ? 0 : 1];
   }
@@ -220,9 +224,9 @@ void RemoteAttentionBackend::Impl::OnMessage(std::string_view message,
     }
     const std::string_view text =
         h.n_sections > 0 ? frame->sections[0] : std::string_view();
-    FailSlotLocked(&slot, absl::Status(code, absl::StrCat("KARAT node ",
-                                                          slot.node, ": ",
-                                                          std::string(text))));
+    FailSlotLocked(
+        &slot, absl::Status(code, absl::StrCat("KARAT node ", slot.node, ": ",
+                                               std::string(text))));
     return;
   }
   if (h.n_sections != 1 || frame->sections[0].size() != slot.expected_bytes) {
@@ -235,7 +239,7 @@ void RemoteAttentionBackend::Impl::OnMessage(std::string_view message,
   }
   std::memcpy(slot.out, frame->sections[0].data(), slot.expected_bytes);
   // Only an answer to frames sent once times the node (Karn).
-  if (slot.sends == 1) RtoFor(slot).Sample(absl::Now() - slot.first_sent);
+  if (slot.sends == 1) RtoFor(slot).AddSample(absl::Now() - slot.first_sent);
   slot.done = true;
   --outstanding[slot.mb];
 }
@@ -275,10 +279,15 @@ void RemoteAttentionBackend::Impl::SendSlot(const Key& key) {
     frames = slot.frames;
     node = slot.node;
     const absl::Time now = absl::Now();
-    if (slot.sends == 0) slot.first_sent = now;
+    if (slot.sends == 0) {
+      slot.first_sent = now;
+      slot.rto = RtoFor(slot).rto();
+    } else {
+      retransmits.fetch_add(1);
+      slot.rto = RtoFor(slot).Backoff(slot.rto);
+    }
     ++slot.sends;
-    if (slot.sends > 1) retransmits.fetch_add(1);
-    slot.resend_at = now + RtoFor(slot).Backoff(slot.sends);
+    slot.resend_at = now + slot.rto;
     sends_in_flight += int(frames.size());
   }
   for (const std::shared_ptr<std::string>& frame : frames) {

@@ -32,7 +32,7 @@ struct RemoteAttentionOptions {
   // UNAVAILABLE naming the KARAT node (a link down for less stalls the
   // segment for about as long; README "Data plane", lossy links).
   absl::Duration timeout = absl::Seconds(30);
-  // Retransmission (common/rto_estimator.h): a segment whose output has not
+  // Retransmission (gpu_node/moe_retransmit.h): a segment whose output has not
   // come back within the RTO of its KARAT node is sent again (its index and
   // attention frames), the wait doubling per resend. The RTO is estimated
   // per node from the answers to frames sent once, apart for decode-sized

@@ -59,6 +59,3 @@ else()
   message(STATUS "clang++ with libFuzzer not found: the frame fuzzer "
                  "(karat-frame-fuzzer) is skipped")
 endif()
-add_unit_test(rto_estimator_test
-  SOURCES tests/common/rto_estimator_test.cc
-  LIBS karat_common)
