@@ -133,6 +133,24 @@ std::vector<LoggedSession> ReplayWal(
         s.prefill_ends.assign(r.turn().prefill_ends().begin(),
                               r.turn().prefill_ends().end());
         s.turns = r.turn().turns();
+        if (r.turn().has_last_turn()) s.last_turn = r.turn().last_turn();
+        break;
+      }
+      case cluster::WalRecord::kStarted: {
+        auto it = sessions.find(r.started().id());
+        if (it == sessions.end()) {
+          KLOG(Warning, kLog) << "session=" << r.started().id()
+                              << " has a turn start in the log but no "
+                                 "creation; skipped";
+          break;
+        }
+        if (!r.started().has_turn()) {
+          KLOG(Warning, kLog) << "session=" << r.started().id()
+                              << " has a turn start without its turn in the "
+                                 "log; skipped";
+          break;
+        }
+        it->second.last_turn = r.started().turn();
         break;
       }
       case cluster::WalRecord::kClosed:
@@ -172,6 +190,32 @@ std::optional<std::vector<cluster::LinkConfig>> ReplayWalLinks(
   return links;
 }
 
+std::string EncodeCompactedWal(
+    const std::vector<LoggedSession>& sessions,
+    const std::optional<std::vector<cluster::LinkConfig>>& links) {
+  std::string out;
+  if (links.has_value()) out += EncodeWalRecord(LinkRulesRecord(*links));
+  for (const LoggedSession& s : sessions) {
+    cluster::WalRecord created;
+    created.mutable_created()->set_id(s.id);
+    created.mutable_created()->set_key(s.key);
+    created.mutable_created()->set_seed(s.seed);
+    out += EncodeWalRecord(created);
+    if (s.history.empty() && s.turns == 0 && !s.last_turn.has_value())
+      continue;
+    cluster::WalRecord turn;
+    cluster::WalRecord::TurnLogged* t = turn.mutable_turn();
+    t->set_id(s.id);
+    t->mutable_tokens()->Assign(s.history.begin(), s.history.end());
+    t->mutable_prefill_ends()->Assign(s.prefill_ends.begin(),
+                                      s.prefill_ends.end());
+    t->set_turns(s.turns);
+    if (s.last_turn.has_value()) *t->mutable_last_turn() = *s.last_turn;
+    out += EncodeWalRecord(turn);
+  }
+  return out;
+}
+
 absl::StatusOr<std::unique_ptr<SessionLog>> SessionLog::Open(
     const std::string& dir, std::vector<LoggedSession>* sessions,
     std::optional<std::vector<cluster::LinkConfig>>* links) {
@@ -199,28 +243,7 @@ absl::StatusOr<std::unique_ptr<SessionLog>> SessionLog::Open(
       ReplayWalLinks(contents->records);
   if (links != nullptr) *links = logged_links;
 
-  // Compaction: the last link rules, then the live sessions as one created
-  // and one turn record each.
-  std::string snapshot;
-  if (logged_links.has_value()) {
-    snapshot += EncodeWalRecord(LinkRulesRecord(*logged_links));
-  }
-  for (const LoggedSession& s : *sessions) {
-    cluster::WalRecord created;
-    created.mutable_created()->set_id(s.id);
-    created.mutable_created()->set_key(s.key);
-    created.mutable_created()->set_seed(s.seed);
-    snapshot += EncodeWalRecord(created);
-    if (s.history.empty() && s.turns == 0) continue;
-    cluster::WalRecord turn;
-    turn.mutable_turn()->set_id(s.id);
-    turn.mutable_turn()->mutable_tokens()->Assign(s.history.begin(),
-                                                  s.history.end());
-    turn.mutable_turn()->mutable_prefill_ends()->Assign(s.prefill_ends.begin(),
-                                                        s.prefill_ends.end());
-    turn.mutable_turn()->set_turns(s.turns);
-    snapshot += EncodeWalRecord(turn);
-  }
+  const std::string snapshot = EncodeCompactedWal(*sessions, logged_links);
   const std::string tmp = path + ".tmp";
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return Errno("create", tmp);

@@ -43,6 +43,9 @@ struct LoggedSession {
   std::vector<int32_t> history;  // BOS, prompts, generated tokens
   std::vector<int> prefill_ends;
   int turns = 0;
+  // The latest turn as a retry with its idempotency key finds it: set by a
+  // TurnStarted record, replaced by a TurnLogged record that carries one.
+  std::optional<cluster::LastTurn> last_turn;
 };
 
 // What reading a log file found.
@@ -56,9 +59,12 @@ struct WalContents {
 // none). Errors only when the file cannot be read.
 absl::StatusOr<WalContents> ReadWalFile(const std::string& path);
 
-// Applies `records` in order: the sessions alive after them, by id. Records
-// that do not fit (a turn or close of an unknown session, a second create of
-// one id) are skipped with a warning.
+// Applies `records` in order: the sessions alive after them, by id. A
+// TurnLogged appends its tokens, replaces prefill_ends and turns, and
+// replaces last_turn when it carries one; a TurnStarted sets last_turn only.
+// Records that do not fit (a turn, start or close of an unknown session, a
+// second create of one id, a start without its turn) are skipped with a
+// warning.
 std::vector<LoggedSession> ReplayWal(
     const std::vector<cluster::WalRecord>& records);
 
@@ -73,6 +79,14 @@ std::string EncodeWalRecord(const cluster::WalRecord& record);
 // is empty, so that an empty list is logged as such).
 cluster::WalRecord LinkRulesRecord(
     const std::vector<cluster::LinkConfig>& links);
+
+// The compacted form of a log: the LinkRules record of `links` (when set),
+// then per session one SessionCreated and, when it has tokens, turns or a
+// last turn, one TurnLogged with its whole history, prefill_ends, turns and
+// last_turn. Its replay gives `sessions` and `links` back.
+std::string EncodeCompactedWal(
+    const std::vector<LoggedSession>& sessions,
+    const std::optional<std::vector<cluster::LinkConfig>>& links);
 
 // Thread-safe.
 class SessionLog {

@@ -239,6 +239,137 @@ TEST_CASE("The last logged link rules are replayed and kept by compaction",
   CHECK(ReplayWal({Links({{"x", 1}})}).empty());  // not a session record
 }
 
+cl::LastTurn MakeLastTurn(const std::string& key, std::vector<int32_t> prompt,
+                          int base_tokens, int generated,
+                          const std::string& finish_reason) {
+  cl::LastTurn t;
+  t.set_idempotency_key(key);
+  t.mutable_prompt()->Assign(prompt.begin(), prompt.end());
+  t.set_max_new_tokens(16);
+  t.set_temperature(0.5f);
+  t.set_base_tokens(base_tokens);
+  t.set_generated(generated);
+  t.set_finish_reason(finish_reason);
+  t.set_prompt_in_history(generated > 0 || !finish_reason.empty());
+  return t;
+}
+
+cl::WalRecord Started(const std::string& id, const cl::LastTurn& turn) {
+  cl::WalRecord r;
+  r.mutable_started()->set_id(id);
+  *r.mutable_started()->mutable_turn() = turn;
+  return r;
+}
+
+cl::WalRecord TurnWithLast(const std::string& id, std::vector<int32_t> tokens,
+                           std::vector<int32_t> prefill_ends, int turns,
+                           const cl::LastTurn& last) {
+  cl::WalRecord r = Turn(id, std::move(tokens), std::move(prefill_ends), turns);
+  *r.mutable_turn()->mutable_last_turn() = last;
+  return r;
+}
+
+bool SameTurn(const std::optional<cl::LastTurn>& a,
+              const std::optional<cl::LastTurn>& b) {
+  if (a.has_value() != b.has_value()) return false;
+  return !a.has_value() || a->SerializeAsString() == b->SerializeAsString();
+}
+
+TEST_CASE("A turn start sets the latest turn; a turn record replaces it",
+          "[wal]") {
+  const cl::LastTurn first = MakeLastTurn("k1", {1, 2}, 0, 0, "");
+  const cl::LastTurn first_done = MakeLastTurn("k1", {1, 2}, 0, 3, "eos");
+  const cl::LastTurn second = MakeLastTurn("k2", {7}, 6, 0, "");
+  std::vector<cl::WalRecord> records = {Created("s-a", 11, 1),
+                                        Created("s-b", 22, 2)};
+  SECTION("a start alone leaves the history as it was") {
+    records.push_back(Started("s-a", first));
+    auto sessions = ReplayWal(records);
+    REQUIRE(sessions.size() == 2);
+    CHECK(sessions[0].history.empty());
+    CHECK(sessions[0].turns == 0);
+    CHECK(SameTurn(sessions[0].last_turn, first));
+    CHECK_FALSE(sessions[1].last_turn.has_value());
+  }
+  SECTION("the turn's record replaces the start's") {
+    records.push_back(Started("s-a", first));
+    records.push_back(TurnWithLast("s-a", {256, 1, 2, 5, 6, 2}, {3}, 1,
+                                   first_done));
+    auto sessions = ReplayWal(records);
+    CHECK(sessions[0].history == std::vector<int32_t>{256, 1, 2, 5, 6, 2});
+    CHECK(SameTurn(sessions[0].last_turn, first_done));
+  }
+  SECTION("a turn record without one keeps the latest turn") {
+    records.push_back(TurnWithLast("s-a", {256, 1, 2, 5}, {3}, 1, first_done));
+    records.push_back(Turn("s-a", {9}, {3, 5}, 2));
+    auto sessions = ReplayWal(records);
+    CHECK(sessions[0].history == std::vector<int32_t>{256, 1, 2, 5, 9});
+    CHECK(sessions[0].turns == 2);
+    CHECK(SameTurn(sessions[0].last_turn, first_done));
+  }
+  SECTION("a later start replaces a finished turn") {
+    records.push_back(TurnWithLast("s-a", {256, 1, 2, 5}, {3}, 1, first_done));
+    records.push_back(Started("s-a", second));
+    auto sessions = ReplayWal(records);
+    CHECK(sessions[0].history == std::vector<int32_t>{256, 1, 2, 5});
+    CHECK(SameTurn(sessions[0].last_turn, second));
+  }
+  SECTION("starts that do not fit are skipped") {
+    records.push_back(Started("s-x", first));  // never created
+    cl::WalRecord bare;
+    bare.mutable_started()->set_id("s-b");  // no turn
+    records.push_back(bare);
+    records.push_back(Closed("s-a"));
+    records.push_back(Started("s-a", second));  // closed
+    auto sessions = ReplayWal(records);
+    REQUIRE(sessions.size() == 1);
+    CHECK(sessions[0].id == "s-b");
+    CHECK_FALSE(sessions[0].last_turn.has_value());
+  }
+}
+
+TEST_CASE("Compaction at open keeps each session's latest turn", "[wal]") {
+  TempDir dir;
+  const cl::LastTurn done = MakeLastTurn("k1", {1, 2}, 0, 2, "length");
+  const cl::LastTurn running = MakeLastTurn("k3", {4}, 0, 0, "");
+  std::vector<LoggedSession> sessions;
+  {
+    auto log = SessionLog::Open(dir.path(), &sessions);
+    REQUIRE(log.ok());
+    REQUIRE((*log)->Append(Created("s-a", 11, 1)).ok());
+    REQUIRE((*log)->Append(Created("s-b", 22, 2)).ok());
+    REQUIRE((*log)->Append(Created("s-c", 33, 3)).ok());
+    REQUIRE((*log)->Append(Started("s-a", MakeLastTurn("k1", {1, 2}, 0, 0, "")))
+                .ok());
+    REQUIRE((*log)->Append(TurnWithLast("s-a", {256, 1, 2, 8, 8}, {3}, 1, done))
+                .ok());
+    REQUIRE((*log)->Append(Turn("s-a", {4, 4}, {3, 7}, 2)).ok());
+    // s-c: a start only (the turn broke off before its first token).
+    REQUIRE((*log)->Append(Started("s-c", running)).ok());
+  }
+  auto before = ReadWalFile(dir.File());
+  REQUIRE(before.ok());
+  for (int start = 0; start < 2; ++start) {  // the second after compaction
+    auto log = SessionLog::Open(dir.path(), &sessions);
+    REQUIRE(log.ok());
+    REQUIRE(sessions.size() == 3);
+    CHECK(sessions[0].history == std::vector<int32_t>{256, 1, 2, 8, 8, 4, 4});
+    CHECK(sessions[0].prefill_ends == std::vector<int>{3, 7});
+    CHECK(sessions[0].turns == 2);
+    CHECK(SameTurn(sessions[0].last_turn, done));
+    CHECK(sessions[1].id == "s-b");
+    CHECK_FALSE(sessions[1].last_turn.has_value());
+    CHECK(sessions[2].history.empty());
+    CHECK(sessions[2].turns == 0);
+    CHECK(SameTurn(sessions[2].last_turn, running));
+  }
+  auto after = ReadWalFile(dir.File());
+  REQUIRE(after.ok());
+  // s-a and s-c: created and one turn record; s-b: created only.
+  CHECK(after->records.size() == 5);
+  CHECK(after->records.size() < before->records.size());
+}
+
 TEST_CASE("An unusable state dir is a clear error", "[wal]") {
   TempDir dir;
   std::vector<LoggedSession> sessions;
