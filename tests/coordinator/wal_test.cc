@@ -13,66 +13,13 @@
 #include <string>
 #include <vector>
 
+#include "tests/coordinator/wal_test_util.h"
+
 namespace karat::coordinator {
 namespace {
 
 namespace cl = ::karat::cluster;
-
-// A fresh directory under the system temp dir, removed at scope exit.
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl =
-        (std::filesystem::temp_directory_path() / "karat_wal_XXXXXX").string();
-    REQUIRE(mkdtemp(tmpl.data()) != nullptr);
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::permissions(path_, std::filesystem::perms::owner_all,
-                                 std::filesystem::perm_options::add, ec);
-    std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-  std::string File() const { return path_ + "/" + SessionLog::kFileName; }
-
- private:
-  std::string path_;
-};
-
-cl::WalRecord Created(const std::string& id, uint64_t key, uint64_t seed) {
-  cl::WalRecord r;
-  r.mutable_created()->set_id(id);
-  r.mutable_created()->set_key(key);
-  r.mutable_created()->set_seed(seed);
-  return r;
-}
-
-cl::WalRecord Turn(const std::string& id, std::vector<int32_t> tokens,
-                   std::vector<int32_t> prefill_ends, int turns) {
-  cl::WalRecord r;
-  r.mutable_turn()->set_id(id);
-  r.mutable_turn()->mutable_tokens()->Assign(tokens.begin(), tokens.end());
-  r.mutable_turn()->mutable_prefill_ends()->Assign(prefill_ends.begin(),
-                                                   prefill_ends.end());
-  r.mutable_turn()->set_turns(turns);
-  return r;
-}
-
-cl::WalRecord Closed(const std::string& id) {
-  cl::WalRecord r;
-  r.mutable_closed()->set_id(id);
-  return r;
-}
-
-int64_t FileSize(const std::string& path) {
-  return static_cast<int64_t>(std::filesystem::file_size(path));
-}
-
-void AppendBytes(const std::string& path, const std::string& bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::app);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-}
+using namespace wal_testing;  // NOLINT: the tests' helpers
 
 // Writes two sessions (one closed later) and three turns through a log.
 void WriteSome(const std::string& dir) {
@@ -186,18 +133,6 @@ TEST_CASE("Records that do not fit the session table are skipped", "[wal]") {
   CHECK(sessions[0].key == 1);
 }
 
-cl::WalRecord Links(std::vector<std::pair<std::string, int64_t>> rules) {
-  cl::WalRecord r;
-  auto* links = r.mutable_links();  // set even when empty
-  for (const auto& [source, latency] : rules) {
-    cl::LinkConfig* l = links->add_links();
-    l->set_source(source);
-    l->set_destination("*");
-    l->set_latency_us(latency);
-  }
-  return r;
-}
-
 TEST_CASE("The last logged link rules are replayed and kept by compaction",
           "[wal]") {
   TempDir dir;
@@ -239,42 +174,6 @@ TEST_CASE("The last logged link rules are replayed and kept by compaction",
   CHECK(ReplayWal({Links({{"x", 1}})}).empty());  // not a session record
 }
 
-cl::LastTurn MakeLastTurn(const std::string& key, std::vector<int32_t> prompt,
-                          int base_tokens, int generated,
-                          const std::string& finish_reason) {
-  cl::LastTurn t;
-  t.set_idempotency_key(key);
-  t.mutable_prompt()->Assign(prompt.begin(), prompt.end());
-  t.set_max_new_tokens(16);
-  t.set_temperature(0.5f);
-  t.set_base_tokens(base_tokens);
-  t.set_generated(generated);
-  t.set_finish_reason(finish_reason);
-  t.set_prompt_in_history(generated > 0 || !finish_reason.empty());
-  return t;
-}
-
-cl::WalRecord Started(const std::string& id, const cl::LastTurn& turn) {
-  cl::WalRecord r;
-  r.mutable_started()->set_id(id);
-  *r.mutable_started()->mutable_turn() = turn;
-  return r;
-}
-
-cl::WalRecord TurnWithLast(const std::string& id, std::vector<int32_t> tokens,
-                           std::vector<int32_t> prefill_ends, int turns,
-                           const cl::LastTurn& last) {
-  cl::WalRecord r = Turn(id, std::move(tokens), std::move(prefill_ends), turns);
-  *r.mutable_turn()->mutable_last_turn() = last;
-  return r;
-}
-
-bool SameTurn(const std::optional<cl::LastTurn>& a,
-              const std::optional<cl::LastTurn>& b) {
-  if (a.has_value() != b.has_value()) return false;
-  return !a.has_value() || a->SerializeAsString() == b->SerializeAsString();
-}
-
 TEST_CASE("A turn start sets the latest turn; a turn record replaces it",
           "[wal]") {
   const cl::LastTurn first = MakeLastTurn("k1", {1, 2}, 0, 0, "");
@@ -293,8 +192,8 @@ TEST_CASE("A turn start sets the latest turn; a turn record replaces it",
   }
   SECTION("the turn's record replaces the start's") {
     records.push_back(Started("s-a", first));
-    records.push_back(TurnWithLast("s-a", {256, 1, 2, 5, 6, 2}, {3}, 1,
-                                   first_done));
+    records.push_back(
+        TurnWithLast("s-a", {256, 1, 2, 5, 6, 2}, {3}, 1, first_done));
     auto sessions = ReplayWal(records);
     CHECK(sessions[0].history == std::vector<int32_t>{256, 1, 2, 5, 6, 2});
     CHECK(SameTurn(sessions[0].last_turn, first_done));
@@ -339,9 +238,11 @@ TEST_CASE("Compaction at open keeps each session's latest turn", "[wal]") {
     REQUIRE((*log)->Append(Created("s-a", 11, 1)).ok());
     REQUIRE((*log)->Append(Created("s-b", 22, 2)).ok());
     REQUIRE((*log)->Append(Created("s-c", 33, 3)).ok());
-    REQUIRE((*log)->Append(Started("s-a", MakeLastTurn("k1", {1, 2}, 0, 0, "")))
+    REQUIRE((*log)
+                ->Append(Started("s-a", MakeLastTurn("k1", {1, 2}, 0, 0, "")))
                 .ok());
-    REQUIRE((*log)->Append(TurnWithLast("s-a", {256, 1, 2, 8, 8}, {3}, 1, done))
+    REQUIRE((*log)
+                ->Append(TurnWithLast("s-a", {256, 1, 2, 8, 8}, {3}, 1, done))
                 .ok());
     REQUIRE((*log)->Append(Turn("s-a", {4, 4}, {3, 7}, 2)).ok());
     // s-c: a start only (the turn broke off before its first token).
