@@ -57,6 +57,19 @@ bool WriteAll(int fd, std::string_view data) {
   return true;
 }
 
+// Writes all of `data` to `fd`, fdatasync'ing each MiB, so that an append's
+// fdatasync, which on a journaling file system may wait for other files'
+// dirty data, finds at most a MiB of it.
+bool WriteSynced(int fd, std::string_view data) {
+  constexpr size_t kChunk = size_t{1} << 20;
+  do {
+    const std::string_view chunk = data.substr(0, kChunk);
+    if (!WriteAll(fd, chunk) || ::fdatasync(fd) != 0) return false;
+    data.remove_prefix(chunk.size());
+  } while (!data.empty());
+  return true;
+}
+
 // Reads `fd` from `begin` up to `end` (or its end of file) into `*out`.
 bool ReadRange(int fd, int64_t begin, int64_t end, std::string* out) {
   char buf[1 << 16];
@@ -493,8 +506,7 @@ absl::Status SessionLog::Compact(const int64_t start) {
   tmp.fd = ::open(tmp.path.c_str(),
                   O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0644);
   if (tmp.fd < 0) return Errno("create", tmp.path);
-  if (!WriteAll(tmp.fd, snapshot) || ::fdatasync(tmp.fd) != 0)
-    return Errno("write", tmp.path);
+  if (!WriteSynced(tmp.fd, snapshot)) return Errno("write", tmp.path);
   // The records appended meanwhile, still without the lock: those below
   // size_ are on disk and no failed append cuts them.
   int64_t copied = start;
