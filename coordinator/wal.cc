@@ -5,14 +5,19 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <map>
 #include <string_view>
+#include <system_error>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/log.h"
 #include "common/stable_hash.h"
+#include "common/status_macros.h"
 
 namespace karat::coordinator {
 namespace {
@@ -52,40 +57,69 @@ bool WriteAll(int fd, std::string_view data) {
   return true;
 }
 
-}  // namespace
-
-std::string EncodeWalRecord(const cluster::WalRecord& record) {
-  std::string payload = record.SerializeAsString();
-  std::string out;
-  out.reserve(kHeaderBytes + payload.size());
-  PutLe(payload.size(), 4, &out);
-  PutLe(Fnv1a64(payload), 8, &out);
-  out += payload;
-  return out;
+// Writes all of `data` to `fd`, fdatasync'ing each MiB, so that an append's
+// fdatasync, which on a journaling file system may wait for other files'
+// dirty data, finds at most a MiB of it.
+bool WriteSynced(int fd, std::string_view data) {
+  constexpr size_t kChunk = size_t{1} << 20;
+  do {
+    const std::string_view chunk = data.substr(0, kChunk);
+    if (!WriteAll(fd, chunk) || ::fdatasync(fd) != 0) return false;
+    data.remove_prefix(chunk.size());
+  } while (!data.empty());
+  return true;
 }
 
-absl::StatusOr<WalContents> ReadWalFile(const std::string& path) {
-  WalContents contents;
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    if (errno == ENOENT) return contents;
-    return Errno("open", path);
-  }
-  std::string data;
+// Reads `fd` from `begin` up to `end` (or its end of file) into `*out`.
+bool ReadRange(int fd, int64_t begin, int64_t end, std::string* out) {
   char buf[1 << 16];
-  for (;;) {
-    ssize_t n = ::read(fd, buf, sizeof(buf));
+  while (begin < end) {
+    const size_t want = size_t(std::min<int64_t>(end - begin, sizeof(buf)));
+    ssize_t n = ::pread(fd, buf, want, off_t(begin));
     if (n < 0) {
       if (errno == EINTR) continue;
-      absl::Status st = Errno("read", path);
-      ::close(fd);
-      return st;
+      return false;
     }
     if (n == 0) break;
-    data.append(buf, size_t(n));
+    out->append(buf, size_t(n));
+    begin += n;
   }
+  return true;
+}
+
+// Copies the bytes [begin, end) of `from` to the end of `to`; false (errno
+// set) when a read or write fails or `from` ends before `end`.
+bool CopyRange(int from, int64_t begin, int64_t end, int to) {
+  std::string chunk;
+  while (begin < end) {
+    chunk.clear();
+    const int64_t stop = std::min<int64_t>(end, begin + (int64_t{1} << 20));
+    if (!ReadRange(from, begin, stop, &chunk)) return false;
+    if (chunk.empty()) {
+      errno = EIO;  // shorter than the records it holds
+      return false;
+    }
+    if (!WriteAll(to, chunk)) return false;
+    begin += int64_t(chunk.size());
+  }
+  return true;
+}
+
+// fsyncs the directory `dir` (a rename in it); false with errno set.
+bool SyncDir(const std::string& dir) {
+  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return false;
+  const bool ok = ::fsync(fd) == 0;
+  const int saved = errno;
   ::close(fd);
-  std::string_view rest(data);
+  errno = saved;
+  return ok;
+}
+
+// The intact records at the start of `data`.
+WalContents ParseWal(std::string_view data) {
+  WalContents contents;
+  std::string_view rest = data;
   while (rest.size() >= kHeaderBytes) {
     const uint64_t length = GetLe(rest, 4);
     const uint64_t checksum = GetLe(rest.substr(4), 8);
@@ -100,6 +134,49 @@ absl::StatusOr<WalContents> ReadWalFile(const std::string& path) {
   }
   contents.torn_bytes = int64_t(rest.size());
   return contents;
+}
+
+// The temp file of a compaction; removed unless kept (renamed into place).
+struct TempFile {
+  std::string path;
+  int fd = -1;
+  ~TempFile() {
+    if (fd < 0) return;
+    ::close(fd);
+    ::unlink(path.c_str());
+  }
+};
+
+// A file descriptor closed at scope exit.
+struct ScopedFd {
+  int fd = -1;
+  ~ScopedFd() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+}  // namespace
+
+std::string EncodeWalRecord(const cluster::WalRecord& record) {
+  std::string payload = record.SerializeAsString();
+  std::string out;
+  out.reserve(kHeaderBytes + payload.size());
+  PutLe(payload.size(), 4, &out);
+  PutLe(Fnv1a64(payload), 8, &out);
+  out += payload;
+  return out;
+}
+
+absl::StatusOr<WalContents> ReadWalFile(const std::string& path) {
+  ScopedFd file;
+  file.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (file.fd < 0) {
+    if (errno == ENOENT) return WalContents();
+    return Errno("open", path);
+  }
+  std::string data;
+  if (!ReadRange(file.fd, 0, INT64_MAX, &data)) return Errno("read", path);
+  return ParseWal(data);
 }
 
 std::vector<LoggedSession> ReplayWal(
@@ -133,6 +210,24 @@ std::vector<LoggedSession> ReplayWal(
         s.prefill_ends.assign(r.turn().prefill_ends().begin(),
                               r.turn().prefill_ends().end());
         s.turns = r.turn().turns();
+        if (r.turn().has_last_turn()) s.last_turn = r.turn().last_turn();
+        break;
+      }
+      case cluster::WalRecord::kStarted: {
+        auto it = sessions.find(r.started().id());
+        if (it == sessions.end()) {
+          KLOG(Warning, kLog) << "session=" << r.started().id()
+                              << " has a turn start in the log but no "
+                                 "creation; skipped";
+          break;
+        }
+        if (!r.started().has_turn()) {
+          KLOG(Warning, kLog) << "session=" << r.started().id()
+                              << " has a turn start without its turn in the "
+                                 "log; skipped";
+          break;
+        }
+        it->second.last_turn = r.started().turn();
         break;
       }
       case cluster::WalRecord::kClosed:
@@ -172,11 +267,43 @@ std::optional<std::vector<cluster::LinkConfig>> ReplayWalLinks(
   return links;
 }
 
+std::string EncodeCompactedWal(
+    const std::vector<LoggedSession>& sessions,
+    const std::optional<std::vector<cluster::LinkConfig>>& links) {
+  std::string out;
+  if (links.has_value()) out += EncodeWalRecord(LinkRulesRecord(*links));
+  for (const LoggedSession& s : sessions) {
+    cluster::WalRecord created;
+    created.mutable_created()->set_id(s.id);
+    created.mutable_created()->set_key(s.key);
+    created.mutable_created()->set_seed(s.seed);
+    out += EncodeWalRecord(created);
+    if (s.history.empty() && s.turns == 0 && !s.last_turn.has_value()) continue;
+    cluster::WalRecord turn;
+    cluster::WalRecord::TurnLogged* t = turn.mutable_turn();
+    t->set_id(s.id);
+    t->mutable_tokens()->Assign(s.history.begin(), s.history.end());
+    t->mutable_prefill_ends()->Assign(s.prefill_ends.begin(),
+                                      s.prefill_ends.end());
+    t->set_turns(s.turns);
+    if (s.last_turn.has_value()) *t->mutable_last_turn() = *s.last_turn;
+    out += EncodeWalRecord(turn);
+  }
+  return out;
+}
+
 absl::StatusOr<std::unique_ptr<SessionLog>> SessionLog::Open(
     const std::string& dir, std::vector<LoggedSession>* sessions,
-    std::optional<std::vector<cluster::LinkConfig>>* links) {
+    std::optional<std::vector<cluster::LinkConfig>>* links,
+    SessionLogOptions options) {
   if (dir.empty())
     return absl::InvalidArgumentError("coordinator state: empty state dir");
+  if (options.compact_min_bytes < 0 || !std::isfinite(options.compact_ratio) ||
+      options.compact_ratio < 1.0)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "coordinator state: compaction thresholds out of range (min bytes ",
+        options.compact_min_bytes, ", ratio ", options.compact_ratio,
+        "; want min bytes >= 0 and a finite ratio >= 1)"));
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec)
@@ -199,28 +326,7 @@ absl::StatusOr<std::unique_ptr<SessionLog>> SessionLog::Open(
       ReplayWalLinks(contents->records);
   if (links != nullptr) *links = logged_links;
 
-  // Compaction: the last link rules, then the live sessions as one created
-  // and one turn record each.
-  std::string snapshot;
-  if (logged_links.has_value()) {
-    snapshot += EncodeWalRecord(LinkRulesRecord(*logged_links));
-  }
-  for (const LoggedSession& s : *sessions) {
-    cluster::WalRecord created;
-    created.mutable_created()->set_id(s.id);
-    created.mutable_created()->set_key(s.key);
-    created.mutable_created()->set_seed(s.seed);
-    snapshot += EncodeWalRecord(created);
-    if (s.history.empty() && s.turns == 0) continue;
-    cluster::WalRecord turn;
-    turn.mutable_turn()->set_id(s.id);
-    turn.mutable_turn()->mutable_tokens()->Assign(s.history.begin(),
-                                                  s.history.end());
-    turn.mutable_turn()->mutable_prefill_ends()->Assign(s.prefill_ends.begin(),
-                                                        s.prefill_ends.end());
-    turn.mutable_turn()->set_turns(s.turns);
-    snapshot += EncodeWalRecord(turn);
-  }
+  const std::string snapshot = EncodeCompactedWal(*sessions, logged_links);
   const std::string tmp = path + ".tmp";
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return Errno("create", tmp);
@@ -231,11 +337,7 @@ absl::StatusOr<std::unique_ptr<SessionLog>> SessionLog::Open(
   }
   ::close(fd);
   if (::rename(tmp.c_str(), path.c_str()) != 0) return Errno("rename", tmp);
-  int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    ::fsync(dfd);  // the rename
-    ::close(dfd);
-  }
+  const bool dir_synced = SyncDir(dir);
   fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC);
   if (fd < 0) return Errno("open", path);
   if (!sessions->empty() || contents->valid_bytes > 0) {
@@ -243,10 +345,35 @@ absl::StatusOr<std::unique_ptr<SessionLog>> SessionLog::Open(
                      << " records replayed, " << sessions->size()
                      << " sessions alive";
   }
-  return std::unique_ptr<SessionLog>(new SessionLog(path, fd));
+  std::unique_ptr<SessionLog> log(new SessionLog(
+      dir, path, fd, int64_t(snapshot.size()), std::move(options)));
+  if (!dir_synced) {
+    absl::MutexLock lock(&log->mu_);
+    log->dir_sync_pending_ = true;  // tried again before the first append
+  }
+  return log;
+}
+
+SessionLog::SessionLog(std::string dir, std::string path, int fd, int64_t size,
+                       SessionLogOptions options)
+    : dir_(std::move(dir)),
+      path_(std::move(path)),
+      options_(std::move(options)),
+      fd_(fd),
+      size_(size),
+      compacted_size_(size) {
+  bytes_.store(size, std::memory_order_relaxed);
 }
 
 SessionLog::~SessionLog() {
+  std::thread thread;
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    stop_.store(true);
+    thread = std::move(thread_);
+  }
+  if (thread.joinable()) thread.join();
   absl::MutexLock lock(&mu_);
   if (fd_ >= 0) ::close(fd_);
 }
@@ -254,15 +381,196 @@ SessionLog::~SessionLog() {
 absl::Status SessionLog::Append(const cluster::WalRecord& record) {
   const std::string bytes = EncodeWalRecord(record);
   absl::MutexLock lock(&mu_);
-  const off_t before = ::lseek(fd_, 0, SEEK_END);
-  if (WriteAll(fd_, bytes) && ::fdatasync(fd_) == 0) return absl::OkStatus();
+  if (dir_sync_pending_) {
+    // The file was renamed into place: records appended to it are not on
+    // disk until the rename is.
+    if (!SyncDir(dir_))
+      return Errno("sync the state dir (the log was renamed in it)", dir_);
+    dir_sync_pending_ = false;
+  }
+  if (tail_dirty_) {
+    if (::ftruncate(fd_, off_t(size_)) != 0)
+      return Errno("cut a failed append from", path_);
+    tail_dirty_ = false;
+  }
+  if (WriteAll(fd_, bytes) && ::fdatasync(fd_) == 0) {
+    size_ += int64_t(bytes.size());
+    bytes_.store(size_, std::memory_order_relaxed);
+    if (!compaction_wanted_ && !stopping_ && CompactionDue()) {
+      compaction_wanted_ = true;
+      if (!thread_.joinable()) {
+        try {
+          thread_ = std::thread(&SessionLog::CompactionThread, this);
+        } catch (const std::system_error& e) {
+          compaction_wanted_ = false;
+          CompactionFailed();
+          KLOG(Error, kLog)
+              << path_ << ": cannot start the compaction: " << e.what();
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
   absl::Status st = Errno("append to", path_);
   // A partial record would hide every later one from the replay.
-  if (before >= 0 && ::ftruncate(fd_, before) != 0) {
+  if (::ftruncate(fd_, off_t(size_)) != 0) {
+    tail_dirty_ = true;
     KLOG(Error, kLog) << path_ << ": cannot cut a failed append: "
                       << std::strerror(errno);
   }
   return st;
+}
+
+bool SessionLog::CompactionDue() const {
+  const double size = double(size_);
+  return size > double(options_.compact_min_bytes) &&
+         size > options_.compact_ratio * double(compacted_size_) &&
+         size_ >= retry_at_;
+}
+
+void SessionLog::CompactionFailed() {
+  compaction_failures_.fetch_add(1, std::memory_order_relaxed);
+  const double step =
+      std::max(double(options_.compact_min_bytes),
+               (options_.compact_ratio - 1.0) * double(compacted_size_));
+  retry_at_ = size_ + std::max<int64_t>(1, int64_t(step));
+}
+
+void SessionLog::AwaitCompaction() {
+  absl::MutexLock lock(&mu_);
+  mu_.Await(absl::Condition(this, &SessionLog::CompactionIdle));
+}
+
+void SessionLog::CompactionThread() {
+  mu_.Lock();
+  for (;;) {
+    mu_.Await(absl::Condition(this, &SessionLog::CompactionWork));
+    if (stopping_) break;
+    const int64_t start = size_;
+    mu_.Unlock();
+    const absl::Status st = Compact(start);
+    if (!st.ok() && !absl::IsCancelled(st)) {
+      KLOG(Error, kLog) << path_ << ": online compaction failed, the log "
+                        << "goes on in the old file: " << st.message();
+    }
+    mu_.Lock();
+    if (st.ok()) {
+      compactions_.fetch_add(1, std::memory_order_relaxed);
+      retry_at_ = 0;
+    } else if (!absl::IsCancelled(st)) {
+      CompactionFailed();
+    }
+    compaction_wanted_ = false;
+  }
+  compaction_wanted_ = false;
+  mu_.Unlock();
+}
+
+absl::Status SessionLog::Hook(std::string_view step) {
+  if (!options_.compaction_hook) return absl::OkStatus();
+  absl::Status st = options_.compaction_hook(step);
+  if (st.ok()) return st;
+  return absl::Status(
+      st.code(), absl::StrCat("at ", std::string(step), ": ", st.message()));
+}
+
+absl::Status SessionLog::Compact(const int64_t start) {
+  const absl::Time began = absl::Now();
+  const absl::Status cancelled =
+      absl::CancelledError("coordinator state: the log is closing");
+  // Phase 1: the records up to `start`, compacted, without the lock. Only
+  // this thread renames the file, so `path_` is the file appends go to.
+  RETURN_IF_ERROR(Hook("read"));
+  ScopedFd old;
+  old.fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+  if (old.fd < 0) return Errno("open", path_);
+  std::string snapshot;
+  {
+    std::string data;
+    if (!ReadRange(old.fd, 0, start, &data)) return Errno("read", path_);
+    WalContents contents = ParseWal(data);
+    if (contents.valid_bytes != start) {
+      return absl::DataLossError(absl::StrCat(
+          "coordinator state: ", path_, ": bytes ", contents.valid_bytes,
+          " to ", start, " are not whole records (read ", data.size(), ")"));
+    }
+    data = std::string();
+    if (stop_.load()) return cancelled;
+    snapshot = EncodeCompactedWal(ReplayWal(contents.records),
+                                  ReplayWalLinks(contents.records));
+  }
+  RETURN_IF_ERROR(Hook("write"));
+  if (stop_.load()) return cancelled;
+  TempFile tmp;
+  tmp.path = path_ + ".tmp";
+  tmp.fd = ::open(tmp.path.c_str(),
+                  O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0644);
+  if (tmp.fd < 0) return Errno("create", tmp.path);
+  if (!WriteSynced(tmp.fd, snapshot)) return Errno("write", tmp.path);
+  // The records appended meanwhile, still without the lock: those below
+  // size_ are on disk and no failed append cuts them.
+  int64_t copied = start;
+  int64_t end = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    end = size_;
+  }
+  RETURN_IF_ERROR(Hook("copy"));
+  if (stop_.load()) return cancelled;
+  if (!CopyRange(old.fd, copied, end, tmp.fd) || ::fdatasync(tmp.fd) != 0)
+    return Errno("copy the records appended during the compaction to",
+                 tmp.path);
+  copied = end;
+  if (stop_.load()) return cancelled;
+
+  // Phase 2: appends wait while the last records are copied and the file
+  // is switched.
+  ScopedFd replaced;  // closed after the lock (freeing the old file's blocks)
+  int64_t before = 0;
+  int64_t compacted = 0;
+  int dir_sync_errno = 0;
+  absl::Duration blocked;
+  {
+    absl::MutexLock lock(&mu_);
+    const absl::Time locked = absl::Now();
+    RETURN_IF_ERROR(Hook("switch"));
+    if (!CopyRange(old.fd, copied, size_, tmp.fd) || ::fdatasync(tmp.fd) != 0)
+      return Errno("copy the records appended during the compaction to",
+                   tmp.path);
+    compacted = int64_t(snapshot.size()) + (size_ - start);
+    const off_t written = ::lseek(tmp.fd, 0, SEEK_END);
+    if (written != off_t(compacted)) {
+      return absl::DataLossError(absl::StrCat(
+          "coordinator state: ", tmp.path, " holds ", int64_t(written),
+          " bytes after the compaction, not ", compacted));
+    }
+    if (::rename(tmp.path.c_str(), path_.c_str()) != 0)
+      return Errno("rename", tmp.path);
+    replaced.fd = fd_;
+    fd_ = tmp.fd;
+    tmp.fd = -1;  // kept: it is the log now
+    before = size_;
+    size_ = compacted;
+    compacted_size_ = compacted;
+    tail_dirty_ = false;  // the bytes of a failed append were not copied
+    bytes_.store(size_, std::memory_order_relaxed);
+    if (!SyncDir(dir_)) {
+      dir_sync_errno = errno;
+      dir_sync_pending_ = true;
+    }
+    blocked = absl::Now() - locked;
+  }
+  if (dir_sync_errno != 0) {
+    KLOG(Error, kLog) << dir_ << ": cannot fsync the state dir after "
+                      << "compacting the log (tried again before the next "
+                      << "append): " << std::strerror(dir_sync_errno);
+  }
+  KLOG(Info, kLog) << path_ << ": compacted " << before << " -> " << compacted
+                   << " bytes in "
+                   << absl::ToDoubleMilliseconds(absl::Now() - began)
+                   << " ms (appends waited "
+                   << absl::ToDoubleMilliseconds(blocked) << " ms)";
+  return absl::OkStatus();
 }
 
 }  // namespace karat::coordinator

@@ -15,4 +15,5 @@ add_unit_test(coordinator_scheduling_test
   LIBS karat_coordinator)
 add_unit_test(coordinator_wal_test
   SOURCES tests/coordinator/wal_test.cc
+    tests/coordinator/wal_compaction_test.cc
   LIBS karat_coordinator)

@@ -13,66 +13,13 @@
 #include <string>
 #include <vector>
 
+#include "tests/coordinator/wal_test_util.h"
+
 namespace karat::coordinator {
 namespace {
 
 namespace cl = ::karat::cluster;
-
-// A fresh directory under the system temp dir, removed at scope exit.
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl =
-        (std::filesystem::temp_directory_path() / "karat_wal_XXXXXX").string();
-    REQUIRE(mkdtemp(tmpl.data()) != nullptr);
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::permissions(path_, std::filesystem::perms::owner_all,
-                                 std::filesystem::perm_options::add, ec);
-    std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-  std::string File() const { return path_ + "/" + SessionLog::kFileName; }
-
- private:
-  std::string path_;
-};
-
-cl::WalRecord Created(const std::string& id, uint64_t key, uint64_t seed) {
-  cl::WalRecord r;
-  r.mutable_created()->set_id(id);
-  r.mutable_created()->set_key(key);
-  r.mutable_created()->set_seed(seed);
-  return r;
-}
-
-cl::WalRecord Turn(const std::string& id, std::vector<int32_t> tokens,
-                   std::vector<int32_t> prefill_ends, int turns) {
-  cl::WalRecord r;
-  r.mutable_turn()->set_id(id);
-  r.mutable_turn()->mutable_tokens()->Assign(tokens.begin(), tokens.end());
-  r.mutable_turn()->mutable_prefill_ends()->Assign(prefill_ends.begin(),
-                                                   prefill_ends.end());
-  r.mutable_turn()->set_turns(turns);
-  return r;
-}
-
-cl::WalRecord Closed(const std::string& id) {
-  cl::WalRecord r;
-  r.mutable_closed()->set_id(id);
-  return r;
-}
-
-int64_t FileSize(const std::string& path) {
-  return static_cast<int64_t>(std::filesystem::file_size(path));
-}
-
-void AppendBytes(const std::string& path, const std::string& bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::app);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-}
+using namespace wal_testing;  // NOLINT: the tests' helpers
 
 // Writes two sessions (one closed later) and three turns through a log.
 void WriteSome(const std::string& dir) {
@@ -186,18 +133,6 @@ TEST_CASE("Records that do not fit the session table are skipped", "[wal]") {
   CHECK(sessions[0].key == 1);
 }
 
-cl::WalRecord Links(std::vector<std::pair<std::string, int64_t>> rules) {
-  cl::WalRecord r;
-  auto* links = r.mutable_links();  // set even when empty
-  for (const auto& [source, latency] : rules) {
-    cl::LinkConfig* l = links->add_links();
-    l->set_source(source);
-    l->set_destination("*");
-    l->set_latency_us(latency);
-  }
-  return r;
-}
-
 TEST_CASE("The last logged link rules are replayed and kept by compaction",
           "[wal]") {
   TempDir dir;
@@ -237,6 +172,103 @@ TEST_CASE("The last logged link rules are replayed and kept by compaction",
     CHECK(links->empty());
   }
   CHECK(ReplayWal({Links({{"x", 1}})}).empty());  // not a session record
+}
+
+TEST_CASE("A turn start sets the latest turn; a turn record replaces it",
+          "[wal]") {
+  const cl::LastTurn first = MakeLastTurn("k1", {1, 2}, 0, 0, "");
+  const cl::LastTurn first_done = MakeLastTurn("k1", {1, 2}, 0, 3, "eos");
+  const cl::LastTurn second = MakeLastTurn("k2", {7}, 6, 0, "");
+  std::vector<cl::WalRecord> records = {Created("s-a", 11, 1),
+                                        Created("s-b", 22, 2)};
+  SECTION("a start alone leaves the history as it was") {
+    records.push_back(Started("s-a", first));
+    auto sessions = ReplayWal(records);
+    REQUIRE(sessions.size() == 2);
+    CHECK(sessions[0].history.empty());
+    CHECK(sessions[0].turns == 0);
+    CHECK(SameTurn(sessions[0].last_turn, first));
+    CHECK_FALSE(sessions[1].last_turn.has_value());
+  }
+  SECTION("the turn's record replaces the start's") {
+    records.push_back(Started("s-a", first));
+    records.push_back(
+        TurnWithLast("s-a", {256, 1, 2, 5, 6, 2}, {3}, 1, first_done));
+    auto sessions = ReplayWal(records);
+    CHECK(sessions[0].history == std::vector<int32_t>{256, 1, 2, 5, 6, 2});
+    CHECK(SameTurn(sessions[0].last_turn, first_done));
+  }
+  SECTION("a turn record without one keeps the latest turn") {
+    records.push_back(TurnWithLast("s-a", {256, 1, 2, 5}, {3}, 1, first_done));
+    records.push_back(Turn("s-a", {9}, {3, 5}, 2));
+    auto sessions = ReplayWal(records);
+    CHECK(sessions[0].history == std::vector<int32_t>{256, 1, 2, 5, 9});
+    CHECK(sessions[0].turns == 2);
+    CHECK(SameTurn(sessions[0].last_turn, first_done));
+  }
+  SECTION("a later start replaces a finished turn") {
+    records.push_back(TurnWithLast("s-a", {256, 1, 2, 5}, {3}, 1, first_done));
+    records.push_back(Started("s-a", second));
+    auto sessions = ReplayWal(records);
+    CHECK(sessions[0].history == std::vector<int32_t>{256, 1, 2, 5});
+    CHECK(SameTurn(sessions[0].last_turn, second));
+  }
+  SECTION("starts that do not fit are skipped") {
+    records.push_back(Started("s-x", first));  // never created
+    cl::WalRecord bare;
+    bare.mutable_started()->set_id("s-b");  // no turn
+    records.push_back(bare);
+    records.push_back(Closed("s-a"));
+    records.push_back(Started("s-a", second));  // closed
+    auto sessions = ReplayWal(records);
+    REQUIRE(sessions.size() == 1);
+    CHECK(sessions[0].id == "s-b");
+    CHECK_FALSE(sessions[0].last_turn.has_value());
+  }
+}
+
+TEST_CASE("Compaction at open keeps each session's latest turn", "[wal]") {
+  TempDir dir;
+  const cl::LastTurn done = MakeLastTurn("k1", {1, 2}, 0, 2, "length");
+  const cl::LastTurn running = MakeLastTurn("k3", {4}, 0, 0, "");
+  std::vector<LoggedSession> sessions;
+  {
+    auto log = SessionLog::Open(dir.path(), &sessions);
+    REQUIRE(log.ok());
+    REQUIRE((*log)->Append(Created("s-a", 11, 1)).ok());
+    REQUIRE((*log)->Append(Created("s-b", 22, 2)).ok());
+    REQUIRE((*log)->Append(Created("s-c", 33, 3)).ok());
+    REQUIRE((*log)
+                ->Append(Started("s-a", MakeLastTurn("k1", {1, 2}, 0, 0, "")))
+                .ok());
+    REQUIRE((*log)
+                ->Append(TurnWithLast("s-a", {256, 1, 2, 8, 8}, {3}, 1, done))
+                .ok());
+    REQUIRE((*log)->Append(Turn("s-a", {4, 4}, {3, 7}, 2)).ok());
+    // s-c: a start only (the turn broke off before its first token).
+    REQUIRE((*log)->Append(Started("s-c", running)).ok());
+  }
+  auto before = ReadWalFile(dir.File());
+  REQUIRE(before.ok());
+  for (int start = 0; start < 2; ++start) {  // the second after compaction
+    auto log = SessionLog::Open(dir.path(), &sessions);
+    REQUIRE(log.ok());
+    REQUIRE(sessions.size() == 3);
+    CHECK(sessions[0].history == std::vector<int32_t>{256, 1, 2, 8, 8, 4, 4});
+    CHECK(sessions[0].prefill_ends == std::vector<int>{3, 7});
+    CHECK(sessions[0].turns == 2);
+    CHECK(SameTurn(sessions[0].last_turn, done));
+    CHECK(sessions[1].id == "s-b");
+    CHECK_FALSE(sessions[1].last_turn.has_value());
+    CHECK(sessions[2].history.empty());
+    CHECK(sessions[2].turns == 0);
+    CHECK(SameTurn(sessions[2].last_turn, running));
+  }
+  auto after = ReadWalFile(dir.File());
+  REQUIRE(after.ok());
+  // s-a and s-c: created and one turn record; s-b: created only.
+  CHECK(after->records.size() == 5);
+  CHECK(after->records.size() < before->records.size());
 }
 
 TEST_CASE("An unusable state dir is a clear error", "[wal]") {
