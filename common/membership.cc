@@ -161,7 +161,8 @@ void NodeRegistrar::Impl::Run() {
       KLOG(Warning, module()) << "heartbeat to coordinator at "
                               << options.coordinator << " failed (" << failures
                               << " in a row): " << status.error_message();
-      again = failures >= options.max_heartbeat_failures;
+      again = options.max_heartbeat_failures > 0 &&
+              failures >= options.max_heartbeat_failures;
     }
     if (again) {
       registered = false;

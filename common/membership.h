@@ -5,8 +5,11 @@
 //   register (retry with exponential backoff 100 ms -> 5 s, each failure
 //   logged as "cannot reach coordinator at ADDR: <message>; retrying in N ms")
 //   -> heartbeat every `interval` (or the interval the coordinator asks for)
-//   -> on HeartbeatResponse.known == false, or after `max_heartbeat_failures`
-//      failed heartbeats in a row, register again.
+//   -> on HeartbeatResponse.known == false (the coordinator restarted, or
+//      took the node for lost), register again. Heartbeats that fail (the
+//      coordinator down or stopped) are retried at the same interval: the
+//      registration stays, so a coordinator that comes back, or a network
+//      that heals, finds the node as it was.
 //
 // Re-registration may yield another node id (a restarted coordinator hands
 // out new ones); `on_registered` is called after every successful
@@ -41,8 +44,11 @@ struct RegistrarOptions {
   absl::Duration rpc_timeout = absl::Seconds(2);
   absl::Duration initial_backoff = absl::Milliseconds(100);
   absl::Duration max_backoff = absl::Seconds(5);
-  // Consecutive failed heartbeats after which the node registers again.
-  int max_heartbeat_failures = 3;
+  // Consecutive failed heartbeats after which the node registers again; 0
+  // (the default): never, only when the coordinator says it does not know
+  // the node. Registering again drops what the node holds, so a coordinator
+  // that is only slow or stopped for a while must not cause it.
+  int max_heartbeat_failures = 0;
   // Module name for log lines ("gpu_node", "karat_node").
   std::string log_module = "membership";
 };

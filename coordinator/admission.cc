@@ -8,13 +8,13 @@ namespace karat::coordinator {
 KaratService::Attempt KaratService::TryAdmit(const std::string& session_id,
                                              int tokens,
                                              const std::vector<int32_t>& prompt,
+                                             bool new_turn,
                                              AdmittedTurn* turn) {
   struct Try {
     HomeDevice home;
     int rank = 0;
     std::string name;
     std::shared_ptr<grpc::Channel> channel;
-    bool occupied = false;  // another session's KV lives there
   };
   std::vector<Try> tries;
   uint64_t key = 0;
@@ -22,8 +22,10 @@ KaratService::Attempt KaratService::TryAdmit(const std::string& session_id,
   const bool gpu_only = s_->gpu_only();
   int karat_rank = -1;
   int kv_tokens = 0;
+  uint64_t epoch = 0;
   {
     absl::MutexLock lock(&s_->mu_);
+    epoch = s_->NewEpochLocked();
     bool settling = false;
     if (absl::Status nodes = CheckNodesLocked(&settling); !nodes.ok())
       return {settling ? Attempt::kWait : Attempt::kFailed, nodes};
@@ -51,13 +53,6 @@ KaratService::Attempt KaratService::TryAdmit(const std::string& session_id,
           it == s_->ranks_.end() ? 0 : it->second.running.size();
       return running < s_->RankCapLocked(r, context);
     };
-    auto occupied =
-        [&](const HomeDevice& h) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s_->mu_) {
-          for (const auto& [id, other] : s_->sessions_)
-            if (id != session_id && other.has_home && other.home == h)
-              return true;
-          return false;
-        };
     if (gpu_only) {
       // The KV lives on the rank: a session sticks to it.
       std::vector<int> candidates;
@@ -79,7 +74,7 @@ KaratService::Attempt KaratService::TryAdmit(const std::string& session_id,
         if (!has_room(r)) continue;
         Node* n = s_->RankNodeLocked(r);
         HomeDevice h{n->id, 0};
-        tries.push_back({h, r, n->name, n->channel, occupied(h)});
+        tries.push_back({h, r, n->name, n->channel});
       }
       if (tries.empty()) return {Attempt::kWait, absl::OkStatus()};
     } else {
@@ -89,8 +84,8 @@ KaratService::Attempt KaratService::TryAdmit(const std::string& session_id,
       if (session.has_home) {
         auto n = s_->nodes_.find(session.home.node_id);
         if (n != s_->nodes_.end() && s_->AliveLocked(n->second)) {
-          tries.push_back({session.home, karat_rank, n->second.name,
-                           n->second.channel, occupied(session.home)});
+          tries.push_back(
+              {session.home, karat_rank, n->second.name, n->second.channel});
         } else {
           // The home node is gone: place again and rebuild the KV from the
           // token log by prefill (DESIGN.md §7).
@@ -104,17 +99,17 @@ KaratService::Attempt KaratService::TryAdmit(const std::string& session_id,
       if (tries.empty()) {
         for (const HomeDevice& h : ChooseHomeDevices(s_->SnapshotLocked())) {
           const Node& n = s_->nodes_.at(h.node_id);
-          tries.push_back({h, karat_rank, n.name, n.channel, occupied(h)});
+          tries.push_back({h, karat_rank, n.name, n.channel});
         }
       }
     }
   }
   absl::Status other_error;
-  bool busy_refusal = false;
+  bool not_now = false;  // a refusal that room appearing later may lift
   for (const Try& t : tries) {
     cl::ReserveResponse rresp;
     grpc::Status st = ReserveKv(s_, t.channel, key, t.home.device, tokens,
-                                /*turn_epoch=*/0, kv_tokens, &rresp);
+                                epoch, kv_tokens, &rresp);
     if (st.ok()) {
       absl::MutexLock lock(&s_->mu_);
       auto sit = s_->sessions_.find(session_id);
@@ -148,9 +143,13 @@ KaratService::Attempt KaratService::TryAdmit(const std::string& session_id,
         turn->placement.set_fabric_address(n->second.fabric_address);
         turn->placement.set_device(t.home.device);
       }
-      if (session.history.empty()) session.history.push_back(kBosToken);
-      session.history.insert(session.history.end(), prompt.begin(),
-                             prompt.end());
+      if (new_turn) {
+        if (session.history.empty()) session.history.push_back(kBosToken);
+        session.history.insert(session.history.end(), prompt.begin(),
+                               prompt.end());
+        session.turns++;
+      }
+      turn->epoch = epoch;
       turn->pos_start = session.kv_len;
       turn->feed.assign(session.history.begin() + session.kv_len,
                         session.history.end());
@@ -158,7 +157,6 @@ KaratService::Attempt KaratService::TryAdmit(const std::string& session_id,
       for (int end : session.prefill_ends)
         if (end > turn->pos_start && end < feed_end)
           turn->prefill_ends.push_back(end);
-      session.turns++;
       RunningTurn running;
       running.session_id = session_id;
       running.home = t.home;
@@ -168,10 +166,13 @@ KaratService::Attempt KaratService::TryAdmit(const std::string& session_id,
       if (s_->RecomputeMicroBatchesLocked(t.rank)) PostMicroBatchPush(t.rank);
       return {Attempt::kAdmitted, absl::OkStatus()};
     }
+    // No room now: it may appear (sessions close, other devices' spilled
+    // pages go). OUT_OF_RANGE: not even on an empty node.
     if (st.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
-      if (t.occupied) busy_refusal = true;
+      not_now = true;
       continue;
     }
+    if (st.error_code() == grpc::StatusCode::OUT_OF_RANGE) continue;
     KLOG(Warning, kLog) << "session=" << session_id << " Reserve on " << t.name
                         << "/" << t.home.device
                         << " failed: " << st.error_message();
@@ -179,28 +180,30 @@ KaratService::Attempt KaratService::TryAdmit(const std::string& session_id,
         absl::StrCat(gpu_only ? "GPU node " : "KARAT node ", t.name, ": ",
                      st.error_message()));
   }
-  // Room may appear only where other sessions' KV lives; a turn refused by
-  // every empty candidate can never fit.
-  if (busy_refusal) return {Attempt::kWait, absl::OkStatus()};
+  if (not_now) return {Attempt::kWait, absl::OkStatus()};
   if (!other_error.ok()) return {Attempt::kFailed, other_error};
   if (tries.empty())
     return {Attempt::kFailed,
             absl::UnavailableError("no alive KARAT node has a device")};
   return {Attempt::kFailed,
           absl::ResourceExhaustedError(absl::StrCat(
-              "turn needs ", tokens, " tokens of KV; no ",
-              gpu_only ? "GPU rank" : "device", " has room, even empty"))};
+              "the turn needs ", tokens, " positions of KV (the session's ",
+              "history, the prompt and max_new_tokens); no ",
+              gpu_only ? "GPU rank" : "device",
+              " could hold them even empty: shorten the prompt or lower "
+              "max_new_tokens"))};
 }
 
 absl::StatusOr<AdmittedTurn> KaratService::WaitForAdmission(
     grpc::ServerContext* ctx, grpc::ServerWriter<v1::GenerateResponse>* writer,
     const std::string& sid, int reserve_tokens,
-    const std::vector<int32_t>& prompt) {
+    const std::vector<int32_t>& prompt, bool new_turn) {
   uint64_t turn_id = 0;
+  const absl::Time enqueued = s_->Now();
   {
     absl::MutexLock lock(&s_->mu_);
     turn_id = s_->next_turn_id_++;
-    s_->queue_.push_back(turn_id);
+    s_->queue_.push_back(QueuedTurn{turn_id, enqueued, 0});
     s_->queue_epoch_++;
   }
   struct QueueGuard {
@@ -208,17 +211,18 @@ absl::StatusOr<AdmittedTurn> KaratService::WaitForAdmission(
     uint64_t id;
     ~QueueGuard() {
       absl::MutexLock lock(&s->mu_);
-      auto it = std::find(s->queue_.begin(), s->queue_.end(), id);
+      auto it = std::find_if(s->queue_.begin(), s->queue_.end(),
+                             [&](const QueuedTurn& q) { return q.id == id; });
       if (it != s->queue_.end()) {
         s->queue_.erase(it);
         s->queue_epoch_++;
       }
     }
   } queue_guard{s_, turn_id};
-  const absl::Time enqueued = s_->Now();
   const absl::Duration timeout = s_->queue_timeout();
-  bool was_head = false, waiting = false;
-  uint64_t tried_capacity = 0;
+  const absl::Duration bypass =
+      QueueBypass(s_->options().scheduling.queue_bypass_ms());
+  bool waiting = false;
   int shown = -1;
   auto show = [&](int position) -> bool {
     if (position == shown) return true;
@@ -235,22 +239,22 @@ absl::StatusOr<AdmittedTurn> KaratService::WaitForAdmission(
       absl::MutexLock lock(&s_->mu_);
       if (s_->shutting_down_)
         return absl::UnavailableError("coordinator is shutting down");
-      position = static_cast<int>(
-          std::find(s_->queue_.begin(), s_->queue_.end(), turn_id) -
-          s_->queue_.begin());
-      const bool head = position == 0;
-      if (head && (!was_head || s_->capacity_epoch_ != tried_capacity)) {
-        attempt = true;
-        tried_capacity = s_->capacity_epoch_;
-      }
-      was_head = head;
+      // Epoch 0 means "not tried": the capacity epoch a turn tries at is
+      // never 0.
+      if (s_->capacity_epoch_ == 0) s_->capacity_epoch_ = 1;
+      auto it = std::find_if(
+          s_->queue_.begin(), s_->queue_.end(),
+          [&](const QueuedTurn& q) { return q.id == turn_id; });
+      position = static_cast<int>(it - s_->queue_.begin());
+      attempt = MayTryAdmission(s_->queue_, size_t(position),
+                                s_->capacity_epoch_, s_->Now(), bypass);
       seen_queue = s_->queue_epoch_;
       seen_capacity = s_->capacity_epoch_;
     }
     bool client_gone = waiting && !show(position);
     if (attempt && !client_gone) {
       AdmittedTurn turn;
-      Attempt a = TryAdmit(sid, reserve_tokens, prompt, &turn);
+      Attempt a = TryAdmit(sid, reserve_tokens, prompt, new_turn, &turn);
       if (a.kind == Attempt::kAdmitted) return turn;
       if (a.kind == Attempt::kFailed) {
         if (a.status.code() == absl::StatusCode::kResourceExhausted) {
@@ -259,6 +263,15 @@ absl::StatusOr<AdmittedTurn> KaratService::WaitForAdmission(
         }
         return a.status;
       }
+      // No room at the epoch it tried at: the turns behind may try now
+      // (admission_policy.h); it tries again when room changes.
+      absl::MutexLock lock(&s_->mu_);
+      auto it = std::find_if(
+          s_->queue_.begin(), s_->queue_.end(),
+          [&](const QueuedTurn& q) { return q.id == turn_id; });
+      if (it != s_->queue_.end()) it->waited_at = seen_capacity;
+      s_->queue_epoch_++;
+      seen_queue = s_->queue_epoch_;
     }
     // The turn waits: show its position, then sleep until the queue or the
     // room changes (bounded, to notice a cancel and the timeout).

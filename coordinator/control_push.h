@@ -141,7 +141,16 @@ class RankWatcher {
       bool push = false;
       {
         absl::MutexLock state(&s_->mu_);
+        s_->NoteStallLocked();
         NoteLostKaratNodesLocked(s_, pusher_);
+        // A GPU node that stopped being alive may hang (stopped, not dead):
+        // its turns' calls end now, so that they resume on the alive ranks.
+        for (auto& [id, n] : s_->nodes_) {
+          if (n.role != NodeRole::kGpu) continue;
+          const bool alive = s_->AliveLocked(n);
+          if (!alive && !n.calls_cancelled) s_->CancelTurnsOnLocked(id);
+          n.calls_cancelled = !alive;
+        }
         if (s_->owners_version_ == 0) continue;  // no GPU node yet
         const std::map<int, uint32_t> alive = s_->AliveRanksLocked();
         if (alive == s_->owners_ranks_) posted_.reset();

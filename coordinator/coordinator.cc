@@ -101,7 +101,7 @@ class CoordinatorImpl final : public Coordinator {
     {
       absl::MutexLock lock(&state_.mu_);
       state_.shutting_down_ = true;
-      for (grpc::ClientContext* c : state_.running_) c->TryCancel();
+      for (const auto& [c, node] : state_.running_) c->TryCancel();
     }
     if (server_) {
       server_->Shutdown(absl::ToChronoTime(absl::Now() + deadline));

@@ -4,7 +4,9 @@
 
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/status_macros.h"
 #include "common/tokenizer.h"
+#include "coordinator/turn_plan.h"
 
 namespace karat::coordinator {
 
@@ -66,15 +68,27 @@ grpc::Status KaratService::CloseSession(grpc::ServerContext*,
   NodeRole home_role = NodeRole::kKarat;
   uint64_t key = 0;
   WaitForCancelledTurn(req->session_id(), absl::Milliseconds(200));
+  // A turn still running ends first (its call gets ABORTED); no new one
+  // starts meanwhile.
+  {
+    absl::MutexLock lock(&s_->mu_);
+    auto it = s_->sessions_.find(req->session_id());
+    if (it == s_->sessions_.end() || it->second.closing)
+      return NoSession(req->session_id());
+    it->second.closing = true;
+  }
+  const bool stopped = StopRunningTurn(req->session_id(), absl::Seconds(10));
   {
     absl::MutexLock lock(&s_->mu_);
     auto it = s_->sessions_.find(req->session_id());
     if (it == s_->sessions_.end()) return NoSession(req->session_id());
-    if (it->second.busy)
+    if (!stopped) {
+      it->second.closing = false;
       return grpc::Status(
           grpc::StatusCode::FAILED_PRECONDITION,
-          absl::StrCat("a generate is running on session ", req->session_id(),
-                       "; cancel it before closing the session"));
+          absl::StrCat("the turn running on session ", req->session_id(),
+                       " did not end within 10 s; retry the close"));
+    }
     key = it->second.key;
     if (it->second.has_home) {
       auto n = s_->nodes_.find(it->second.home.node_id);
@@ -90,6 +104,7 @@ grpc::Status KaratService::CloseSession(grpc::ServerContext*,
       if (absl::Status st = s_->wal_->Append(record); !st.ok()) {
         KLOG(Error, kLog) << "session=" << req->session_id()
                           << " not closed: " << st.message();
+        it->second.closing = false;
         return grpc::Status(
             grpc::StatusCode::INTERNAL,
             absl::StrCat("cannot log the close: ", st.message()));
@@ -266,7 +281,7 @@ absl::Status KaratService::LogTurn(const std::string& sid) {
     if (it == s_->sessions_.end()) return absl::OkStatus();
     Session& session = it->second;
     if (session.logged_tokens == session.history.size() &&
-        session.logged_turns == session.turns)
+        session.logged_turns == session.turns && session.last_turn_logged)
       return absl::OkStatus();
     logged_tokens = session.logged_tokens;
     logged_turns = session.logged_turns;
@@ -277,8 +292,15 @@ absl::Status KaratService::LogTurn(const std::string& sid) {
     turn->mutable_prefill_ends()->Assign(session.prefill_ends.begin(),
                                          session.prefill_ends.end());
     turn->set_turns(session.turns);
+    // Always the latest turn as it is now (empty: none a retry can name).
+    if (session.last_turn.has_value()) {
+      *turn->mutable_last_turn() = *session.last_turn;
+    } else {
+      turn->mutable_last_turn();
+    }
     session.logged_tokens = session.history.size();
     session.logged_turns = session.turns;
+    session.last_turn_logged = true;
   }
   absl::Status st = s_->wal_->Append(record);
   if (!st.ok()) {
@@ -288,9 +310,35 @@ absl::Status KaratService::LogTurn(const std::string& sid) {
     if (it != s_->sessions_.end()) {
       it->second.logged_tokens = logged_tokens;
       it->second.logged_turns = logged_turns;
+      it->second.last_turn_logged = false;
     }
   }
   return st;
+}
+
+bool KaratService::StopRunningTurn(const std::string& sid,
+                                   absl::Duration timeout) {
+  const absl::Time give_up = absl::Now() + timeout;
+  absl::MutexLock lock(&s_->mu_);
+  for (;;) {
+    auto it = s_->sessions_.find(sid);
+    if (it == s_->sessions_.end() || !it->second.busy) return true;
+    if (it->second.stop_turn != nullptr) it->second.stop_turn->store(true);
+    if (absl::Now() >= give_up) return false;
+    s_->mu_.AwaitWithTimeout(
+        absl::Condition(
+            +[](Session* s) { return !s->busy; }, &it->second),
+        absl::Milliseconds(20));
+  }
+}
+
+absl::Status KaratService::LogTurnStart(const std::string& sid,
+                                        const cl::LastTurn& turn) {
+  if (s_->wal_ == nullptr) return absl::OkStatus();
+  cl::WalRecord record;
+  record.mutable_started()->set_id(sid);
+  *record.mutable_started()->mutable_turn() = turn;
+  return s_->wal_->Append(record);
 }
 
 absl::Status KaratService::Validate(const v1::GenerateRequest& req) const {
@@ -312,6 +360,7 @@ absl::Status KaratService::Validate(const v1::GenerateRequest& req) const {
           absl::StrCat("prompt_tokens[", i, "] = ", t, " is outside [0, ",
                        kVocabSize - 1, "]"));
   }
+  RETURN_IF_ERROR(ValidateIdempotencyKey(req.idempotency_key()));
   if (!std::isfinite(req.temperature()) || req.temperature() < 0)
     return absl::InvalidArgumentError(absl::StrCat(
         "temperature must be finite and >= 0, got ", req.temperature()));
@@ -426,16 +475,28 @@ void KaratService::ProbeNodes() {
                      std::chrono::seconds(2));
     cl::StatsRequest req;
     cl::StatsResponse resp;
-    status[&t - targets.data()] =
-        t.role == NodeRole::kGpu
-            ? cl::GpuNode::NewStub(t.channel)->GetStats(&ctx, req, &resp)
-            : cl::KaratNode::NewStub(t.channel)->GetStats(&ctx, req, &resp);
+    grpc::Status& st = status[&t - targets.data()];
+    st = t.role == NodeRole::kGpu
+             ? cl::GpuNode::NewStub(t.channel)->GetStats(&ctx, req, &resp)
+             : cl::KaratNode::NewStub(t.channel)->GetStats(&ctx, req, &resp);
+    // Another process at the same address (restarted, not registered as
+    // this incarnation) is not the node: the one known is gone.
+    if (st.ok() && resp.node_id() != t.id) {
+      st = grpc::Status(
+          grpc::StatusCode::UNAVAILABLE,
+          absl::StrCat("the process at its address is registered as ",
+                       resp.node_id() == 0
+                           ? std::string("no node yet")
+                           : absl::StrCat("node id ", resp.node_id()),
+                       ", not as node id ", t.id, " (restarted)"));
+    }
   });
   bool gpu_lost = false;
   absl::MutexLock lock(&s_->mu_);
   for (size_t i = 0; i < targets.size(); ++i) {
     const Target& t = targets[i];
-    // A node that answers, even with an error, is there.
+    // A node that answers, even with an error (or too late: it may be
+    // busy or stopped; its heartbeats decide), is there.
     if (status[i].error_code() != grpc::StatusCode::UNAVAILABLE) continue;
     auto it = s_->nodes_.find(t.id);
     if (it == s_->nodes_.end() || it->second.lost) continue;

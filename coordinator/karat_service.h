@@ -20,10 +20,14 @@ struct AdmittedTurn {
   int pos_start = 0;
   std::vector<int32_t> feed;
   std::vector<int32_t> prefill_ends;
+  uint64_t epoch = 0;  // the turn epoch its KV was reserved with
 };
 
 class KaratService final : public v1::Karat::Service {
  public:
+  // One Generate call (generate.cc).
+  friend class TurnCall;
+
   explicit KaratService(State* state) : s_(state) {}
 
   // Runs the SetMicroBatches pushes.
@@ -75,6 +79,13 @@ class KaratService final : public v1::Karat::Service {
   // when nothing changed). Call without the lock, while the session is busy
   // (so that no close comes in between).
   absl::Status LogTurn(const std::string& sid);
+  // Appends the start of a turn with an idempotency key (WalRecord.
+  // TurnStarted), so that a retry after a restart can run it again.
+  absl::Status LogTurnStart(const std::string& sid, const cl::LastTurn& turn);
+  // Ends the turn running on `sid` (a take-over by a retry with its key, or
+  // CloseSession): asks its call to stop and waits up to `timeout` for the
+  // session to be idle. False when it is still busy.
+  bool StopRunningTurn(const std::string& sid, absl::Duration timeout);
   // UNAVAILABLE unless a GPU node (and in karat mode a KARAT node) is alive
   // and every routed expert has an alive owner that acknowledged it: with
   // several ranks whose nodes report the expert count, the alive ranks
@@ -122,28 +133,37 @@ class KaratService final : public v1::Karat::Service {
   // refuses, makes it the session's home (and rank) with no KV stored
   // (kv_len 0) and points `turn` and `run` there.
   absl::Status ReplaceHome(const std::string& sid, int remaining,
-                           AdmittedTurn* turn, cl::RunTurnRequest* run);
+                           uint64_t epoch, AdmittedTurn* turn,
+                           cl::RunTurnRequest* run);
+  // For ResumeTurn: the home stays; a Reserve there under the new turn
+  // `epoch` refuses the failed pass's frames from now on and cuts what it
+  // stored beyond the session's kv_len (all of it: kv_len 0).
+  absl::Status FenceHome(const std::string& sid, int remaining, uint64_t epoch);
 
   struct Attempt {
     enum Kind { kAdmitted, kWait, kFailed } kind;
     absl::Status status;  // kFailed
   };
-  // One admission attempt of the turn at the head of the queue: picks the
-  // rank (fewest running; gpu_only: the one holding the KV) if its batch has
-  // room, reserves the KV (home device, or the rank in gpu_only mode) and on
-  // success appends the prompt and enters the turn into the rank's batch
-  // (filling `turn`). kWait: no room now; kFailed: never (RESOURCE_EXHAUSTED
-  // when even an empty device or rank refuses) or a node error. The session
-  // is left unchanged unless admitted.
+  // One admission attempt of a queued turn: picks the rank (fewest
+  // running; gpu_only: the one holding the KV) if its batch has room,
+  // reserves the KV (home device, or the rank in gpu_only mode) under a new
+  // turn epoch and on success enters the turn into the rank's batch
+  // (filling `turn`); a `new_turn` also appends its prompt to the history
+  // and counts as a turn (a continued one feeds what the history holds).
+  // kWait: no room now; kFailed: never (RESOURCE_EXHAUSTED when no device
+  // or rank could hold it even empty: Reserve's OUT_OF_RANGE) or a node
+  // error. The session is left unchanged unless admitted.
   Attempt TryAdmit(const std::string& session_id, int tokens,
-                   const std::vector<int32_t>& prompt, AdmittedTurn* turn);
-  // Queues the turn and returns once it is admitted, streaming its queue
-  // position; fails on timeout (RESOURCE_EXHAUSTED), cancel (CANCELLED),
-  // shutdown or lost nodes (UNAVAILABLE).
+                   const std::vector<int32_t>& prompt, bool new_turn,
+                   AdmittedTurn* turn);
+  // Queues the turn and returns once it is admitted (TryAdmit), streaming
+  // its queue position; the queue's fairness rule is admission_policy.h.
+  // Fails on timeout (RESOURCE_EXHAUSTED), cancel (CANCELLED), shutdown or
+  // lost nodes (UNAVAILABLE).
   absl::StatusOr<AdmittedTurn> WaitForAdmission(
       grpc::ServerContext* ctx,
       grpc::ServerWriter<v1::GenerateResponse>* writer, const std::string& sid,
-      int reserve_tokens, const std::vector<int32_t>& prompt);
+      int reserve_tokens, const std::vector<int32_t>& prompt, bool new_turn);
 
   State* s_;
   ControlPusher* control_ = nullptr;

@@ -68,13 +68,12 @@ grpc::Status MembershipService::RegisterNode(grpc::ServerContext*,
                           absl::StrCat("node ", req->name(),
                                        ": kv_capacity_bytes must be >= 0"));
   }
+  s_->NoteStallLocked();
   for (auto it = s_->nodes_.begin(); it != s_->nodes_.end(); ++it) {
-    if (it->second.name == req->name()) {
-      KLOG(Info, kLog) << "node " << req->name() << " re-registered; id "
-                       << it->first << " retired";
-      s_->nodes_.erase(it);
-      break;
-    }
+    if (it->second.name != req->name()) continue;
+    RetireIncarnationLocked(it->first, it->second);
+    s_->nodes_.erase(it);
+    break;
   }
   Node n;
   n.id = s_->next_node_id_++;
@@ -118,6 +117,7 @@ grpc::Status MembershipService::Heartbeat(grpc::ServerContext*,
                                           const cl::HeartbeatRequest* req,
                                           cl::HeartbeatResponse* resp) {
   absl::MutexLock lock(&s_->mu_);
+  s_->NoteStallLocked();
   auto it = s_->nodes_.find(req->node_id());
   if (it == s_->nodes_.end() ||
       (!req->name().empty() && it->second.name != req->name())) {
@@ -125,13 +125,15 @@ grpc::Status MembershipService::Heartbeat(grpc::ServerContext*,
     return grpc::Status::OK;
   }
   Node& n = it->second;
-  // A node back from silence may make room for queued turns; one a probe
-  // took for lost is not.
-  if (!s_->AliveLocked(n)) s_->capacity_epoch_++;
-  if (n.lost) {
-    KLOG(Warning, kLog) << "node " << n.name
-                        << " answers heartbeats again after a failed probe";
-    n.lost = false;
+  // A node taken for lost (silent past node_timeout_ms, or a probe found it
+  // gone) stays lost: its turns resumed elsewhere. It registers again as a
+  // new incarnation, dropping what it held.
+  if (!s_->AliveLocked(n)) {
+    KLOG(Warning, kLog) << "node " << n.name << " (id " << n.id
+                        << ") answers again after it was taken for lost; "
+                           "it registers again";
+    resp->set_known(false);
+    return grpc::Status::OK;
   }
   if (req->devices_size() > 0)
     n.devices.assign(req->devices().begin(), req->devices().end());
@@ -139,6 +141,34 @@ grpc::Status MembershipService::Heartbeat(grpc::ServerContext*,
   n.last_seen = s_->Now();
   resp->set_known(true);
   return grpc::Status::OK;
+}
+
+void MembershipService::RetireIncarnationLocked(uint32_t id, const Node& old) {
+  if (!s_->AliveLocked(old)) {
+    KLOG(Info, kLog) << "node " << old.name << " registered again; id " << id
+                     << " retired";
+    return;
+  }
+  // Registering under the name of a node taken for alive: the process was
+  // restarted faster than its heartbeats ran out. The old incarnation is
+  // lost now, exactly as if they had (its turns resume, its KV is gone).
+  KLOG(Warning, kLog) << "node " << old.name << " registered again while id "
+                      << id
+                      << " was alive: a new incarnation; the old one is lost";
+  s_->capacity_epoch_++;
+  if (old.role == NodeRole::kGpu) {
+    s_->gpu_ranks_lost_++;
+    s_->CancelTurnsOnLocked(id);
+    return;
+  }
+  s_->karat_losses_++;
+  if (control_ != nullptr) {
+    State* s = s_;
+    control_->Post(absl::StrCat("karat_lost/", id),
+                   [s, name = old.name, address = old.fabric_address] {
+                     PushKaratNodeLost(s, name, address);
+                   });
+  }
 }
 
 }  // namespace karat::coordinator

@@ -23,6 +23,11 @@ class MembershipService final : public cl::Coordinator::Service {
                          cl::HeartbeatResponse* resp) override;
 
  private:
+  // A node registers under the name of node `id`: that incarnation is
+  // retired, and taken for lost if it was still taken for alive.
+  void RetireIncarnationLocked(uint32_t id, const Node& old)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(s_->mu_);
+
   State* s_;
   LinkPusher* pusher_ = nullptr;
   ControlPusher* control_ = nullptr;

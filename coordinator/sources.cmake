@@ -8,7 +8,9 @@ add_library(karat_coordinator STATIC
   coordinator/generate.cc
   coordinator/karat_service.cc
   coordinator/membership_service.cc
+  coordinator/turn_plan.cc
   coordinator/turn_resume.cc
+  coordinator/admission_policy.cc
   coordinator/placement.cc
   coordinator/scheduling.cc
   coordinator/wal.cc

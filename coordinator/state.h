@@ -29,6 +29,7 @@
 #include "cluster.grpc.pb.h"
 #include "common/log.h"
 #include "coordinator/coordinator.h"
+#include "coordinator/admission_policy.h"
 #include "coordinator/placement.h"
 #include "coordinator/scheduling.h"
 #include "coordinator/wal.h"
@@ -66,6 +67,9 @@ struct Node {
   // would not help).
   int routed_experts = 0;
   bool lost = false;
+  // GPU nodes: the running turns' calls to it were cancelled when it
+  // stopped being alive (RankWatcher).
+  bool calls_cancelled = false;
   uint64_t owners_acked = 0;
   std::string owners_error;
   bool owners_refused = false;
@@ -83,6 +87,16 @@ struct Session {
   bool busy = false;
   // The running turn's call while busy (valid until busy is cleared).
   grpc::ServerContext* turn_ctx = nullptr;
+  // Set to end the running turn's call early (a retry with its idempotency
+  // key takes the turn over, or CloseSession); the call checks it between
+  // events and cancels its GPU call. Valid while busy.
+  std::shared_ptr<std::atomic<bool>> stop_turn;
+  // The latest turn (idempotency key, request, how far it got), for retries
+  // with its key (turn_plan.h); whether the write-ahead log has it as it is.
+  std::optional<cl::LastTurn> last_turn;
+  bool last_turn_logged = true;
+  // CloseSession is under way: new turns are refused (NOT_FOUND).
+  bool closing = false;
   // gpu_only: the rank whose memory holds the KV (-1: none yet).
   int rank = -1;
   // Positions where each earlier turn's prefill ended (increasing); sent as
@@ -171,7 +185,10 @@ inline grpc::Status ToGrpc(const absl::Status& s) {
 class State {
  public:
   explicit State(const Options& options)
-      : links_(options.links), options_(options), started_(Now()) {}
+      : next_epoch_(uint64_t(absl::ToUnixMicros(absl::Now()))),
+        links_(options.links),
+        options_(options),
+        started_(Now()) {}
 
   absl::Time Now() const { return options_.now ? options_.now() : absl::Now(); }
   const Options& options() const { return options_; }
@@ -327,10 +344,33 @@ class State {
                        [&](const auto& e) { return e.second.name == name; });
   }
 
+  // A node is alive while it sends heartbeats and no probe found it gone.
+  // Heartbeats missed while the coordinator itself did not run (stopped,
+  // starved: NoteStallLocked) do not count.
   bool AliveLocked(const Node& n) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return !n.lost &&
-           Now() - n.last_seen <= absl::Milliseconds(options_.node_timeout_ms);
+    return !n.lost && Now() - std::max(n.last_seen, stall_ended_) <=
+                          absl::Milliseconds(options_.node_timeout_ms);
   }
+  // Called at least every 100 ms (the rank watcher) and on every heartbeat:
+  // a gap of more than a second since the last call means the coordinator
+  // did not run meanwhile (SIGSTOP, a starved host), so the nodes' silence
+  // in that time is not theirs: their timeouts count from now.
+  // (The gap is measured on the real clock; the timeouts on Now().)
+  void NoteStallLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const absl::Time now = absl::Now();
+    if (last_tick_ != absl::InfinitePast() &&
+        now - last_tick_ > absl::Seconds(1)) {
+      KLOG(Warning, kLog) << "the coordinator did not run for "
+                          << absl::FormatDuration(now - last_tick_)
+                          << "; node timeouts count from now";
+      stall_ended_ = Now();
+      stalls_++;
+    }
+    last_tick_ = now;
+  }
+  int64_t stalls_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Time last_tick_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  absl::Time stall_ended_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
 
   // Alive GPU ranks: rank -> node id.
   std::map<int, uint32_t> AliveRanksLocked() const
@@ -402,8 +442,21 @@ class State {
   std::map<std::string, Session> sessions_ ABSL_GUARDED_BY(mu_);
   std::set<uint64_t> session_keys_ ABSL_GUARDED_BY(mu_);
   absl::BitGen rng_ ABSL_GUARDED_BY(mu_);
-  // GPU calls of running turns, cancelled at shutdown.
-  std::set<grpc::ClientContext*> running_ ABSL_GUARDED_BY(mu_);
+  // GPU calls of running turns, by the GPU node they go to: cancelled at
+  // shutdown, and when that node is taken for lost (its turns resume
+  // elsewhere instead of waiting on a node that may hang).
+  std::map<grpc::ClientContext*, uint32_t> running_ ABSL_GUARDED_BY(mu_);
+  // Cancels the running GPU calls to node `id` (CancelTurnsOnLocked).
+  void CancelTurnsOnLocked(uint32_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (const auto& [ctx, node] : running_)
+      if (node == id) ctx->TryCancel();
+  }
+  // The next turn epoch (RunTurnRequest.turn_epoch): increasing, from the
+  // clock at start so that it keeps increasing across restarts.
+  uint64_t next_epoch_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t NewEpochLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return ++next_epoch_;
+  }
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   int active_generations_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t tokens_generated_ ABSL_GUARDED_BY(mu_) = 0;
@@ -433,7 +486,7 @@ class State {
   // Scheduling: running turns by rank, the admission queue (turn ids, front
   // first) and the events that wake queued turns.
   std::map<int, Rank> ranks_ ABSL_GUARDED_BY(mu_);
-  std::deque<uint64_t> queue_ ABSL_GUARDED_BY(mu_);
+  std::deque<QueuedTurn> queue_ ABSL_GUARDED_BY(mu_);
   uint64_t next_turn_id_ ABSL_GUARDED_BY(mu_) = 1;
   // Bumped when room may have appeared (a turn finished, a session closed,
   // a node registered) and when the queue changed.

@@ -28,38 +28,51 @@ absl::StatusOr<bool> KaratService::ResumeTurn(grpc::ServerContext* ctx,
     auto home = s_->nodes_.find(session.home.node_id);
     home_lost = home == s_->nodes_.end() || !s_->AliveLocked(home->second);
   }
-  // Wait for the alive ranks to own every expert.
+  // Waits for the nodes a turn needs (a rank or KARAT node being restarted,
+  // the alive ranks taking over a lost rank's experts) and for a home that
+  // can take the session's KV, bounded by the queue timeout.
   const absl::Time give_up = absl::Now() + s_->queue_timeout();
-  {
-    absl::MutexLock lock(&s_->mu_);
-    for (;;) {
-      if (s_->shutting_down_)
-        return absl::UnavailableError("coordinator is shutting down");
-      bool settling = false;
-      absl::Status nodes = CheckNodesLocked(&settling);
-      if (nodes.ok()) break;
-      if (!settling) return nodes;
-      if (ctx->IsCancelled())
-        return absl::CancelledError("cancelled by the client");
-      if (absl::Now() > give_up)
-        return absl::UnavailableError(
-            absl::StrCat("waited ", absl::FormatDuration(s_->queue_timeout()),
-                         " for the alive GPU ranks to take over the experts: ",
-                         nodes.message()));
-      const uint64_t seen = s_->capacity_epoch_;
-      auto changed = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s_->mu_) {
-        return s_->capacity_epoch_ != seen || s_->shutting_down_;
-      };
-      s_->mu_.AwaitWithTimeout(absl::Condition(&changed),
-                               absl::Milliseconds(50));
+  uint64_t epoch = 0;
+  absl::Status last_error;
+  for (;;) {
+    {
+      absl::MutexLock lock(&s_->mu_);
+      for (;;) {
+        if (s_->shutting_down_)
+          return absl::UnavailableError("coordinator is shutting down");
+        if (ctx->IsCancelled())
+          return absl::CancelledError("cancelled by the client");
+        absl::Status nodes = CheckNodesLocked();
+        if (nodes.ok()) break;
+        if (absl::Now() > give_up)
+          return absl::UnavailableError(absl::StrCat(
+              "waited ", absl::FormatDuration(s_->queue_timeout()),
+              " for the cluster to serve the turn again: ", nodes.message()));
+        const uint64_t seen = s_->capacity_epoch_;
+        auto changed = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s_->mu_) {
+          return s_->capacity_epoch_ != seen || s_->shutting_down_;
+        };
+        s_->mu_.AwaitWithTimeout(absl::Condition(&changed),
+                                 absl::Milliseconds(50));
+      }
+      epoch = s_->NewEpochLocked();
+      const Session& session = s_->sessions_.at(sid);
+      auto home = s_->nodes_.find(session.home.node_id);
+      if (home == s_->nodes_.end() || !s_->AliveLocked(home->second))
+        home_lost = true;
     }
+    // The home is gone: a new one, where the KV is rebuilt from the token
+    // log by prefill (DESIGN.md §7). Otherwise the home fences the failed
+    // pass off and cuts what it stored beyond the coordinator's count.
+    last_error = home_lost ? ReplaceHome(sid, remaining, epoch, turn, run)
+                           : FenceHome(sid, remaining, epoch);
+    if (last_error.ok()) break;
+    if (!absl::IsUnavailable(last_error) || absl::Now() > give_up)
+      return last_error;
+    absl::SleepFor(absl::Milliseconds(100));
   }
-  // The home is gone: a new one, where the KV is rebuilt from the token log
-  // by prefill (DESIGN.md §7).
-  if (home_lost) {
-    absl::Status moved = ReplaceHome(sid, remaining, turn, run);
-    if (!moved.ok()) return moved;
-  }
+  turn->epoch = epoch;
+  run->set_turn_epoch(epoch);
   int rank = -1;
   bool push_old = false, push_new = false;
   const int old_rank = turn->rank;
@@ -140,8 +153,42 @@ absl::StatusOr<bool> KaratService::ResumeTurn(grpc::ServerContext* ctx,
   return true;
 }
 
+absl::Status KaratService::FenceHome(const std::string& sid, int remaining,
+                                     uint64_t epoch) {
+  std::shared_ptr<grpc::Channel> channel;
+  std::string name;
+  uint64_t key = 0;
+  int tokens = 0, kv_tokens = 0, device = 0;
+  {
+    absl::MutexLock lock(&s_->mu_);
+    const Session& session = s_->sessions_.at(sid);
+    auto n = s_->nodes_.find(session.home.node_id);
+    if (n == s_->nodes_.end())
+      return absl::UnavailableError("the session's home went away");
+    channel = n->second.channel;
+    name = n->second.name;
+    key = session.key;
+    tokens = static_cast<int>(session.history.size()) + remaining;
+    kv_tokens = session.kv_len;
+    device = session.home.device;
+  }
+  cl::ReserveResponse rresp;
+  grpc::Status st =
+      ReserveKv(s_, channel, key, device, tokens, epoch, kv_tokens, &rresp);
+  if (!st.ok()) {
+    return absl::UnavailableError(absl::StrCat(
+        "the session's home ", name, "/", device,
+        " cannot take the resumed turn: ", st.error_message()));
+  }
+  if (rresp.kv_dropped()) {
+    absl::MutexLock lock(&s_->mu_);
+    s_->sessions_.at(sid).kv_len = 0;
+  }
+  return absl::OkStatus();
+}
+
 absl::Status KaratService::ReplaceHome(const std::string& sid, int remaining,
-                                       AdmittedTurn* turn,
+                                       uint64_t epoch, AdmittedTurn* turn,
                                        cl::RunTurnRequest* run) {
   struct Try {
     HomeDevice home;
@@ -187,7 +234,7 @@ absl::Status KaratService::ReplaceHome(const std::string& sid, int remaining,
   for (const Try& t : tries) {
     cl::ReserveResponse rresp;
     grpc::Status st = ReserveKv(s_, t.channel, key, t.home.device, tokens,
-                                /*turn_epoch=*/0, /*kv_tokens=*/0, &rresp);
+                                epoch, /*kv_tokens=*/0, &rresp);
     if (!st.ok()) {
       absl::StrAppend(&refusals, refusals.empty() ? "" : "; ", t.name, "/",
                       t.home.device, ": ", st.error_message());

@@ -17,3 +17,9 @@ add_unit_test(coordinator_wal_test
   SOURCES tests/coordinator/wal_test.cc
     tests/coordinator/wal_compaction_test.cc
   LIBS karat_coordinator)
+add_unit_test(coordinator_turn_plan_test
+  SOURCES tests/coordinator/turn_plan_test.cc
+  LIBS karat_coordinator)
+add_unit_test(coordinator_admission_policy_test
+  SOURCES tests/coordinator/admission_policy_test.cc
+  LIBS karat_coordinator)
