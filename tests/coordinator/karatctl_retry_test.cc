@@ -167,6 +167,7 @@ TEST_CASE("retry: a broken turn resumes from the tokens received") {
   // The longest gap spans the retry: at least the two back-offs.
   CHECK(r.max_gap_ms() >= 10);
   CHECK(r.max_gap_ms() == r.token_ms[4] - r.token_ms[3]);
+  CHECK(r.end_ms >= r.token_ms.back());
 
   const std::string line = TurnRecordJson(2, 1, 7, "s-1", "k", r);
   CHECK(line.find("\"session\": 2, \"turn\": 1, \"seed\": 7, \"session_id\": "

@@ -148,6 +148,7 @@ TurnRecord RunTurn(
       if (!result->finish_reason.empty()) {
         rec.completed = true;
         rec.finish_reason = result->finish_reason;
+        rec.end_ms = MsSince(start);
         return rec;
       }
       status = absl::UnknownError("the stream ended without TurnDone");
@@ -155,7 +156,10 @@ TurnRecord RunTurn(
     rec.attempt_errors.push_back(status);
     if (auto kept = TurnTokensKept(status)) rec.tokens_kept = kept;
     if (rec.tokens.size() > had) attempts.Progress();
-    if (!attempts.Again(status)) return rec;
+    if (!attempts.Again(status)) {
+      rec.end_ms = MsSince(start);
+      return rec;
+    }
   }
 }
 
@@ -201,6 +205,7 @@ std::string TurnRecordJson(int session, int turn, uint64_t seed,
                     absl::StrFormat("%.2f", r.token_ms[i]));
   absl::StrAppend(
       &out, "], \"start_unix_ms\": ", absl::StrFormat("%.1f", r.start_unix_ms),
+      ", \"end_ms\": ", absl::StrFormat("%.2f", r.end_ms),
       ", \"attempts\": ", r.attempts,
       ", \"completed\": ", r.completed ? "true" : "false",
       ", \"finish_reason\": ", JsonQuote(r.finish_reason, /*ascii=*/true),

@@ -49,8 +49,10 @@ struct TurnRecord {
   std::vector<int32_t> tokens;
   // When each token arrived, in ms since the turn began.
   std::vector<double> token_ms;
-  // Wall-clock time at which the turn began (ms since the Unix epoch).
+  // Wall-clock time at which the turn began (ms since the Unix epoch), and
+  // when it completed or was given up, in ms since it began.
   double start_unix_ms = 0;
+  double end_ms = 0;
   int attempts = 0;
   bool completed = false;
   std::string finish_reason;  // from TurnDone
@@ -99,7 +101,7 @@ absl::Status CloseSessionRetrying(Client& client, const std::string& id,
                                   std::vector<absl::Status>* errors);
 
 // One line of --tokens-out (a JSON object and a newline): session, turn,
-// seed, session_id, key, tokens, token_ms, start_unix_ms, attempts,
+// seed, session_id, key, tokens, token_ms, start_unix_ms, end_ms, attempts,
 // completed, finish_reason, attempt_errors (code names), max_gap_ms,
 // duplicate_tokens, position_gaps, tokens_kept (when known) and, for a turn
 // that did not complete, error ("CODE: message").
