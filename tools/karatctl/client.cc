@@ -12,7 +12,11 @@
 namespace karat::ctl {
 namespace {
 
-// The channel's reconnect back-off while the coordinator is unreachable.
+// The channel's reconnect back-off while the coordinator is unreachable,
+// and how often it may resolve the address again: after a connection
+// failure a new connection is tried when the address has been resolved
+// again, which gRPC's default (30 s between resolutions, with a back-off)
+// delayed by up to 5 s after a coordinator restart.
 // GRPC_ARG_MIN_RECONNECT_BACKOFF_MS is left alone: gRPC's core reads it as
 // the shortest time a connection attempt is given (default 20 s), and at
 // 100 ms a handshake with a busy coordinator on a loaded box was cut off
@@ -29,6 +33,8 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address) {
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, kReconnectInitialMs);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, kReconnectMaxMs);
+  args.SetInt(GRPC_ARG_DNS_MIN_TIME_BETWEEN_RESOLUTIONS_MS,
+              kReconnectInitialMs);
   return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
                                    args);
 }

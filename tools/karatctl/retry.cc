@@ -154,6 +154,7 @@ TurnRecord RunTurn(
       status = absl::UnknownError("the stream ended without TurnDone");
     }
     rec.attempt_errors.push_back(status);
+    rec.attempt_error_ms.push_back(MsSince(start));
     if (auto kept = TurnTokensKept(status)) rec.tokens_kept = kept;
     if (rec.tokens.size() > had) attempts.Progress();
     if (!attempts.Again(status)) {
@@ -210,9 +211,16 @@ std::string TurnRecordJson(int session, int turn, uint64_t seed,
       ", \"completed\": ", r.completed ? "true" : "false",
       ", \"finish_reason\": ", JsonQuote(r.finish_reason, /*ascii=*/true),
       ", \"attempt_errors\": [");
-  for (size_t i = 0; i < r.attempt_errors.size(); ++i)
-    absl::StrAppend(&out, i ? ", " : "", "\"",
-                    StatusCodeName(r.attempt_errors[i].code()), "\"");
+  for (size_t i = 0; i < r.attempt_errors.size(); ++i) {
+    const absl::Status& st = r.attempt_errors[i];
+    absl::StrAppend(&out, i ? ", " : "", "{\"code\": \"",
+                    StatusCodeName(st.code()), "\", \"at_ms\": ",
+                    absl::StrFormat("%.2f", i < r.attempt_error_ms.size()
+                                                ? r.attempt_error_ms[i]
+                                                : 0.0),
+                    ", \"message\": ", JsonQuote(std::string(st.message()), /*ascii=*/true),
+                    "}");
+  }
   absl::StrAppend(
       &out, "], \"max_gap_ms\": ", absl::StrFormat("%.2f", r.max_gap_ms()),
       ", \"duplicate_tokens\": ", r.duplicate_tokens,

@@ -59,6 +59,8 @@ struct TurnRecord {
   // The status of each failed attempt, in order; the last one is why a turn
   // that did not complete was given up.
   std::vector<absl::Status> attempt_errors;
+  // When each of them ended, in ms since the turn began.
+  std::vector<double> attempt_error_ms;
   // What the last failed attempt's trailing metadata said the session kept
   // of the turn (kTurnTokensKey), when it said so.
   std::optional<int64_t> tokens_kept;
@@ -102,7 +104,8 @@ absl::Status CloseSessionRetrying(Client& client, const std::string& id,
 
 // One line of --tokens-out (a JSON object and a newline): session, turn,
 // seed, session_id, key, tokens, token_ms, start_unix_ms, end_ms, attempts,
-// completed, finish_reason, attempt_errors (code names), max_gap_ms,
+// completed, finish_reason, attempt_errors ({code, at_ms, message} of
+// each failed attempt), max_gap_ms,
 // duplicate_tokens, position_gaps, tokens_kept (when known) and, for a turn
 // that did not complete, error ("CODE: message").
 std::string TurnRecordJson(int session, int turn, uint64_t seed,
