@@ -236,7 +236,8 @@ TEST_CASE("retry: codes that are not retried, and retries off") {
                      Writer*) { return grpc::Status(code, "no"); });
   Server server(&fake);
   Client client(server.address());
-  RetryPolicy policy = Retry(0.3);
+  // Long enough for a second attempt on a loaded machine.
+  RetryPolicy policy = Retry(1.5);
   policy.enabled = enabled;
   TurnRecord r = RunTurn(client, Request(), policy, nullptr);
   CHECK_FALSE(r.completed);
@@ -262,14 +263,14 @@ TEST_CASE(
   Server server(&fake);
   Client client(server.address());
   const auto start = std::chrono::steady_clock::now();
-  TurnRecord r = RunTurn(client, Request(), Retry(0.5), nullptr);
+  TurnRecord r = RunTurn(client, Request(), Retry(1), nullptr);
   const double s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
           .count();
   CHECK_FALSE(r.completed);
-  CHECK(r.attempts >= 5);
-  CHECK(s >= 0.45);
-  CHECK(s < 3);
+  CHECK(r.attempts >= 3);
+  CHECK(s >= 0.95);
+  CHECK(s < 5);
   CHECK(static_cast<int>(r.tokens.size()) == r.attempts);
   CHECK(r.attempt_errors.back().code() == absl::StatusCode::kUnknown);
   CHECK(r.attempt_errors.back().message() ==
