@@ -130,6 +130,20 @@ TEST_CASE("bench: the JSON report") {
   r.tbt_ms_mean = 1.25;
   r.errors_by_code["RESOURCE_EXHAUSTED"] = 1;
   r.error_samples.push_back("session 1 \"x\"\tturn 0\n");
+  r.retry = true;
+  r.turns_retried = 2;
+  r.attempts = 11;
+  r.attempt_errors_by_code["UNAVAILABLE"] = 2;
+  r.attempt_errors_by_code["RESOURCE_EXHAUSTED"] = 1;
+  r.duplicate_tokens = 3;
+  r.position_gaps = 1;
+  r.session_call_errors = 4;
+  r.turn_max_gap_ms_p50 = 5;
+  r.turn_max_gap_ms_p99 = 900;
+  r.turn_max_gap_ms_max = 1000;
+  r.retried_turn_max_gap_ms_p50 = 800;
+  r.retried_turn_max_gap_ms_p99 = 1000;
+  r.retried_turn_max_gap_ms_max = 1000.5;
   const std::string json = BenchReportJson(r);
   CHECK(json ==
         "{\"sessions\": 4, \"concurrency\": 2, \"turns\": 8, \"turns_ok\": 7, "
@@ -140,7 +154,16 @@ TEST_CASE("bench: the JSON report") {
         "\"ttft_ms_mean\": 12.500, \"tbt_ms_p50\": 1.000, "
         "\"tbt_ms_p90\": 2.000, \"tbt_ms_p99\": 3.000, \"tbt_ms_mean\": 1.250, "
         "\"errors\": 1, \"errors_by_code\": {\"RESOURCE_EXHAUSTED\": 1}, "
-        "\"error_samples\": [\"session 1 \\\"x\\\"\\tturn 0\\n\"]}\n");
+        "\"error_samples\": [\"session 1 \\\"x\\\"\\tturn 0\\n\"], "
+        "\"retry\": true, \"turns_completed\": 7, \"turns_retried\": 2, "
+        "\"turns_lost\": 1, \"attempts\": 11, \"attempt_errors_by_code\": "
+        "{\"RESOURCE_EXHAUSTED\": 1, \"UNAVAILABLE\": 2}, "
+        "\"duplicate_tokens\": 3, \"position_gaps\": 1, "
+        "\"session_call_errors\": 4, \"turn_max_gap_ms_p50\": 5.000, "
+        "\"turn_max_gap_ms_p99\": 900.000, \"turn_max_gap_ms_max\": "
+        "1000.000, \"retried_turn_max_gap_ms_p50\": 800.000, "
+        "\"retried_turn_max_gap_ms_p99\": 1000.000, "
+        "\"retried_turn_max_gap_ms_max\": 1000.500}\n");
 
   // The TBT target's figures appear only when one was set; a zero wall
   // time gives a zero throughput, not a division by zero.

@@ -10,6 +10,9 @@ add_unit_test(coordinator_service_test
 add_unit_test(karatctl_workload_test
   SOURCES tests/coordinator/karatctl_workload_test.cc
   LIBS karatctl_lib)
+add_unit_test(karatctl_retry_test
+  SOURCES tests/coordinator/karatctl_retry_test.cc
+  LIBS karatctl_lib)
 add_unit_test(coordinator_scheduling_test
   SOURCES tests/coordinator/scheduling_test.cc
   LIBS karat_coordinator)

@@ -28,3 +28,19 @@ target_compile_definitions(scale_out_test PRIVATE
   KARAT_BIN_DIR="${PROJECT_BINARY_DIR}/bin")
 add_dependencies(scale_out_test karat-coordinator karat-node karat-gpu-node
                  karat-weights)
+# Process faults under load (deploy/experiments/chaos --quick, ~1 min): a
+# kill of the coordinator, a GPU rank and a KARAT node and a stop, under
+# `karatctl bench --retry`; fails when a turn is lost, a turn's tokens differ
+# from a fault-free run or a token is replayed. Its clusters run in
+# build/chaos-quick/points/ and are taken down also on failure; it runs
+# alone (it loads every core).
+if(EXISTS /usr/bin/python3)
+  add_test(NAME chaos_quick
+    COMMAND /usr/bin/python3 ${PROJECT_SOURCE_DIR}/deploy/experiments/chaos
+            --quick --build-dir ${PROJECT_BINARY_DIR}
+            --out-dir ${PROJECT_BINARY_DIR}/chaos-quick
+            --model-dir ${PROJECT_BINARY_DIR}/chaos-quick/model
+            --bench-timeout 240)
+  set_tests_properties(chaos_quick PROPERTIES
+    LABELS chaos TIMEOUT 900 RUN_SERIAL TRUE)
+endif()

@@ -3,16 +3,54 @@
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
+#include <string>
+
+#include "absl/strings/cord.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/string_view.h"
 
 namespace karat::ctl {
 namespace {
+
+// The channel's reconnect back-off while the coordinator is unreachable,
+// and how often it may resolve the address again: after a connection
+// failure a new connection is tried when the address has been resolved
+// again, which gRPC's default (30 s between resolutions, with a back-off)
+// delayed by up to 5 s after a coordinator restart.
+// GRPC_ARG_MIN_RECONNECT_BACKOFF_MS is left alone: gRPC's core reads it as
+// the shortest time a connection attempt is given (default 20 s), and at
+// 100 ms a handshake with a busy coordinator on a loaded box was cut off
+// ("tcp handshaker shutdown").
+constexpr int kReconnectInitialMs = 100;
+constexpr int kReconnectMaxMs = 1000;
 
 absl::Status FromGrpc(const grpc::Status& s) {
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
                       s.error_message());
 }
 
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address) {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, kReconnectInitialMs);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, kReconnectMaxMs);
+  args.SetInt(GRPC_ARG_DNS_MIN_TIME_BETWEEN_RESOLUTIONS_MS,
+              kReconnectInitialMs);
+  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
+                                   args);
+}
+
+void SetDeadline(grpc::ClientContext* ctx, const Deadline& deadline) {
+  if (deadline) ctx->set_deadline(*deadline);
+}
+
 }  // namespace
+
+std::optional<int64_t> TurnTokensKept(const absl::Status& status) {
+  auto payload = status.GetPayload(kTurnTokensKey);
+  int64_t n = 0;
+  if (!payload || !absl::SimpleAtoi(std::string(*payload), &n)) return {};
+  return n;
+}
 
 const char* StatusCodeName(absl::StatusCode code) {
   switch (code) {
@@ -56,11 +94,12 @@ const char* StatusCodeName(absl::StatusCode code) {
 }
 
 Client::Client(const std::string& address)
-    : stub_(v1::Karat::NewStub(
-          grpc::CreateChannel(address, grpc::InsecureChannelCredentials()))) {}
+    : stub_(v1::Karat::NewStub(MakeChannel(address))) {}
 
-absl::StatusOr<v1::Session> Client::CreateSession(uint64_t seed) {
+absl::StatusOr<v1::Session> Client::CreateSession(uint64_t seed,
+                                                  Deadline deadline) {
   grpc::ClientContext ctx;
+  SetDeadline(&ctx, deadline);
   v1::CreateSessionRequest req;
   req.set_seed(seed);
   v1::Session out;
@@ -79,8 +118,9 @@ absl::StatusOr<v1::Session> Client::GetSession(const std::string& id) {
   return out;
 }
 
-absl::Status Client::CloseSession(const std::string& id) {
+absl::Status Client::CloseSession(const std::string& id, Deadline deadline) {
   grpc::ClientContext ctx;
+  SetDeadline(&ctx, deadline);
   v1::CloseSessionRequest req;
   req.set_session_id(id);
   v1::CloseSessionResponse out;
@@ -99,8 +139,10 @@ absl::StatusOr<v1::ClusterStatus> Client::GetClusterStatus() {
 absl::StatusOr<TurnResult> Client::Generate(
     const v1::GenerateRequest& request,
     const std::function<void(const v1::GeneratedToken&)>& on_token,
-    const std::function<void(const v1::PrefillProgress&)>& on_progress) {
+    const std::function<void(const v1::PrefillProgress&)>& on_progress,
+    Deadline deadline) {
   grpc::ClientContext ctx;
+  SetDeadline(&ctx, deadline);
   TurnResult result;
   auto start = std::chrono::steady_clock::now();
   auto previous = start;
@@ -126,7 +168,15 @@ absl::StatusOr<TurnResult> Client::Generate(
     }
   }
   grpc::Status st = reader->Finish();
-  if (!st.ok()) return FromGrpc(st);
+  if (!st.ok()) {
+    absl::Status out = FromGrpc(st);
+    const auto& trailers = ctx.GetServerTrailingMetadata();
+    if (auto it = trailers.find(kTurnTokensKey); it != trailers.end())
+      out.SetPayload(
+          kTurnTokensKey,
+          absl::Cord(absl::string_view(it->second.data(), it->second.size())));
+    return out;
+  }
   return result;
 }
 

@@ -40,10 +40,13 @@ constexpr char kUsage[] =
 commands:
   generate --prompt TEXT | --prompt-file PATH [--max-new-tokens N]
            [--temperature T] [--seed S] [--session ID] [--ids]
+           [--idempotency-key K [--tokens-received N]]
       One turn (in a new session unless --session); prints the text as it
       streams, then a summary (tokens, TTFT, mean TBT) on stderr. A prompt
       file ("-": standard input) is sent as it is, for prompts too long for
-      an argument; a long prompt's prefill progress goes to stderr.
+      an argument; a long prompt's prefill progress goes to stderr. The
+      same key and request again (same --session) continue or replay that
+      turn from its token N on.
   chat [--max-new-tokens N] [--temperature T] [--seed S]
       Multi-turn conversation on one session; one line of stdin per turn,
       until EOF or /quit.
@@ -54,11 +57,14 @@ commands:
   bench --trace FILE --sessions N --turns T --scale F [--output-scale F]
         [--max-new-tokens-cap C] [--think-scale X] [--seed S]
         [--temperature T] [--concurrency N] [--tbt-slo-ms X] [--json FILE]
+        [--retry [--retry-timeout-s S]] [--tokens-out FILE]
       Closed-loop workload from the kvcache-tester trace; token counts are
       divided by --scale (outputs by --output-scale if given). --concurrency
       caps the sessions in flight (default: all); --tbt-slo-ms counts the
       sessions served within that TBT target; --json also writes the report
-      as one JSON object.
+      as one JSON object. --retry retries failed turns with their
+      idempotency key for up to S s (default 120); --tokens-out writes one
+      JSON line per turn (tokens, their times, attempts, errors).
   link set --from NODE|* --to NODE|* [--latency-us N] [--jitter-us N]
            [--bandwidth-mbps R] [--loss P] [--down | --up]
   link remove --from NODE|* --to NODE|*
@@ -201,6 +207,9 @@ int Generate(Client& client, const Flags& f) {
   if (f.Has("prompt") == f.Has("prompt-file")) {
     Usage("generate needs --prompt or --prompt-file (one of them)");
   }
+  const int64_t received = f.Int("tokens-received", 0);
+  if (received < 0 || (f.Has("tokens-received") && !f.Has("idempotency-key")))
+    Usage("--tokens-received needs --idempotency-key and a count >= 0");
   std::string prompt = f.Str("prompt");
   if (f.Has("prompt-file")) {
     // A long prompt does not fit in an argument ("-": standard input).
@@ -229,6 +238,8 @@ int Generate(Client& client, const Flags& f) {
   req.set_prompt(prompt);
   req.set_max_new_tokens(static_cast<int32_t>(f.Int("max-new-tokens", 64)));
   req.set_temperature(static_cast<float>(f.Double("temperature", 0)));
+  req.set_idempotency_key(f.Str("idempotency-key"));
+  req.set_tokens_received(static_cast<int32_t>(received));
   bool ids = f.Has("ids");
   bool first = true;
   auto r = client.Generate(
@@ -248,7 +259,12 @@ int Generate(Client& client, const Flags& f) {
   if (!r.ok()) {
     // A session this command opened and could not use is of no further use.
     if (fresh && first) (void)client.CloseSession(session_id);
-    return PrintError(r.status());
+    PrintError(r.status());
+    if (auto kept = TurnTokensKept(r.status()))
+      std::fprintf(stderr,
+                   "karatctl: session %s kept %lld of the turn's tokens\n",
+                   session_id.c_str(), static_cast<long long>(*kept));
+    return 1;
   }
   PrintSummary(*r, session_id);
   return 0;
@@ -694,8 +710,8 @@ int Main(int argc, char** argv) {
   std::set<std::string> known, switches;
   std::string link_action;  // or the fault action
   if (command == "generate") {
-    known = {"prompt",      "prompt-file", "max-new-tokens",
-             "temperature", "seed",        "session"};
+    known = {"prompt", "prompt-file", "max-new-tokens",  "temperature",
+             "seed",   "session",     "idempotency-key", "tokens-received"};
     switches = {"ids"};
   } else if (command == "chat") {
     known = {"max-new-tokens", "temperature", "seed"};
@@ -717,9 +733,11 @@ int Main(int argc, char** argv) {
     rest.erase(rest.begin());
     known = {"node", "ms"};
   } else if (command == "bench") {
-    known = {"trace",        "sessions",           "turns",       "scale",
-             "output-scale", "max-new-tokens-cap", "think-scale", "seed",
-             "temperature",  "concurrency",        "tbt-slo-ms",  "json"};
+    known = {"trace",           "sessions",           "turns",       "scale",
+             "output-scale",    "max-new-tokens-cap", "think-scale", "seed",
+             "temperature",     "concurrency",        "tbt-slo-ms",  "json",
+             "retry-timeout-s", "tokens-out"};
+    switches = {"retry"};
   } else {
     Usage("unknown command " + command);
   }
@@ -764,6 +782,9 @@ int Main(int argc, char** argv) {
   b.tbt_slo_ms = flags.Double("tbt-slo-ms", 0);
   if (!(b.tbt_slo_ms >= 0)) Usage("--tbt-slo-ms must be >= 0");
   b.json_path = flags.Str("json");
+  b.retry.enabled = flags.Has("retry");
+  b.retry.timeout_s = flags.Double("retry-timeout-s", 120);
+  b.tokens_out_path = flags.Str("tokens-out");
   return RunBench(client, b);
 }
 
