@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/log.h"
+#include "common/request_errors.h"
 #include "common/transport.h"
 
 namespace karat {
@@ -186,6 +187,8 @@ absl::StatusOr<NodeGrpcServer> StartNodeGrpcServer(grpc::Service* service,
   int port = 0;
   builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
   builder.RegisterService(service);
+  builder.experimental().SetInterceptorCreators(RequestErrorInterceptors());
+  InstallProtobufLogLimiter();
   NodeGrpcServer started;
   started.server = builder.BuildAndStart();
   if (started.server == nullptr || port == 0) {

@@ -6,6 +6,7 @@
 
 #include <cmath>
 
+#include "common/request_errors.h"
 #include "common/status_macros.h"
 #include "coordinator/admin_service.h"
 #include "coordinator/cluster_config.h"
@@ -63,6 +64,11 @@ class CoordinatorImpl final : public Coordinator {
         session.turns = l.turns;
         session.logged_tokens = session.history.size();
         session.logged_turns = session.turns;
+        // The latest turn a retry with its key continues or replays (a turn
+        // running at the crash: its start only, so it runs again).
+        if (l.last_turn.has_value() &&
+            !l.last_turn->idempotency_key().empty())
+          session.last_turn = std::move(l.last_turn);
         state_.session_keys_.insert(session.key);
         state_.sessions_.emplace(session.id, std::move(session));
       }
@@ -78,6 +84,8 @@ class CoordinatorImpl final : public Coordinator {
     builder.RegisterService(&karat_);
     builder.RegisterService(&membership_);
     builder.RegisterService(&admin_);
+    builder.experimental().SetInterceptorCreators(RequestErrorInterceptors());
+    InstallProtobufLogLimiter();
     server_ = builder.BuildAndStart();
     if (server_ == nullptr || port == 0) {
       return absl::UnavailableError(

@@ -186,6 +186,12 @@ void KaratService::FillStatsLocked(
   m["turns_cancelled_queued"] = double(s_->turns_cancelled_queued_);
   m["turns_refused"] = double(s_->turns_refused_);
   m["turns_resumed"] = double(s_->turns_resumed_);
+  m["coordinator_stalls"] = double(s_->stalls_);
+  if (s_->wal_ != nullptr) {
+    m["wal_bytes"] = double(s_->wal_->bytes());
+    m["wal_compactions"] = double(s_->wal_->compactions());
+    m["wal_compaction_failures"] = double(s_->wal_->compaction_failures());
+  }
   m["gpu_ranks_lost"] = double(s_->gpu_ranks_lost_);
   m["karat_nodes_lost"] = double(s_->karat_losses_);
   m["sessions_rehomed"] = double(s_->sessions_rehomed_);

@@ -22,6 +22,7 @@ add_library(karat_coordinator STATIC
   # the coordinator does not pull the model kernels and libfabric.
   common/log.cc
   common/log_limiter.cc
+  common/request_errors.cc
   common/link_rules.cc
   common/process_fault.cc
   common/json.cc
