@@ -40,9 +40,12 @@ class FakeKaratNode final : public cl::KaratNode::Service {
     if (req->device() < 0 ||
         req->device() >= static_cast<int>(capacity_.size()))
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "no such device");
-    // A device of fixed capacity: what it cannot hold it never will.
+    // A device of fixed capacity: what it cannot hold it never will; with
+    // `busy_tokens` held by others, what does not fit beside them yet.
     if (req->tokens() > capacity_[req->device()])
       return grpc::Status(grpc::StatusCode::OUT_OF_RANGE, "full even empty");
+    if (req->tokens() > capacity_[req->device()] - busy_tokens.load())
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "full now");
     resp->set_used_bytes(req->tokens() * 100);
     return grpc::Status::OK;
   }
@@ -62,6 +65,7 @@ class FakeKaratNode final : public cl::KaratNode::Service {
     return freed_;
   }
   int devices() const { return static_cast<int>(capacity_.size()); }
+  std::atomic<int> busy_tokens{0};
 
  private:
   const std::vector<int> capacity_;

@@ -26,3 +26,6 @@ add_unit_test(coordinator_turn_plan_test
 add_unit_test(coordinator_admission_policy_test
   SOURCES tests/coordinator/admission_policy_test.cc
   LIBS karat_coordinator)
+add_unit_test(coordinator_retry_test
+  SOURCES tests/coordinator/coordinator_retry_test.cc
+  LIBS karat_coordinator gRPC::grpc++)
