@@ -290,8 +290,9 @@ class GpuNodeService final : public cluster::GpuNode::Service {
           grpc::StatusCode::INVALID_ARGUMENT,
           absl::StrCat("tokens must be > 0, got ", request->tokens()));
     }
-    absl::StatusOr<bool> dropped = local_->Reserve(
-        request->session(), request->tokens(), request->kv_tokens());
+    absl::StatusOr<bool> dropped =
+        local_->Reserve(request->session(), request->tokens(),
+                        request->kv_tokens(), request->turn_epoch());
     if (!dropped.ok()) return ToGrpc(dropped.status());
     response->set_used_bytes(int64_t(local_->used_bytes()));
     response->set_kv_dropped(*dropped);

@@ -31,7 +31,8 @@ size_t GpuLocalAttention::BytesFor(int tokens) const {
 }
 
 absl::StatusOr<bool> GpuLocalAttention::Reserve(uint64_t session, int tokens,
-                                                int kv_tokens) {
+                                                int kv_tokens,
+                                                uint64_t turn_epoch) {
   absl::MutexLock lock(&mu_);
   const bool known = reserved_.contains(session);
   absl::Status s = local_.Reserve(session, tokens);
@@ -49,6 +50,8 @@ absl::StatusOr<bool> GpuLocalAttention::Reserve(uint64_t session, int tokens,
   }
   int& r = reserved_[session];
   r = std::max(r, tokens);
+  uint64_t& fence = fence_[session];
+  fence = std::max(fence, turn_epoch);
   if (kv_tokens < 0) return false;
   return !local_.Truncate(session, kv_tokens);
 }
@@ -57,6 +60,19 @@ void GpuLocalAttention::Free(uint64_t session) {
   absl::MutexLock lock(&mu_);
   local_.Drop(session);
   reserved_.erase(session);
+  fence_.erase(session);
+}
+
+void GpuLocalAttention::SetPlacement(uint64_t session,
+                                     const cluster::KaratPlacement&,
+                                     uint64_t turn_epoch) {
+  absl::MutexLock lock(&mu_);
+  running_[session] = turn_epoch;
+}
+
+void GpuLocalAttention::ClearPlacement(uint64_t session) {
+  absl::MutexLock lock(&mu_);
+  running_.erase(session);
 }
 
 int GpuLocalAttention::FreeAll() {
@@ -64,6 +80,7 @@ int GpuLocalAttention::FreeAll() {
   const int n = static_cast<int>(reserved_.size());
   for (const auto& [session, tokens] : reserved_) local_.Drop(session);
   reserved_.clear();
+  fence_.clear();
   return n;
 }
 
@@ -88,6 +105,21 @@ absl::Status GpuLocalAttention::RunLayer(int layer,
                                          const std::vector<Segment>& segs,
                                          LayerTraffic* traffic) {
   absl::MutexLock lock(&mu_);
+  // A turn superseded by a later Reserve (cancelled or moved while its step
+  // ran) fails alone; it must not write the session's KV any more.
+  if (traffic->failed.size() == segs.size()) {
+    for (size_t i = 0; i < segs.size(); ++i) {
+      auto f = fence_.find(segs[i].session);
+      auto r = running_.find(segs[i].session);
+      if (f == fence_.end() || r == running_.end() || r->second >= f->second)
+        continue;
+      if (traffic->failed[i].ok()) {
+        traffic->failed[i] = absl::FailedPreconditionError(absl::StrCat(
+            "turn ", r->second, " of session ", segs[i].session,
+            " was superseded by turn ", f->second));
+      }
+    }
+  }
   return local_.RunLayer(layer, segs, traffic);
 }
 

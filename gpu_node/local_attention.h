@@ -35,8 +35,11 @@ class GpuLocalAttention : public StepBackend {
   // the session stores beyond that many positions (a failed turn's
   // leftovers: KaratNode.Reserve); the result says whether the session's
   // KV had to be dropped whole instead (LocalAttentionBackend::Truncate).
+  // `turn_epoch` fences the session's older turns off: a step of a turn
+  // with an older epoch (SetPlacement) fails that session's segment from
+  // now on, as a KARAT device refuses its frames.
   absl::StatusOr<bool> Reserve(uint64_t session, int tokens,
-                               int kv_tokens = -1);
+                               int kv_tokens = -1, uint64_t turn_epoch = 0);
   void Free(uint64_t session);
   // Frees every session; returns how many there were.
   int FreeAll();
@@ -46,6 +49,9 @@ class GpuLocalAttention : public StepBackend {
   size_t used_bytes() const;
   int sessions() const;
 
+  void SetPlacement(uint64_t session, const cluster::KaratPlacement& placement,
+                    uint64_t turn_epoch) override;
+  void ClearPlacement(uint64_t session) override;
   absl::Status RunLayer(int layer, const std::vector<Segment>& segs,
                         LayerTraffic* traffic) override;
 
@@ -58,6 +64,10 @@ class GpuLocalAttention : public StepBackend {
   mutable absl::Mutex mu_;
   LocalAttentionBackend local_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, int> reserved_ ABSL_GUARDED_BY(mu_);
+  // Per session: the newest turn epoch Reserve fenced in, and the epoch of
+  // the turn in the decode loop now.
+  absl::flat_hash_map<uint64_t, uint64_t> fence_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, uint64_t> running_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace karat
