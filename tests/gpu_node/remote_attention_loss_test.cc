@@ -191,7 +191,8 @@ struct Fixture {
     REQUIRE(node->handler->Reserve(session, device, 128, kTurn).ok());
     backend->SetPlacement(session, node->Placement(device), kTurn);
   }
-  // Runs step `i` of `script`; its logits must be `want`'s bits.
+  // Runs one step over `segs`; its logits must be `want`'s bits and no
+  // segment may fail.
   absl::Status Step(const std::vector<Segment>& segs,
                     const std::vector<std::vector<float>>& want) {
     backend->BeginStep();
