@@ -290,7 +290,8 @@ void RemoteAttentionBackend::Impl::SendSlot(const Key& key) {
     slot.resend_at = now + slot.rto;
     sends_in_flight += int(frames.size());
   }
-  for (const std::shared_ptr<std::string>& frame : frames) {
+  for (size_t f = 0; f < frames.size(); ++f) {
+    const std::shared_ptr<std::string>& frame = frames[f];
     const std::string prefix =
         absl::StrCat("cannot send ", FrameTypeName(PeekFrameType(*frame)),
                      " to KARAT node ", node, ": ");
@@ -322,6 +323,8 @@ void RemoteAttentionBackend::Impl::SendSlot(const Key& key) {
     if (it != pending.end())
       FailSlotLocked(&it->second,
                      absl::UnavailableError(absl::StrCat(prefix, s.message())));
+    // The frames after this one are not sent: none of them will report.
+    sends_in_flight -= int(frames.size() - f - 1);
     return;
   }
 }

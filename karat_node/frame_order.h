@@ -12,9 +12,11 @@
 // frame; a new turn (or a resumed one) runs under a larger epoch. A frame
 // whose key is below the last applied one is a stale copy and is skipped;
 // one equal to it is the repeat of a frame whose answer was lost: an
-// attention frame is computed again (the session is as it was right after
-// the first copy, so the output is the same bits) and an index frame is
-// skipped. A frame of a turn older than the epoch Reserve fenced in
+// attention frame is answered with the output kept from the first copy
+// (decode-sized frames, and a GQA frame that ends its turn's prefill,
+// whose method metadata built at that end would change a recomputation)
+// or computed again (the session is as it was right after the first copy,
+// so the output is the same bits), and an index frame is skipped. A frame of a turn older than the epoch Reserve fenced in
 // belongs to a turn that was cancelled or failed while still in a GPU
 // step, and is refused. Pure functions.
 #pragma once

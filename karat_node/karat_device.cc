@@ -167,6 +167,16 @@ absl::Status CheckSection(const FrameView& f, int i, uint64_t expected,
   return absl::OkStatus();
 }
 
+// Whether a kAttnQKV frame carries the flags section with
+// kAttnFlagEndsPrefill set (the GQA forms).
+bool EndsPrefill(const FrameView& f) {
+  if (f.header.n_sections != 3 || f.sections[2].size() != sizeof(uint32_t))
+    return false;
+  uint32_t flags = 0;
+  std::memcpy(&flags, f.sections[2].data(), sizeof(flags));
+  return (flags & kAttnFlagEndsPrefill) != 0;
+}
+
 }  // namespace
 
 KaratDevice::KaratDevice(int index, const ModelConfig& config,
@@ -474,7 +484,7 @@ absl::Status KaratDevice::ProcessLocked(const FrameView& frame,
   session.last_out.clear();
   if (type == FrameType::kIndexQK) {
     session.selection_key = key;
-  } else if (h.n_tokens <= kKeptOutputTokens) {
+  } else if (h.n_tokens <= kKeptOutputTokens || EndsPrefill(frame)) {
     session.last_out = *out;
   }
   return absl::OkStatus();

@@ -266,7 +266,10 @@ class KaratDevice {
     std::optional<FrameKey> last;
     std::optional<FrameKey> selection_key;
     // The output of `last` when it is a decode-sized attention frame
-    // (kKeptOutputTokens), answered again to its repeat.
+    // (kKeptOutputTokens) or a GQA frame that ends its turn's prefill,
+    // answered again to its repeat. The latter cannot be computed again:
+    // the method's turn-end metadata (ClusterKV's clusters, MagicPIG's
+    // mean), built after its tokens attended, would change their selections.
     std::vector<float> last_out;
   };
   static constexpr uint32_t kKeptOutputTokens = 4;

@@ -35,3 +35,15 @@ add_unit_test(combine_cache_test
   SOURCES tests/gpu_node/combine_cache_test.cc
   LIBS karat_gpu_node
   LABELS unit)
+
+# Remote attention over link emulators: loss, links down, a silent node.
+add_unit_test(remote_attention_loss_test
+  SOURCES tests/gpu_node/remote_attention_loss_test.cc
+  LIBS karat_gpu_node karat_karat_node
+  LABELS unit)
+
+# A request whose attention segment failed fails alone in the decode loop.
+add_unit_test(decode_loop_isolation_test
+  SOURCES tests/gpu_node/decode_loop_isolation_test.cc
+  LIBS karat_gpu_node
+  LABELS unit)

@@ -21,3 +21,8 @@ add_unit_test(karat_node_stats_test
               LABELS unit loopback)
 add_unit_test(frame_order_test SOURCES tests/karat_node/frame_order_test.cc
               LIBS karat_karat_node)
+# Frame order on a device: repeats, stale copies, lost index keys, fenced
+# turns, Reserve's cut of a failed turn's KV.
+add_unit_test(karat_device_order_test
+              SOURCES tests/karat_node/karat_device_order_test.cc
+              LIBS karat_karat_node)
