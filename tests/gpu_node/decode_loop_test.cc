@@ -87,7 +87,16 @@ class LocalStepBackend : public StepBackend {
     absl::Status s = local_.Reserve(session, 256);
     if (!s.ok()) init_ = s;
   }
-  void BeginStep() override { ++steps; }
+  // With `hold_at_step` = k, the k-th step waits for `release` before it
+  // runs (so that a test can act between steps however slow its thread).
+  void BeginStep() override {
+    if (++steps == hold_at_step.load()) {
+      while (!release.load())
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+  std::atomic<int> hold_at_step{-1};
+  std::atomic<bool> release{false};
   absl::Status RunLayer(int layer, const std::vector<Segment>& segs,
                         LayerTraffic* traffic) override {
     if (fail_with.has_value()) return *fail_with;
@@ -227,12 +236,16 @@ TEST_CASE("cancel and failure end a turn", "[gpu_node]") {
   DecodeLoop loop(&Runner(), &backend, DecodeLoopOptions{});
   loop.Start();
   SECTION("cancel") {
+    // The second step waits until the cancel is in: a turn that ran past
+    // its reserved positions first would fail otherwise.
+    backend.hold_at_step = 2;
     auto s = loop.Submit(MakeTurn(3, Prompt(4, 4), 100000));
     REQUIRE(s.ok());
     cluster::RunTurnEvent e;
     while ((*s)->Pop(absl::Milliseconds(100), &e) != TurnStream::Next::kEvent) {
     }
     (*s)->Cancel();
+    backend.release = true;
     absl::Status status;
     Collect(s->get(), &status);
     CHECK(status.code() == absl::StatusCode::kCancelled);
