@@ -95,7 +95,7 @@ VictimRound DisruptOnce(const Cluster& cluster, karat::v1::Karat::Stub* stub,
         so.on_token = [&](const CallResult& r) {
           tokens = int(r.tokens.size());
         };
-        v.gen = GenerateCall(own.get(), id, prompt, 200, 0.7f, so);
+        v.gen = GenerateCall(own.get(), id, prompt, 256, 0.7f, so);
         ended = true;
       });
       WaitFor([&] { return tokens >= 1 || ended; }, milliseconds(30000));
