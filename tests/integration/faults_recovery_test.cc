@@ -149,8 +149,7 @@ TEST_CASE("a turn running when the coordinator is killed completes on retry",
   }
 }
 
-// --- 4. Lossy and broken links
-// ------------------------------------------------
+// --- 4. Lossy and broken links ----------------------------------------------
 
 // One round of conversations with `loss` on every data-plane link
 // (source "*", destination "*"): every turn completes with the reference
@@ -246,8 +245,7 @@ TEST_CASE("a data-plane link down for 5 s both ways stalls turns, fails none",
   CHECK(Stat(gpu, "failed_requests") == 0);
 }
 
-// --- 6. A fast KARAT node restart
-// ----------------------------------------------
+// --- 6. A fast KARAT node restart -------------------------------------------
 
 TEST_CASE("a KARAT node killed and restarted at once: turns complete in-stream",
           "[integration]") {
@@ -289,6 +287,7 @@ TEST_CASE("a KARAT node killed and restarted at once: turns complete in-stream",
   INFO("killed " << victim << "; the conversations ended " << after_kill_s
                  << " s later");
   INFO(cluster.ReadLog("coordinator"));
+  INFO(cluster.ReadLog("gpu0"));
   REQUIRE(running);
   // Every turn completed in its own stream (OK status) with the reference
   // tokens.
