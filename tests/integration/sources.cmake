@@ -44,3 +44,27 @@ if(EXISTS /usr/bin/python3)
   set_tests_properties(chaos_quick PROPERTIES
     LABELS chaos TIMEOUT 900 RUN_SERIAL TRUE)
 endif()
+# Faults a client causes: cancels, deadlines and closes beside other
+# sessions' turns, turns retried with idempotency keys, admission refusals.
+add_unit_test(faults_test
+  SOURCES tests/integration/faults_test.cc tests/integration/faults_util.cc
+          tests/integration/cluster_harness.cc
+  LIBS karat_common karat_proto
+  LABELS integration)
+target_compile_definitions(faults_test PRIVATE
+  KARAT_BIN_DIR="${PROJECT_BINARY_DIR}/bin")
+add_dependencies(faults_test karat-coordinator karat-node karat-gpu-node
+                 karat-weights)
+# Faults of the cluster under running turns: a coordinator restart with
+# retrying clients, lossy and broken data-plane links, a KARAT node killed
+# and restarted at once.
+add_unit_test(faults_recovery_test
+  SOURCES tests/integration/faults_recovery_test.cc
+          tests/integration/faults_util.cc
+          tests/integration/cluster_harness.cc
+  LIBS karat_common karat_proto
+  LABELS integration)
+target_compile_definitions(faults_recovery_test PRIVATE
+  KARAT_BIN_DIR="${PROJECT_BINARY_DIR}/bin")
+add_dependencies(faults_recovery_test karat-coordinator karat-node
+                 karat-gpu-node karat-weights)
