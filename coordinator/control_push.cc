@@ -152,7 +152,7 @@ void SetHomeLocked(State* s, Session* session, Node* n, const HomeDevice& home,
 // Tells every alive GPU node that the KARAT node `name` at
 // `fabric_address` is lost (GpuNode.KaratNodeLost), so that the attention
 // outputs they still await from it fail at once.
-void PushKaratNodeLost(State* s, const std::string& name,
+void PushKaratNodeLost(State* s, uint32_t node_id, const std::string& name,
                        const std::string& fabric_address) {
   struct Target {
     std::string name;
@@ -166,6 +166,7 @@ void PushKaratNodeLost(State* s, const std::string& name,
         targets.push_back({n.name, n.channel});
   }
   cl::KaratNodeLostRequest req;
+  req.set_node_id(node_id);
   req.set_node_name(name);
   req.set_fabric_address(fabric_address);
   auto push = [&](const Target& t) {
@@ -201,8 +202,8 @@ void NoteLostKaratNodesLocked(State* s, ControlPusher* pusher)
                            "other homes";
     if (pusher != nullptr) {
       pusher->Post(absl::StrCat("karat_lost/", id),
-                   [s, name = n.name, address = n.fabric_address] {
-                     PushKaratNodeLost(s, name, address);
+                   [s, id, name = n.name, address = n.fabric_address] {
+                     PushKaratNodeLost(s, id, name, address);
                    });
     }
   }

@@ -105,7 +105,7 @@ void SetHomeLocked(State* s, Session* session, Node* n, const HomeDevice& home,
 // Tells every alive GPU node that the KARAT node `name` at
 // `fabric_address` is lost (GpuNode.KaratNodeLost), so that the attention
 // outputs they still await from it fail at once.
-void PushKaratNodeLost(State* s, const std::string& name,
+void PushKaratNodeLost(State* s, uint32_t node_id, const std::string& name,
                        const std::string& fabric_address);
 
 // Takes every registered KARAT node that is no longer alive for lost, once:

@@ -165,8 +165,8 @@ void MembershipService::RetireIncarnationLocked(uint32_t id, const Node& old) {
   if (control_ != nullptr) {
     State* s = s_;
     control_->Post(absl::StrCat("karat_lost/", id),
-                   [s, name = old.name, address = old.fabric_address] {
-                     PushKaratNodeLost(s, name, address);
+                   [s, id, name = old.name, address = old.fabric_address] {
+                     PushKaratNodeLost(s, id, name, address);
                    });
   }
 }

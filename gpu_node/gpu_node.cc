@@ -251,7 +251,7 @@ class GpuNodeService final : public cluster::GpuNode::Service {
                           "KaratNodeLost: fabric_address is empty");
     }
     const int failed = backend_->FailNode(
-        request->fabric_address(),
+        request->fabric_address(), request->node_id(),
         "the coordinator took it for lost (no heartbeat, or it did not "
         "answer)");
     KLOG(Warning, "gpu_node")

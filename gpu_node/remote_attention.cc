@@ -46,6 +46,10 @@ struct RemoteAttentionBackend::Impl {
   void OnMessage(std::string_view message, PeerId from);
   absl::StatusOr<PeerId> EnsurePeer(const cluster::KaratPlacement& p);
   void MarkNotReady(const std::string& fabric_address);
+  struct Slot;
+  // After `answered` came back: resends the earlier segments to its device
+  // that are still unanswered (FastResendLocked in the .cc).
+  void FastResendLocked(const Slot& answered) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   using Key = std::tuple<uint32_t, uint64_t, uint32_t,
                          uint64_t>;  // micro-batch, step, layer, session
   // Sends (again) the request frames of the segment awaited as `key`
@@ -85,6 +89,7 @@ struct RemoteAttentionBackend::Impl {
   std::atomic<uint64_t> bytes_received{0};
   std::atomic<uint64_t> frames_invalid{0};
   std::atomic<uint64_t> retransmits{0};
+  std::atomic<uint64_t> fast_resends{0};
   std::atomic<uint64_t> resend_requests{0};
   std::atomic<uint64_t> stale_answers{0};
   std::atomic<uint64_t> segments_failed{0};
@@ -93,7 +98,8 @@ struct RemoteAttentionBackend::Impl {
   struct Peer {
     PeerId id = kUnknownPeer;
     std::string name;
-    bool ready = false;  // handshake done
+    uint32_t node_id = 0;  // the incarnation greeted
+    bool ready = false;    // handshake done
   };
   // Both micro-batches' threads; held across a handshake.
   absl::Mutex peers_mu;
@@ -132,6 +138,8 @@ struct RemoteAttentionBackend::Impl {
     int sends = 0;
     absl::Duration rto;  // this segment's wait, doubled per resend
     absl::Time resend_at = absl::InfiniteFuture();
+    uint32_t device = 0;
+    uint64_t seq = 0;  // Impl::send_seq of its last send
   };
   absl::Mutex mu;
   absl::flat_hash_map<Key, Slot> pending ABSL_GUARDED_BY(mu);
@@ -141,13 +149,19 @@ struct RemoteAttentionBackend::Impl {
   bool resend_due[2] ABSL_GUARDED_BY(mu) = {false, false};
   bool aborted ABSL_GUARDED_BY(mu) = false;
   absl::flat_hash_set<uint64_t> hello_waiting ABSL_GUARDED_BY(mu);
+  // KARAT node incarnations the coordinator took for lost (FailNode):
+  // fabric address -> node id.
+  absl::flat_hash_map<std::string, uint32_t> lost_nodes ABSL_GUARDED_BY(mu);
+  // Sends in the order they went out (Slot::seq), for the fast resend.
+  uint64_t send_seq ABSL_GUARDED_BY(mu) = 0;
   absl::flat_hash_set<uint64_t> hello_acked ABSL_GUARDED_BY(mu);
   // Answer-time estimates per KARAT node address, [decode, prefill]
   // (gpu_node/moe_retransmit.h: RFC 6298, Karn's rule).
   struct Estimators {
     explicit Estimators(const RemoteAttentionOptions& o)
-        : e{RttEstimator(RtoBounds{o.rto_initial_decode, o.rto_min, o.rto_max}
-                             .Sanitized()),
+        : e{RttEstimator(
+                RtoBounds{o.rto_initial_decode, o.rto_min, o.rto_max_decode}
+                    .Sanitized()),
             RttEstimator(RtoBounds{o.rto_initial_prefill, o.rto_min, o.rto_max}
                              .Sanitized())} {}
     RttEstimator e[2];
@@ -242,6 +256,23 @@ void RemoteAttentionBackend::Impl::OnMessage(std::string_view message,
   if (slot.sends == 1) RtoFor(slot).AddSample(absl::Now() - slot.first_sent);
   slot.done = true;
   --outstanding[slot.mb];
+  FastResendLocked(slot);
+}
+
+void RemoteAttentionBackend::Impl::FastResendLocked(const Slot& answered) {
+  // A device runs its frames in arrival order and a link keeps its order,
+  // so the answer to a later send means an earlier unanswered segment to the
+  // same device was lost on the way there or back: it goes again now
+  // instead of after its RTO.
+  for (auto& [key, slot] : pending) {
+    if (slot.done || slot.seq >= answered.seq ||
+        slot.address != answered.address || slot.device != answered.device ||
+        slot.resend_at == absl::InfinitePast())
+      continue;
+    fast_resends.fetch_add(1);
+    slot.resend_at = absl::InfinitePast();
+    resend_due[slot.mb] = true;
+  }
 }
 
 std::shared_ptr<std::string> RemoteAttentionBackend::Impl::Buffer(int mb) {
@@ -279,6 +310,7 @@ void RemoteAttentionBackend::Impl::SendSlot(const Key& key) {
     frames = slot.frames;
     node = slot.node;
     const absl::Time now = absl::Now();
+    slot.seq = ++send_seq;
     if (slot.sends == 0) {
       slot.first_sent = now;
       slot.rto = RtoFor(slot).rto();
@@ -344,8 +376,22 @@ absl::StatusOr<PeerId> RemoteAttentionBackend::Impl::EnsurePeer(
     for (auto& [address, peer] : peers) peer.ready = false;
     handshake_generation = generation;
   }
+  {
+    // The incarnation the coordinator took for lost is not greeted again
+    // (its turns resume elsewhere); one restarted at the same address has
+    // another node id and is.
+    absl::MutexLock lock(&mu);
+    auto lost = lost_nodes.find(p.fabric_address());
+    if (lost != lost_nodes.end() && lost->second == p.node_id()) {
+      return absl::UnavailableError(
+          absl::StrCat("KARAT node ", NodeName(p), " (node id ", p.node_id(),
+                       ") is lost; its sessions move to other homes"));
+    }
+  }
   Peer& peer = peers[p.fabric_address()];
-  if (peer.ready) return peer.id;
+  if (peer.ready && peer.node_id == p.node_id()) return peer.id;
+  peer.ready = false;
+  peer.node_id = p.node_id();
   peer.name = NodeName(p);
   ASSIGN_OR_RETURN(peer.id, transport->AddPeer(peer.name, p.fabric_address()));
   const uint64_t nonce = ++hello_nonce;
@@ -375,12 +421,22 @@ absl::StatusOr<PeerId> RemoteAttentionBackend::Impl::EnsurePeer(
           "cannot send Hello to KARAT node ", peer.name, ": ", sent.message()));
     }
     absl::MutexLock lock(&mu);
-    auto done = [this, nonce]() ABSL_SHARED_LOCKS_REQUIRED(mu) {
-      return hello_acked.contains(nonce) || aborted;
+    auto is_lost = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu) {
+      auto it = lost_nodes.find(p.fabric_address());
+      return it != lost_nodes.end() && it->second == p.node_id();
+    };
+    auto done = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu) {
+      return hello_acked.contains(nonce) || aborted || is_lost();
     };
     const absl::Time until = std::min(absl::Now() + wait, deadline);
     mu.AwaitWithDeadline(absl::Condition(&done), until);
     acked = hello_acked.contains(nonce);
+    if (!acked && is_lost()) {
+      sent = absl::UnavailableError(
+          absl::StrCat("KARAT node ", peer.name,
+                       " was taken for lost during the handshake"));
+      break;
+    }
     if (acked || aborted || absl::Now() >= deadline) break;
     if (!sent.ok() && !absl::IsUnavailable(sent)) break;
     wait = std::min(wait * 2, options.rto_max);
@@ -456,10 +512,12 @@ void RemoteAttentionBackend::Abort() {
 }
 
 int RemoteAttentionBackend::FailNode(const std::string& fabric_address,
+                                     uint32_t node_id,
                                      const std::string& reason) {
   int failed = 0;
   {
     absl::MutexLock lock(&impl_->mu);
+    if (node_id != 0) impl_->lost_nodes[fabric_address] = node_id;
     for (auto& [key, slot] : impl_->pending) {
       if (slot.done || slot.address != fabric_address) continue;
       impl_->FailSlotLocked(
@@ -501,6 +559,7 @@ uint64_t RemoteAttentionBackend::frames_invalid() const {
 std::map<std::string, double> RemoteAttentionBackend::Counters() const {
   std::map<std::string, double> c;
   c["attention_retransmits"] = double(impl_->retransmits.load());
+  c["attention_fast_resends"] = double(impl_->fast_resends.load());
   c["attention_resend_requests"] = double(impl_->resend_requests.load());
   c["attention_stale_answers"] = double(impl_->stale_answers.load());
   c["attention_segments_failed"] = double(impl_->segments_failed.load());
@@ -636,6 +695,7 @@ absl::Status RemoteAttentionBackend::Impl::RunLayer(
       slot.mb = mb;
       slot.peer = peers[i];
       slot.decode = n <= 4;
+      slot.device = uint32_t(where.device());
     }
     absl::MutexLock lock(&m.mu);
     m.outstanding[mb] = 0;

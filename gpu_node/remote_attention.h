@@ -34,13 +34,18 @@ struct RemoteAttentionOptions {
   absl::Duration timeout = absl::Seconds(30);
   // Retransmission (gpu_node/moe_retransmit.h): a segment whose output has not
   // come back within the RTO of its KARAT node is sent again (its index and
-  // attention frames), the wait doubling per resend. The RTO is estimated
-  // per node from the answers to frames sent once, apart for decode-sized
+  // attention frames), the wait doubling per resend; one whose device has
+  // answered a later segment meanwhile goes again at once (the device runs
+  // its frames in arrival order, so it was lost). The RTO is estimated per
+  // node from the answers to frames sent once, apart for decode-sized
   // segments and for longer ones (prefill chunks), starting from these
-  // values; clamped to [rto_min, rto_max].
+  // values; clamped to [rto_min, rto_max_decode or rto_max]. A decode
+  // segment's wait stays short however often it is resent: loss on a link
+  // is not congestion, and a link that comes back is used again at once.
   absl::Duration rto_initial_decode = absl::Milliseconds(50);
   absl::Duration rto_initial_prefill = absl::Seconds(1);
-  absl::Duration rto_min = absl::Milliseconds(2);
+  absl::Duration rto_min = absl::Milliseconds(5);
+  absl::Duration rto_max_decode = absl::Milliseconds(50);
   absl::Duration rto_max = absl::Seconds(1);
 };
 
@@ -86,12 +91,17 @@ class RemoteAttentionBackend : public StepBackend {
   // `reason`, instead of after RemoteAttentionOptions::timeout, and the
   // next frame to that address greets it again. Returns how many awaited
   // outputs failed. Any thread.
-  int FailNode(const std::string& fabric_address, const std::string& reason);
+  // `node_id` (0: unknown) is the lost incarnation: later handshakes with
+  // it fail at once (one restarted at the same address has another id).
+  int FailNode(const std::string& fabric_address, uint32_t node_id,
+               const std::string& reason);
 
   uint64_t bytes_sent() const;
   uint64_t bytes_received() const;
   uint64_t frames_invalid() const;
-  // attention_retransmits (segments sent again), attention_resend_requests
+  // attention_retransmits (segments sent again), attention_fast_resends (of
+  // those, at once: a later segment to their device was answered),
+  // attention_resend_requests
   // (a KARAT device asked for the index keys again), attention_stale_answers
   // (answers to a segment already answered), attention_segments_failed,
   // attention_rto_ms (the largest decode RTO over the KARAT nodes),
