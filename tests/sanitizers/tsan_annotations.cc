@@ -106,46 +106,61 @@ unsigned HeldMode(const Mutex* mu) {
   return 0;
 }
 
+// Abseil's functions call one another through the PLT too (AwaitWithTimeout
+// calls AwaitWithDeadline, Notification's calls lock its Mutex): only the
+// outermost call on a thread is annotated, the ones it makes pass straight
+// through.
+thread_local int library_depth = 0;
+
+template <typename Call>
+auto InLibrary(Call call) {
+  ++library_depth;
+  auto result = call();
+  --library_depth;
+  return result;
+}
+
+struct Unit {};
+
 // A blocking call that releases `mu` for a while and holds it again when it
 // returns (Mutex::Await, CondVar::Wait): a release before it, an acquire
 // after it, and the call itself ignored, as for the lock operations.
 template <typename Call>
 auto ReleasedDuring(Mutex* mu, Call call) {
+  if (library_depth > 0) return call();
   const unsigned mode = HeldMode(mu);
   __tsan_mutex_pre_unlock(mu, mode);
-  auto result = call();
+  auto result = InLibrary(call);
   __tsan_mutex_post_unlock(mu, mode);
   __tsan_mutex_pre_lock(mu, mode);
   __tsan_mutex_post_lock(mu, mode, 0);
   return result;
 }
 
-struct Unit {};
-
+// A lock operation (`call` returns whether it took the lock).
 template <typename Call>
-void Locking(Mutex* mu, unsigned mode, Call call) {
+bool Locking(Mutex* mu, unsigned mode, Call call) {
+  if (library_depth > 0) return call();
   __tsan_mutex_pre_lock(mu, mode);
-  call();
-  __tsan_mutex_post_lock(mu, mode, 0);
-  if (mode & __tsan_mutex_read_lock) NoteReaderLock(mu);
-}
-
-template <typename Call>
-bool TryLocking(Mutex* mu, unsigned mode, Call call) {
-  mode |= __tsan_mutex_try_lock;
-  __tsan_mutex_pre_lock(mu, mode);
-  const bool ok = call();
-  __tsan_mutex_post_lock(mu, ok ? mode : mode | __tsan_mutex_try_lock_failed,
-                         0);
+  const bool ok = InLibrary(call);
+  __tsan_mutex_post_lock(
+      mu, ok ? mode : mode | __tsan_mutex_try_lock_failed, 0);
   if (ok && (mode & __tsan_mutex_read_lock)) NoteReaderLock(mu);
   return ok;
 }
 
 template <typename Call>
 void Unlocking(Mutex* mu, unsigned mode, Call call) {
+  if (library_depth > 0) {
+    call();
+    return;
+  }
   if (mode & __tsan_mutex_read_lock) NoteReaderUnlock(mu);
   __tsan_mutex_pre_unlock(mu, mode);
-  call();
+  InLibrary([&] {
+    call();
+    return Unit{};
+  });
   __tsan_mutex_post_unlock(mu, mode);
 }
 
@@ -223,48 +238,68 @@ namespace absl {
 ABSL_NAMESPACE_BEGIN
 
 void Mutex::Lock() {
-  Locking(this, 0, [&] { R().lock(this); });
+  Locking(this, 0, [&] {
+    R().lock(this);
+    return true;
+  });
 }
 void Mutex::Unlock() {
   Unlocking(this, 0, [&] { R().unlock(this); });
 }
 bool Mutex::TryLock() {
-  return TryLocking(this, 0, [&] { return R().try_lock(this); });
+  return Locking(this, __tsan_mutex_try_lock,
+                 [&] { return R().try_lock(this); });
 }
 void Mutex::ReaderLock() {
-  Locking(this, __tsan_mutex_read_lock, [&] { R().reader_lock(this); });
+  Locking(this, __tsan_mutex_read_lock, [&] {
+    R().reader_lock(this);
+    return true;
+  });
 }
 void Mutex::ReaderUnlock() {
   Unlocking(this, __tsan_mutex_read_lock, [&] { R().reader_unlock(this); });
 }
 bool Mutex::ReaderTryLock() {
-  return TryLocking(this, __tsan_mutex_read_lock,
-                    [&] { return R().reader_try_lock(this); });
+  return Locking(this, __tsan_mutex_try_read_lock,
+                 [&] { return R().reader_try_lock(this); });
 }
 
+// LockWhen*'s result says whether the condition held; the lock is taken
+// either way.
 void Mutex::LockWhen(const Condition& cond) {
-  Locking(this, 0, [&] { R().lock_when(this, cond); });
+  Locking(this, 0, [&] {
+    R().lock_when(this, cond);
+    return true;
+  });
 }
 bool Mutex::LockWhenWithTimeout(const Condition& cond, Duration timeout) {
   bool met = false;
-  Locking(this, 0, [&] { met = R().lock_when_timeout(this, cond, timeout); });
+  Locking(this, 0, [&] {
+    met = R().lock_when_timeout(this, cond, timeout);
+    return true;
+  });
   return met;
 }
 bool Mutex::LockWhenWithDeadline(const Condition& cond, Time deadline) {
   bool met = false;
-  Locking(this, 0,
-          [&] { met = R().lock_when_deadline(this, cond, deadline); });
+  Locking(this, 0, [&] {
+    met = R().lock_when_deadline(this, cond, deadline);
+    return true;
+  });
   return met;
 }
 void Mutex::ReaderLockWhen(const Condition& cond) {
-  Locking(this, __tsan_mutex_read_lock,
-          [&] { R().reader_lock_when(this, cond); });
+  Locking(this, __tsan_mutex_read_lock, [&] {
+    R().reader_lock_when(this, cond);
+    return true;
+  });
 }
 bool Mutex::ReaderLockWhenWithTimeout(const Condition& cond,
                                       Duration timeout) {
   bool met = false;
   Locking(this, __tsan_mutex_read_lock, [&] {
     met = R().reader_lock_when_timeout(this, cond, timeout);
+    return true;
   });
   return met;
 }
@@ -272,6 +307,7 @@ bool Mutex::ReaderLockWhenWithDeadline(const Condition& cond, Time deadline) {
   bool met = false;
   Locking(this, __tsan_mutex_read_lock, [&] {
     met = R().reader_lock_when_deadline(this, cond, deadline);
+    return true;
   });
   return met;
 }
@@ -292,7 +328,7 @@ bool Mutex::AwaitWithDeadline(const Condition& cond, Time deadline) {
 }
 
 Mutex::~Mutex() {
-  __tsan_mutex_destroy(this, __tsan_mutex_not_static);
+  if (library_depth == 0) __tsan_mutex_destroy(this, __tsan_mutex_not_static);
   R().destroy(this);
 }
 
@@ -314,21 +350,32 @@ bool CondVar::WaitWithDeadline(Mutex* mu, Time deadline) {
 // What the notifying thread did before Notify happens before what a waiter
 // does after its wait returns true.
 void Notification::Notify() {
-  __tsan_release(this);
-  R().notify(this);
+  if (library_depth == 0) __tsan_release(this);
+  InLibrary([&] {
+    R().notify(this);
+    return Unit{};
+  });
 }
 void Notification::WaitForNotification() const {
-  R().wait_notification(this);
-  __tsan_acquire(const_cast<Notification*>(this));
+  const bool outermost = library_depth == 0;
+  InLibrary([&] {
+    R().wait_notification(this);
+    return Unit{};
+  });
+  if (outermost) __tsan_acquire(const_cast<Notification*>(this));
 }
 bool Notification::WaitForNotificationWithTimeout(Duration timeout) const {
-  const bool notified = R().wait_notification_timeout(this, timeout);
-  if (notified) __tsan_acquire(const_cast<Notification*>(this));
+  const bool outermost = library_depth == 0;
+  const bool notified =
+      InLibrary([&] { return R().wait_notification_timeout(this, timeout); });
+  if (outermost && notified) __tsan_acquire(const_cast<Notification*>(this));
   return notified;
 }
 bool Notification::WaitForNotificationWithDeadline(Time deadline) const {
-  const bool notified = R().wait_notification_deadline(this, deadline);
-  if (notified) __tsan_acquire(const_cast<Notification*>(this));
+  const bool outermost = library_depth == 0;
+  const bool notified = InLibrary(
+      [&] { return R().wait_notification_deadline(this, deadline); });
+  if (outermost && notified) __tsan_acquire(const_cast<Notification*>(this));
   return notified;
 }
 
