@@ -389,6 +389,9 @@ namespace {
 struct Region {
   void (*fn)(void*);
   void* data;
+  // Separate addresses for the two edges, so that a thread of the team that
+  // starts after another has finished is not ordered after it.
+  char start, end;
 };
 
 // Each thread of the team: acquires what the encountering thread released
@@ -396,9 +399,9 @@ struct Region {
 // acquire after it.
 void RegionBody(void* arg) {
   Region* region = static_cast<Region*>(arg);
-  __tsan_acquire(region);
+  __tsan_acquire(&region->start);
   region->fn(region->data);
-  __tsan_release(region);
+  __tsan_release(&region->end);
 }
 
 }  // namespace
@@ -407,8 +410,8 @@ extern "C" void GOMP_parallel(void (*fn)(void*), void* data,
                               unsigned num_threads, unsigned flags) {
   using Fn = void (*)(void (*)(void*), void*, unsigned, unsigned);
   static const Fn real = Next<Fn>("GOMP_parallel");
-  Region region{fn, data};
-  __tsan_release(&region);
+  Region region{fn, data, 0, 0};
+  __tsan_release(&region.start);
   real(RegionBody, &region, num_threads, flags);
-  __tsan_acquire(&region);
+  __tsan_acquire(&region.end);
 }
