@@ -73,7 +73,7 @@ Conversations TextConversations(int max_new,
 }
 
 TEST_CASE("cluster tokens equal the reference engine, greedy and sampled",
-          "[integration][tsan]") {
+          "[integration]") {
   ClusterSpec spec;
   Cluster cluster(spec);
   constexpr int kSessions = 8, kTurns = 3, kMaxNew = 24;
