@@ -21,7 +21,10 @@
 // writes with the thread's reads after it. GOMP_parallel (the one region
 // entry point that KARAT's objects call; `nm -u` lists them) is wrapped the
 // same way, with a release/acquire pair at each edge. Races between the
-// team's threads inside a region are still reported.
+// team's threads inside a region are still reported. Barriers inside a
+// region (GOMP_barrier, GOMP_loop_end) are not annotated: KARAT's regions
+// have none (their loops are `nowait`); one added later would show up as a
+// report of a race across it.
 //
 // Not annotated: Mutex::Await's and LockWhen's conditions, which Abseil may
 // evaluate on another thread while it holds the mutex; they run inside the
