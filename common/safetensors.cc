@@ -167,7 +167,9 @@ std::vector<float> TensorView::ToFloat() const {
   const size_t n = static_cast<size_t>(NumElements());
   std::vector<float> out(n);
   if (dtype == DType::kF32) {
-    std::memcpy(out.data(), data, n * sizeof(float));
+    // memcpy's pointers must not be null even for 0 bytes, and an empty
+    // vector's data() may be.
+    if (n != 0) std::memcpy(out.data(), data, n * sizeof(float));
   } else {
     // The data area need not be 2-byte aligned, hence memcpy per value.
     for (size_t i = 0; i < n; ++i) {

@@ -286,7 +286,15 @@ std::shared_ptr<std::string> RemoteAttentionBackend::Impl::Buffer(int mb) {
     if (b.use_count() == 1) {
       // Pairs with the transport's release of its reference, so that the
       // provider's reads of the old bytes happen before the rewrite.
+#if defined(__SANITIZE_THREAD__)
+      // ThreadSanitizer does not model fences (gcc -Wtsan), and would report
+      // the rewrite as racing with those reads. A copy of the pointer gives
+      // it the same ordering to see: libstdc++ increments the count with an
+      // acquire-release operation, which reads the transport's release.
+      std::shared_ptr<std::string>(b).reset();
+#else
       std::atomic_thread_fence(std::memory_order_acquire);
+#endif
       return b;
     }
   }

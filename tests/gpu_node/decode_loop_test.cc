@@ -733,9 +733,10 @@ TEST_CASE("timing model: the tokens are the same, the operations paced",
     options.micro_batches = 2;
     options.schedule = schedule;
     options.max_step_tokens = 16;
-    // Slow enough that every operation waits out part of its time.
-    options.timing.bandwidth_gbps = 2;
-    options.timing.tflops = 0.001;
+    // Slow enough that every operation waits out part of its time, also in
+    // the sanitized builds on a loaded machine.
+    options.timing.bandwidth_gbps = 0.2;
+    options.timing.tflops = 0.0001;
     DecodeLoop loop(&Runner(), &backend, options);
     std::vector<std::vector<Token>> expected;
     std::vector<std::shared_ptr<TurnStream>> streams;

@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <cstdio>
@@ -57,6 +58,36 @@ int RunCommand(const std::vector<std::string>& argv, std::string* output) {
   unlink(tmpl);
   if (rc != 0) return -1;
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+std::string SanitizerReport(const std::string& log) {
+  // AddressSanitizer and LeakSanitizer: "==PID==ERROR: AddressSanitizer: ...",
+  // ThreadSanitizer: "WARNING: ThreadSanitizer: data race ...", each report
+  // ending in "SUMMARY: ...Sanitizer: ..."; UndefinedBehaviorSanitizer:
+  // "file:line:col: runtime error: ...".
+  size_t at = std::string::npos;
+  for (const char* marker :
+       {"ERROR: AddressSanitizer", "ERROR: LeakSanitizer",
+        "WARNING: ThreadSanitizer", "ERROR: ThreadSanitizer",
+        ": runtime error: ", "SUMMARY: UndefinedBehaviorSanitizer"}) {
+    at = std::min(at, log.find(marker));
+  }
+  if (at == std::string::npos) return "";
+  const size_t line = log.rfind('\n', at);
+  const size_t begin = line == std::string::npos ? 0 : line + 1;
+  constexpr size_t kMaxReport = 16384;
+  return log.substr(begin, kMaxReport);
+}
+
+void CheckNoSanitizerReports(const std::string& dir) {
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    if (entry.path().extension() != ".log") continue;
+    const std::string report = SanitizerReport(ReadFile(entry.path()));
+    INFO(entry.path().filename().string() << " holds a sanitizer report:\n"
+                                          << report);
+    CHECK(report.empty());
+  }
 }
 
 double ProcessCpuSeconds(pid_t pid) {
@@ -271,6 +302,8 @@ void Cluster::StopAll() {
     }
   }
   pids_.clear();
+  // A daemon's sanitizer finding (a sanitized build's) is this test's.
+  if (!dir_.empty()) CheckNoSanitizerReports(dir_);
   std::error_code ec;
   if (getenv("KARAT_KEEP_TEST_DIRS") == nullptr && !dir_.empty()) {
     std::filesystem::remove_all(dir_, ec);

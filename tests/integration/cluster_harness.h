@@ -136,6 +136,12 @@ grpc::Status SetLink(karat::cluster::Admin::Stub* admin,
 int RunCommand(const std::vector<std::string>& argv, std::string* output);
 // Path of a built executable (build/bin/NAME).
 std::string BinPath(const std::string& name);
+// The first sanitizer report in a program's output (from the line it starts
+// on, at most 16 KiB), or "" when there is none.
+std::string SanitizerReport(const std::string& log);
+// CHECKs that no *.log file in `dir` (the daemons' output) holds a sanitizer
+// report; a sanitized build's daemons print theirs there.
+void CheckNoSanitizerReports(const std::string& dir);
 // The whole content of a file ("" when it cannot be read).
 std::string ReadFile(const std::string& path);
 // CPU seconds (user + system) a process has used so far.

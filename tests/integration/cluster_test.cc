@@ -28,6 +28,26 @@ namespace {
 using karat::v1::GenerateRequest;
 using karat::v1::GenerateResponse;
 
+// The harness fails a test whose daemons printed a sanitizer report (in the
+// sanitized builds of `deploy/karat test`): it must find each kind of report
+// in a log, from the line it starts on, and nothing in an ordinary log.
+TEST_CASE("sanitizer reports in a daemon's log are found", "[harness]") {
+  const std::string ordinary =
+      "I coordinator listening on 127.0.0.1:4242\n"
+      "W node gpu0: runtime 3 ms over budget\n";
+  CHECK(SanitizerReport(ordinary).empty());
+  CHECK(SanitizerReport("").empty());
+  for (const std::string report :
+       {"==123==ERROR: AddressSanitizer: heap-use-after-free on address 0x1",
+        "==123==ERROR: LeakSanitizer: detected memory leaks",
+        "WARNING: ThreadSanitizer: data race (pid=123)",
+        "common/attention.cc:12:3: runtime error: load of misaligned address"}) {
+    INFO(report);
+    CHECK(SanitizerReport(ordinary + report + "\n    #0 0x1 in f\n") ==
+          report + "\n    #0 0x1 in f\n");
+  }
+}
+
 std::string PromptText(int session, int turn) {
   std::string s = "session " + std::to_string(session) + " turn " +
                   std::to_string(turn) + ": ";

@@ -95,6 +95,7 @@ class NetnsGuard {
         waitpid(pid, &status, 0);
       }
     }
+    if (!dir_.empty()) CheckNoSanitizerReports(dir_);
     std::string out;
     if (created_a_) RunCommand({IpPath(), "netns", "del", ns_a_}, &out);
     if (created_b_) RunCommand({IpPath(), "netns", "del", ns_b_}, &out);
