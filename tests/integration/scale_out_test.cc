@@ -82,7 +82,7 @@ karat::v1::ClusterStatus RunAndCheck(const ClusterSpec& spec, int sessions,
 }
 
 TEST_CASE("two GPU ranks, two KARAT nodes, two micro-batches: OFMS and SCMS",
-          "[integration][tsan]") {
+          "[integration][sanitized]") {
   for (const char* schedule : {"ofms", "scms"}) {
     INFO("schedule " << schedule);
     ClusterSpec spec;
@@ -448,7 +448,7 @@ bool EndedUnreaped(pid_t pid) {
 }
 
 TEST_CASE("a KARAT node lost mid-turn: the turns resume on a new home",
-          "[integration][tsan]") {
+          "[integration][sanitized]") {
   constexpr int kMaxNew = 40;
   ClusterSpec spec;
   spec.karat_nodes = 2;

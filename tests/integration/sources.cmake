@@ -19,15 +19,15 @@ add_dependencies(netns_test karat-coordinator karat-node karat-gpu-node
                  karat-weights karatctl)
 # Several GPU ranks (expert-parallel MoE) and KARAT nodes, two micro-batches
 # under OFMS and SCMS, count balancing, and the gpu_only baseline.
-# Under ThreadSanitizer (KARAT_SANITIZE=thread, deploy/karat test's
-# build-tsan), where the daemons run several times slower, ctest runs the
-# cases tagged [tsan] only: six concurrent sessions through the coordinator,
+# In the sanitized builds (deploy/karat test's build-asan and build-tsan),
+# where the daemons run six to eight times slower, ctest runs the cases
+# tagged [sanitized] only: six concurrent sessions through the coordinator,
 # two ranks with two micro-batches each (expert-parallel) and two KARAT
 # nodes, under OFMS and SCMS; and a KARAT node lost mid-turn. The
 # executable still runs every case when started by hand.
 set(KARAT_INTEGRATION_ARGS "")
-if(KARAT_SANITIZE STREQUAL "thread")
-  set(KARAT_INTEGRATION_ARGS "[tsan]")
+if(KARAT_SANITIZE)
+  set(KARAT_INTEGRATION_ARGS "[sanitized]")
 endif()
 add_unit_test(scale_out_test
   SOURCES tests/integration/scale_out_test.cc
