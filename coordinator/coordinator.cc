@@ -35,6 +35,8 @@ class CoordinatorImpl final : public Coordinator {
   ~CoordinatorImpl() override { Shutdown(absl::Seconds(5)); }
 
   absl::Status Init() {
+    ASSIGN_OR_RETURN(state_.auth_,
+                     ClientAuth::Create(state_.options().security));
     if (!state_.options().state_dir.empty()) {
       std::vector<LoggedSession> logged;
       std::optional<std::vector<cl::LinkConfig>> links;

@@ -94,6 +94,18 @@ struct Options {
   // rebuilt from the token log by prefill. Created when missing; one that
   // cannot be read or written fails Start (FAILED_PRECONDITION).
   std::string state_dir;
+  // Who may call what (docs/security.md): ClusterConfig.security with its
+  // paths resolved. Default: plaintext (in-process tests). Without
+  // plaintext, Start reads the coordinator's certificate
+  // (cert_dir/coordinator.crt and .key, ca_cert) and the token files, and
+  // fails (NOT_FOUND / INVALID_ARGUMENT naming the file) without them.
+  cluster::SecurityConfig security = PlaintextSecurity();
+
+  static cluster::SecurityConfig PlaintextSecurity() {
+    cluster::SecurityConfig s;
+    s.set_plaintext(true);
+    return s;
+  }
 };
 
 // A running coordinator. Thread-safe. Destroying it shuts it down.

@@ -2,6 +2,7 @@
 add_library(karat_coordinator STATIC
   coordinator/admin_service.cc
   coordinator/admission.cc
+  coordinator/client_auth.cc
   coordinator/cluster_config.cc
   coordinator/control_push.cc
   coordinator/coordinator.cc
@@ -33,7 +34,7 @@ add_library(karat_coordinator STATIC
   ${PROJECT_BINARY_DIR}/generated/karat_presets.cc)
 target_include_directories(karat_coordinator PUBLIC ${PROJECT_SOURCE_DIR})
 target_link_libraries(karat_coordinator PUBLIC
-  karat_proto gRPC::grpc++ gRPC::grpc++_reflection
+  karat_proto karat_security gRPC::grpc++ gRPC::grpc++_reflection
   protobuf::libprotobuf absl::status absl::statusor absl::strings
   absl::str_format absl::synchronization absl::random_random absl::time
   OpenMP::OpenMP_CXX Threads::Threads)

@@ -31,6 +31,7 @@
 #include "coordinator/coordinator.h"
 #include "coordinator/admission_policy.h"
 #include "coordinator/placement.h"
+#include "coordinator/client_auth.h"
 #include "coordinator/scheduling.h"
 #include "coordinator/wal.h"
 #include "karat.grpc.pb.h"
@@ -434,6 +435,9 @@ class State {
   // The write-ahead log of sessions (null without options.state_dir). Set
   // before the server starts; thread-safe on its own.
   std::unique_ptr<SessionLog> wal_;
+  // Who calls (client tokens, admin tokens, daemon certificates). Set
+  // before the server starts; immutable, thread-safe.
+  std::unique_ptr<ClientAuth> auth_;
 
   mutable absl::Mutex mu_;
   std::map<uint32_t, Node> nodes_ ABSL_GUARDED_BY(mu_);
