@@ -72,7 +72,10 @@ void NodeRegistrar::Impl::Run() {
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
               int(absl::ToInt64Milliseconds(options.max_backoff)));
   auto channel = grpc::CreateCustomChannel(
-      options.coordinator, grpc::InsecureChannelCredentials(), args);
+      options.coordinator,
+      options.credentials != nullptr ? options.credentials
+                                     : grpc::InsecureChannelCredentials(),
+      args);
   auto stub = cluster::Coordinator::NewStub(channel);
   absl::Duration backoff = options.initial_backoff;
   absl::Duration interval = options.interval;

@@ -24,6 +24,8 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include <grpcpp/security/credentials.h>
+
 #include "cluster.pb.h"
 
 namespace karat {
@@ -31,6 +33,8 @@ namespace karat {
 struct RegistrarOptions {
   // The coordinator's gRPC address (host:port).
   std::string coordinator;
+  // The channel's credentials (the node's TLS certificate); null: plaintext.
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
   // Builds the registration (called before every attempt, so it carries the
   // current device occupancy).
   std::function<cluster::RegisterNodeRequest()> make_request;

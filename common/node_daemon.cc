@@ -14,6 +14,7 @@
 #include "common/log.h"
 #include "common/request_errors.h"
 #include "common/transport.h"
+#include "security/call_guards.h"
 
 namespace karat {
 
@@ -78,6 +79,12 @@ bool NodeFlagParser::ParseCommonFlag(const std::string& flag,
     *common.send_timeout_ms = PositiveInt(flag, value);
   } else if (flag == "--spin-us") {
     *common.spin_us = NonNegativeInt(flag, value);
+  } else if (flag == "--tls-ca") {
+    if (value.empty()) BadFlag(flag, "must not be empty");
+    common.tls->ca_file = value;
+  } else if (flag == "--tls-cert-dir") {
+    if (value.empty()) BadFlag(flag, "must not be empty");
+    cert_dir_ = value;
   } else if (flag == "--port-file") {
     *common.port_file = value;
   } else if (flag == "--log-level") {
@@ -97,6 +104,7 @@ void NodeFlagParser::Parse(
     int argc, char** argv, const NodeFlags& common,
     absl::FunctionRef<bool(const std::string& flag, const std::string& value)>
         parse_own) const {
+  bool plaintext = false;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
     if (arg == "--help" || arg == "-h") {
@@ -104,6 +112,10 @@ void NodeFlagParser::Parse(
       std::exit(0);
     }
     if (arg.rfind("--", 0) != 0) BadFlag(arg, "unexpected argument");
+    if (arg == "--plaintext") {
+      plaintext = true;
+      continue;
+    }
     std::string flag = arg, value;
     const size_t eq = arg.find('=');
     if (eq != std::string::npos) {
@@ -118,6 +130,20 @@ void NodeFlagParser::Parse(
     }
   }
   if (common.model_dir->empty()) BadFlag("--model", "required");
+  if (plaintext) {
+    if (!common.tls->ca_file.empty() || !cert_dir_.empty())
+      BadFlag("--plaintext", "contradicts --tls-ca / --tls-cert-dir");
+    *common.tls = security::TlsOptions();
+    common.tls->plaintext = true;
+    return;
+  }
+  if (common.tls->ca_file.empty() || cert_dir_.empty())
+    BadFlag("--tls-ca", "--tls-ca FILE and --tls-cert-dir DIR are required "
+                        "(the cluster's CA and the folder of NAME.crt and "
+                        "NAME.key; deploy/karat-certs makes them), or "
+                        "--plaintext for a cluster without TLS");
+  *common.tls = security::DaemonTlsOptions(false, common.tls->ca_file,
+                                           cert_dir_, *common.name);
 }
 
 namespace node_daemon_internal {
@@ -179,13 +205,23 @@ absl::StatusOr<std::unique_ptr<LinkEmulator>> OpenDataPlane(
                                         link_options);
 }
 
-absl::StatusOr<NodeGrpcServer> StartNodeGrpcServer(grpc::Service* service,
-                                                   const std::string& listen) {
+absl::StatusOr<NodeGrpcServer> StartNodeGrpcServer(
+    grpc::Service* service, const std::string& listen,
+    const security::TlsOptions& tls) {
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds =
+      security::ServerCredentials(tls,
+                                  security::ClientCertificates::kRequire,
+                                  security::PeerNameGuard({"coordinator"}));
+  if (!creds.ok()) return creds.status();
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  // With SO_REUSEPORT gRPC opens a listener per completion queue, and with
+  // port 0 each picks a port of its own: the server would also answer on a
+  // port nobody is told of. One listener, on the advertised port.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  builder.AddListeningPort(listen, *creds, &port);
   builder.RegisterService(service);
   builder.experimental().SetInterceptorCreators(RequestErrorInterceptors());
   InstallProtobufLogLimiter();
@@ -202,7 +238,8 @@ absl::StatusOr<NodeGrpcServer> StartNodeGrpcServer(grpc::Service* service,
 
 absl::StatusOr<std::unique_ptr<NodeRegistrar>> AnnounceNode(
     const std::string& name, const std::string& address,
-    const std::string& port_file, RegistrarOptions reg) {
+    const std::string& port_file, const security::TlsOptions& tls,
+    RegistrarOptions reg) {
   if (!port_file.empty()) {
     absl::Status written = WritePortFile(port_file, address);
     if (!written.ok()) return written;
@@ -212,6 +249,10 @@ absl::StatusOr<std::unique_ptr<NodeRegistrar>> AnnounceNode(
         << "ready (no coordinator): " << name << " at " << address;
     return std::unique_ptr<NodeRegistrar>();
   }
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> creds =
+      security::ChannelCredentials(tls);
+  if (!creds.ok()) return creds.status();
+  reg.credentials = *creds;
   return NodeRegistrar::Start(std::move(reg));
 }
 

@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "common/link_emulation.h"
 #include "common/membership.h"
+#include "security/tls.h"
 
 namespace karat {
 
@@ -30,6 +31,9 @@ struct NodeFlags {
   std::string* port_file;    // --port-file PATH
   int* send_timeout_ms;      // --send-timeout-ms N (> 0)
   int* spin_us;              // --spin-us N (>= 0)
+  // --tls-ca FILE --tls-cert-dir DIR (the certificate DIR/NAME.crt and key
+  // DIR/NAME.key), or --plaintext; one of the two is required.
+  security::TlsOptions* tls;
 };
 
 // Binds NodeFlags to the same-named fields of a daemon's Options.
@@ -37,7 +41,8 @@ template <typename Options>
 NodeFlags NodeFlagsOf(Options* o) {
   return NodeFlags{&o->coordinator, &o->listen,          &o->name,
                    &o->model_dir,   &o->provider,        &o->fabric_node,
-                   &o->port_file,   &o->send_timeout_ms, &o->spin_us};
+                   &o->port_file,   &o->send_timeout_ms, &o->spin_us,
+                   &o->tls};
 }
 
 // Command-line parsing for a node daemon. Flags take their value either as
@@ -53,7 +58,8 @@ class NodeFlagParser {
   // Parses argv[1..argc). Shared flags are stored through `common`; any
   // other flag is passed to `parse_own(flag, value)`, which returns false
   // for a flag it does not know (reported as "unknown flag"). Fails with
-  // "--model: required" when no model directory was given.
+  // "--model: required" when no model directory was given, and when neither
+  // the TLS flags nor --plaintext were.
   void Parse(
       int argc, char** argv, const NodeFlags& common,
       absl::FunctionRef<bool(const std::string& flag, const std::string& value)>
@@ -78,6 +84,9 @@ class NodeFlagParser {
 
   std::string program_;
   std::string usage_;
+  // --tls-cert-dir as given: the certificate's path needs --name, which may
+  // come later.
+  mutable std::string cert_dir_;
 };
 
 // The body of a node daemon's main(): blocks SIGINT and SIGTERM in every
@@ -109,18 +118,25 @@ struct NodeGrpcServer {
 
 // Starts a gRPC server for `service` (not owned; must outlive the server)
 // on `listen`, with the default health-check service and server reflection
-// enabled. UNAVAILABLE if the address cannot be bound.
-absl::StatusOr<NodeGrpcServer> StartNodeGrpcServer(grpc::Service* service,
-                                                   const std::string& listen);
+// enabled. With TLS (`tls` not plaintext) every caller must present a
+// certificate of the cluster's CA whose name is the coordinator's
+// (security::PeerNameGuard): the node services take calls from the
+// coordinator only. UNAVAILABLE if the address cannot be bound; the TLS
+// files' errors (security::ServerCredentials) as they are.
+absl::StatusOr<NodeGrpcServer> StartNodeGrpcServer(
+    grpc::Service* service, const std::string& listen,
+    const security::TlsOptions& tls);
 
 // Finishes a node's start once its gRPC server listens at `address`:
 // writes the address to `port_file` (when non-empty); then, when
 // `reg.coordinator` is empty, logs "ready (no coordinator)" under
 // `reg.log_module` and returns nullptr (the node runs alone); otherwise
-// starts registration and heartbeats with `reg` (see NodeRegistrar).
+// starts registration and heartbeats with `reg` (see NodeRegistrar) over a
+// channel with `tls`'s credentials (the node's certificate).
 absl::StatusOr<std::unique_ptr<NodeRegistrar>> AnnounceNode(
     const std::string& name, const std::string& address,
-    const std::string& port_file, RegistrarOptions reg);
+    const std::string& port_file, const security::TlsOptions& tls,
+    RegistrarOptions reg);
 
 // Implementation details of RunUntilSignal.
 namespace node_daemon_internal {

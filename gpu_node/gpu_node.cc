@@ -570,7 +570,8 @@ absl::StatusOr<std::unique_ptr<GpuNodeDaemon>> GpuNodeDaemon::Start(
       impl->local.get(), impl->experts.get());
   impl->service->set_links(impl->links);
   ASSIGN_OR_RETURN(NodeGrpcServer grpc_server,
-                   StartNodeGrpcServer(impl->service.get(), options.listen));
+                   StartNodeGrpcServer(impl->service.get(), options.listen,
+                                       options.tls));
   impl->server = std::move(grpc_server.server);
   impl->address = std::move(grpc_server.address);
   KLOG(Info, "gpu_node") << options.name << " listening on " << impl->address
@@ -625,6 +626,7 @@ absl::StatusOr<std::unique_ptr<GpuNodeDaemon>> GpuNodeDaemon::Start(
   };
   ASSIGN_OR_RETURN(impl->registrar,
                    AnnounceNode(options.name, impl->address, options.port_file,
+                                options.tls,
                                 std::move(reg)));
   return daemon;
 }

@@ -14,6 +14,7 @@
 #include "absl/time/time.h"
 #include "common/transport.h"
 #include "common/weights.h"
+#include "security/tls.h"
 
 namespace karat {
 
@@ -34,6 +35,10 @@ struct GpuNodeOptions {
   int threads = 0;
   // When set, the bound gRPC address is written here once listening.
   std::string port_file;
+  // TLS of the gRPC server (calls from the coordinator's certificate only)
+  // and of the channel to the coordinator (docs/security.md). Plaintext by
+  // default (in-process tests); the daemon's flags require one or the other.
+  security::TlsOptions tls = security::TlsOptions{.plaintext = true};
   absl::Duration attention_timeout = absl::Seconds(30);
   // A data-plane send fails with UNAVAILABLE after this long.
   int send_timeout_ms = 10000;

@@ -12,6 +12,8 @@ namespace {
 
 constexpr char kUsage[] =
     "usage: karat-gpu-node --model DIR [--coordinator HOST:PORT]\n"
+    "  (--tls-ca FILE --tls-cert-dir DIR | --plaintext) (TLS: the cluster's\n"
+    "  CA, and the folder of NAME.crt / NAME.key; --plaintext: no TLS)\n"
     "  [--listen HOST:PORT] [--name NAME] [--provider shm|tcp]\n"
     "  [--fabric-node ADDR] [--max-step-tokens N] [--max-batch N]\n"
     "  [--threads N] [--attention-timeout-ms N] [--send-timeout-ms N]\n"

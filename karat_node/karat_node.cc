@@ -261,7 +261,8 @@ absl::StatusOr<std::unique_ptr<KaratNodeDaemon>> KaratNodeDaemon::Start(
   impl->service = std::make_unique<KaratNodeService>(impl->handler.get());
   impl->service->set_links(impl->links);
   ASSIGN_OR_RETURN(NodeGrpcServer grpc_server,
-                   StartNodeGrpcServer(impl->service.get(), options.listen));
+                   StartNodeGrpcServer(impl->service.get(), options.listen,
+                                       options.tls));
   impl->server = std::move(grpc_server.server);
   impl->address = std::move(grpc_server.address);
   KLOG(Info, "karat_node") << options.name << " listening on " << impl->address
@@ -307,6 +308,7 @@ absl::StatusOr<std::unique_ptr<KaratNodeDaemon>> KaratNodeDaemon::Start(
   };
   ASSIGN_OR_RETURN(impl->registrar,
                    AnnounceNode(options.name, impl->address, options.port_file,
+                                options.tls,
                                 std::move(reg)));
   return daemon;
 }

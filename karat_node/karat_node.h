@@ -20,6 +20,7 @@
 #include "absl/time/time.h"
 #include "common/transport.h"
 #include "karat_node/data_plane.h"
+#include "security/tls.h"
 
 namespace karat {
 
@@ -56,6 +57,10 @@ struct KaratNodeOptions {
   bool spill = true;
   // When set, the bound gRPC address is written here once listening.
   std::string port_file;
+  // TLS of the gRPC server (calls from the coordinator's certificate only)
+  // and of the channel to the coordinator (docs/security.md). Plaintext by
+  // default (in-process tests); the daemon's flags require one or the other.
+  security::TlsOptions tls = security::TlsOptions{.plaintext = true};
   absl::Duration heartbeat_interval = absl::Seconds(1);
 };
 

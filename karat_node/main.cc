@@ -10,6 +10,8 @@ namespace {
 
 constexpr char kUsage[] =
     "usage: karat-node --model DIR [--coordinator HOST:PORT]\n"
+    "  (--tls-ca FILE --tls-cert-dir DIR | --plaintext) (TLS: the cluster's\n"
+    "  CA, and the folder of NAME.crt / NAME.key; --plaintext: no TLS)\n"
     "  [--listen HOST:PORT] [--name NAME] [--provider shm|tcp]\n"
     "  [--fabric-node ADDR] [--devices N] [--device-capacity BYTES]\n"
     "  [--cores N] [--tokens-per-page N] [--port-file PATH]\n"

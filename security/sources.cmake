@@ -2,6 +2,7 @@
 # (docs/security.md). Shared by every daemon and karatctl.
 find_package(OpenSSL REQUIRED)
 add_library(karat_security STATIC
+  security/call_guards.cc
   security/hmac.cc
   security/tls.cc
   security/tokens.cc)

@@ -50,7 +50,8 @@ TlsOptions DaemonTlsOptions(bool plaintext, const std::string& ca_cert,
 }
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(
-    const TlsOptions& o, ClientCertificates clients) {
+    const TlsOptions& o, ClientCertificates clients,
+    std::shared_ptr<grpc::AuthMetadataProcessor> guard) {
   if (o.plaintext) return grpc::InsecureServerCredentials();
   absl::StatusOr<std::string> ca = ReadPem(o.ca_file, "TLS CA certificate");
   if (!ca.ok()) return ca.status();
@@ -64,7 +65,19 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(
           : GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_AND_VERIFY);
   ssl.pem_root_certs = *ca;
   ssl.pem_key_cert_pairs.push_back({*key, *cert});
-  return grpc::SslServerCredentials(ssl);
+  std::shared_ptr<grpc::ServerCredentials> creds =
+      grpc::SslServerCredentials(ssl);
+  if (guard != nullptr) creds->SetAuthMetadataProcessor(std::move(guard));
+  return creds;
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ClientCredentials(
+    const TlsOptions& o, const std::string& token) {
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> channel =
+      ChannelCredentials(o);
+  if (!channel.ok() || o.plaintext || token.empty()) return channel;
+  return grpc::CompositeChannelCredentials(
+      *channel, grpc::AccessTokenCredentials(token));
 }
 
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(

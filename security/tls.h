@@ -45,13 +45,23 @@ enum class ClientCertificates {
 // certificate and key, verifying client certificates against o.ca_file as
 // `clients` says. NOT_FOUND names a file that cannot be read,
 // INVALID_ARGUMENT one that is not PEM or a missing field.
+// `guard` (optional; security/call_guards.h) checks every call before its
+// handler runs.
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(
-    const TlsOptions& o, ClientCertificates clients);
+    const TlsOptions& o, ClientCertificates clients,
+    std::shared_ptr<grpc::AuthMetadataProcessor> guard = nullptr);
 
 // Channel credentials: insecure when `o.plaintext`, else TLS verifying the
 // server against o.ca_file, presenting o's certificate when it has one.
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(
     const TlsOptions& o);
+
+// A client's credentials: ChannelCredentials(o) and, when `token` is not
+// empty, the bearer token on every call (metadata `authorization: Bearer
+// TOKEN`). In plaintext the token is not sent (gRPC sends no call
+// credentials over an insecure channel; a plaintext cluster asks for none).
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ClientCredentials(
+    const TlsOptions& o, const std::string& token);
 
 // The common name of the certificate the caller of `context` presented and
 // the server verified; empty when it presented none (or in plaintext).
