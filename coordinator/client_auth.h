@@ -33,6 +33,8 @@ class ClientAuth {
       const cluster::SecurityConfig& security);
 
   bool plaintext() const { return plaintext_; }
+  const security::TokenTable& client_tokens() const { return clients_; }
+  const security::TokenTable& admin_tokens() const { return admins_; }
 
   // The caller of a client API call: UNAUTHENTICATED without a known
   // client token (an admin token is not a client token).

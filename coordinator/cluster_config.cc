@@ -85,14 +85,20 @@ absl::Status ValidateClusterConfig(const cluster::ClusterConfig& config) {
     return Invalid("coordinator.heartbeat_interval_ms", "must be >= 0");
   if (c.node_timeout_ms() < 0)
     return Invalid("coordinator.node_timeout_ms", "must be >= 0");
-  std::set<std::string> names;
+  // "coordinator" is the coordinator's certificate name (docs/security.md):
+  // a node under it could pass for the coordinator with the nodes.
+  std::set<std::string> names = {"coordinator"};
   for (int i = 0; i < config.gpu_nodes_size(); ++i) {
     const auto& g = config.gpu_nodes(i);
     std::string f = absl::StrCat("gpu_nodes[", i, "]");
     if (g.name().empty()) return Invalid(f + ".name", "must not be empty");
     if (!names.insert(g.name()).second)
       return Invalid(f + ".name",
-                     absl::StrCat("duplicate node name \"", g.name(), "\""));
+                     g.name() == "coordinator"
+                         ? std::string("\"coordinator\" is the coordinator's "
+                                       "name")
+                         : absl::StrCat("duplicate node name \"", g.name(),
+                                        "\""));
     if (g.max_step_tokens() < 0)
       return Invalid(f + ".max_step_tokens", "must be >= 0");
     if (g.max_batch() < 0) return Invalid(f + ".max_batch", "must be >= 0");
@@ -108,7 +114,11 @@ absl::Status ValidateClusterConfig(const cluster::ClusterConfig& config) {
     if (k.name().empty()) return Invalid(f + ".name", "must not be empty");
     if (!names.insert(k.name()).second)
       return Invalid(f + ".name",
-                     absl::StrCat("duplicate node name \"", k.name(), "\""));
+                     k.name() == "coordinator"
+                         ? std::string("\"coordinator\" is the coordinator's "
+                                       "name")
+                         : absl::StrCat("duplicate node name \"", k.name(),
+                                        "\""));
     if (k.tokens_per_page() < 0)
       return Invalid(f + ".tokens_per_page", "must be >= 0");
     if (k.devices_size() == 0)
@@ -132,6 +142,23 @@ absl::Status ValidateClusterConfig(const cluster::ClusterConfig& config) {
     if (!link.ok()) return link;
   }
   const std::string& mode = config.mode();
+  const cluster::SecurityConfig& sec = config.security();
+  if (sec.plaintext() && (!sec.ca_cert().empty() || !sec.cert_dir().empty() ||
+                          !sec.client_tokens().empty() ||
+                          !sec.admin_tokens().empty()))
+    return Invalid("security.plaintext",
+                   "contradicts the TLS and token files the block names");
+  if (!sec.admin_listen().empty() &&
+      sec.admin_listen().find(':') == std::string::npos)
+    return Invalid("security.admin_listen", "expected HOST:PORT");
+  if (sec.idle_kv_evict_s() < 0)
+    return Invalid("security.idle_kv_evict_s", "must be >= 0");
+  const cluster::ClientLimits& lim = sec.default_limits();
+  if (lim.max_sessions() < 0 || lim.max_kv_bytes() < 0 ||
+      lim.max_concurrent_turns() < 0 || lim.session_burst() < 0 ||
+      !(lim.sessions_per_second() >= 0) ||
+      std::isinf(lim.sessions_per_second()))
+    return Invalid("security.default_limits", "every limit must be >= 0");
   if (!mode.empty() && mode != "karat" && mode != "gpu_only")
     return Invalid(
         "mode",

@@ -14,9 +14,38 @@
 #include "coordinator/karat_service.h"
 #include "coordinator/membership_service.h"
 #include "coordinator/state.h"
+#include "security/call_guards.h"
+#include "security/tls.h"
 
 namespace karat::coordinator {
 namespace {
+
+// Starts a gRPC server for `services` on `listen` with `creds`, the health
+// service, reflection and the request-error interceptors: the server and
+// the address it bound ("host:port", the port picked when `listen` had 0).
+// Only that address: a host name that resolves to several addresses would
+// also bind ports nobody is told of.
+absl::StatusOr<std::pair<std::unique_ptr<grpc::Server>, std::string>> Serve(
+    const std::string& listen, std::shared_ptr<grpc::ServerCredentials> creds,
+    std::initializer_list<grpc::Service*> services) {
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  // With SO_REUSEPORT gRPC opens a listener per completion queue, and with
+  // port 0 each picks a port of its own: the server would also answer on a
+  // port nobody is told of. One listener, on the advertised port.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  builder.AddListeningPort(listen, std::move(creds), &port);
+  for (grpc::Service* s : services) builder.RegisterService(s);
+  builder.experimental().SetInterceptorCreators(RequestErrorInterceptors());
+  InstallProtobufLogLimiter();
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0)
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", listen));
+  const std::string host = listen.substr(0, listen.rfind(':'));
+  return std::make_pair(std::move(server), absl::StrCat(host, ":", port));
+}
 
 // ---------------------------------------------------------------------------
 
@@ -77,30 +106,47 @@ class CoordinatorImpl final : public Coordinator {
       KLOG(Info, kLog) << "state dir " << state_.options().state_dir << ": "
                        << logged.size() << " sessions restored";
     }
-    grpc::EnableDefaultHealthCheckService(true);
-    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-    grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort(state_.options().listen,
-                             grpc::InsecureServerCredentials(), &port);
-    builder.RegisterService(&karat_);
-    builder.RegisterService(&membership_);
-    builder.RegisterService(&admin_);
-    builder.experimental().SetInterceptorCreators(RequestErrorInterceptors());
-    InstallProtobufLogLimiter();
-    server_ = builder.BuildAndStart();
-    if (server_ == nullptr || port == 0) {
-      return absl::UnavailableError(
-          absl::StrCat("cannot listen on ", state_.options().listen));
-    }
-    const std::string& listen = state_.options().listen;
-    std::string host = listen.substr(0, listen.rfind(':'));
-    address_ = absl::StrCat(host, ":", port);
+    const cl::SecurityConfig& sec = state_.options().security;
+    const security::TlsOptions tls = security::DaemonTlsOptions(
+        sec.plaintext(), sec.ca_cert(), sec.cert_dir(), "coordinator");
+    if (sec.plaintext())
+      KLOG(Warning, kLog)
+          << "security.plaintext: no TLS and no credentials; every caller "
+             "is trusted (for tests only; docs/security.md)";
+    ASSIGN_OR_RETURN(state_.node_credentials_,
+                     security::ChannelCredentials(tls));
+    // The client API and membership: a daemon's certificate or a client
+    // token gets past the port; the handlers check who may do what.
+    ASSIGN_OR_RETURN(
+        std::shared_ptr<grpc::ServerCredentials> main_creds,
+        security::ServerCredentials(
+            tls, security::ClientCertificates::kRequestAndVerify,
+            sec.plaintext() ? nullptr
+                            : security::CertificateOrTokenGuard(
+                                  state_.auth_->client_tokens(),
+                                  "the coordinator")));
+    ASSIGN_OR_RETURN(std::tie(server_, address_),
+                     Serve(state_.options().listen, main_creds,
+                           {&karat_, &membership_}));
     KLOG(Info, kLog) << "listening on " << address_;
+    // The admin API on a port of its own, for admin tokens only.
+    ASSIGN_OR_RETURN(
+        std::shared_ptr<grpc::ServerCredentials> admin_creds,
+        security::ServerCredentials(
+            tls, security::ClientCertificates::kRequestAndVerify,
+            sec.plaintext() ? nullptr
+                            : security::TokenGuard(state_.auth_->admin_tokens(),
+                                                   "the admin API")));
+    const std::string admin_listen =
+        sec.admin_listen().empty() ? "127.0.0.1:0" : sec.admin_listen();
+    ASSIGN_OR_RETURN(std::tie(admin_server_, admin_address_),
+                     Serve(admin_listen, admin_creds, {&admin_}));
+    KLOG(Info, kLog) << "admin API listening on " << admin_address_;
     return absl::OkStatus();
   }
 
   std::string address() const override { return address_; }
+  std::string admin_address() const override { return admin_address_; }
 
   void Shutdown(absl::Duration deadline) override {
     {
@@ -113,9 +159,10 @@ class CoordinatorImpl final : public Coordinator {
       state_.shutting_down_ = true;
       for (const auto& [c, node] : state_.running_) c->TryCancel();
     }
-    if (server_) {
-      server_->Shutdown(absl::ToChronoTime(absl::Now() + deadline));
-      server_->Wait();
+    for (grpc::Server* s : {server_.get(), admin_server_.get()}) {
+      if (s == nullptr) continue;
+      s->Shutdown(absl::ToChronoTime(absl::Now() + deadline));
+      s->Wait();
     }
     link_pusher_.Stop();
     rank_watcher_.Stop();
@@ -125,6 +172,7 @@ class CoordinatorImpl final : public Coordinator {
 
   void Wait() override {
     if (server_) server_->Wait();
+    if (admin_server_) admin_server_->Wait();
   }
 
  private:
@@ -137,6 +185,8 @@ class CoordinatorImpl final : public Coordinator {
   RankWatcher rank_watcher_{&state_, &control_pusher_};
   std::unique_ptr<grpc::Server> server_;
   std::string address_;
+  std::unique_ptr<grpc::Server> admin_server_;
+  std::string admin_address_;
   absl::Mutex shutdown_mu_;
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
 };

@@ -119,6 +119,9 @@ class Coordinator {
 
   // The bound "host:port" (the real port when options.listen had port 0).
   virtual std::string address() const = 0;
+  // Where the admin API (karat.cluster.Admin) listens: a port of its own
+  // (security.admin_listen, default 127.0.0.1:0), for admin tokens only.
+  virtual std::string admin_address() const = 0;
 
   // Stops accepting calls, cancels running turns (their clients get
   // TurnDone{finish_reason: "cancelled"}) and waits up to `deadline` for

@@ -19,6 +19,21 @@ constexpr char kUsage[] =
     "HOST:PORT]\n"
     "                         [--port-file PATH] [--log-level LEVEL]\n"
     "                         [--max-new-tokens-limit N] [--state-dir DIR]\n"
+    "                         [--tls-dir DIR | --plaintext]\n"
+    "                         [--admin-port-file PATH] [--admin-listen "
+    "HOST:PORT]\n"
+    "  --tls-dir DIR    TLS and credentials (docs/security.md): DIR/ca.crt,\n"
+    "                   DIR/coordinator.crt and .key, DIR/client.tokens,\n"
+    "                   DIR/admin.tokens (deploy/karat-certs makes them),\n"
+    "                   for what the config's `security` does not name.\n"
+    "                   One of the two, or the config's security block, is\n"
+    "                   required.\n"
+    "  --plaintext      no TLS, no credentials: every caller is trusted (as\n"
+    "                   the config's security.plaintext; for tests)\n"
+    "  --admin-port-file PATH  where the admin API's bound address is\n"
+    "                   written\n"
+    "  --admin-listen HOST:PORT  the admin API's address (default: the\n"
+    "                   config's security.admin_listen, else 127.0.0.1:0)\n"
     "  --model DIR      the model the config is checked against (experts per\n"
     "                   GPU rank, hbm_bytes); default: the config's model_dir\n"
     "  --state-dir DIR  keep a write-ahead log of the sessions in DIR\n"
@@ -49,9 +64,19 @@ bool WriteFileAtomically(const std::string& path, const std::string& text) {
 
 }  // namespace
 
+// A path of the cluster file taken from the file's folder when relative.
+std::string FromConfigDir(const std::string& config_path,
+                          const std::string& path) {
+  if (path.empty() || path[0] == '/') return path;
+  const size_t slash = config_path.rfind('/');
+  return slash == std::string::npos ? path
+                                    : config_path.substr(0, slash + 1) + path;
+}
+
 int main(int argc, char** argv) {
   std::string config_path, model_dir, listen, port_file, state_dir,
-      log_level = "info";
+      log_level = "info", tls_dir, admin_port_file, admin_listen;
+  bool plaintext = false;
   int max_new_tokens_limit = 0;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -70,6 +95,14 @@ int main(int argc, char** argv) {
     };
     if (arg == "--config")
       config_path = next();
+    else if (arg == "--plaintext" && !has_value)
+      plaintext = true;
+    else if (arg == "--tls-dir")
+      tls_dir = next();
+    else if (arg == "--admin-port-file")
+      admin_port_file = next();
+    else if (arg == "--admin-listen")
+      admin_listen = next();
     else if (arg == "--model")
       model_dir = next();
     else if (arg == "--listen")
@@ -119,6 +152,12 @@ int main(int argc, char** argv) {
     if (config->link_seed() != 0) options.link_seed = config->link_seed();
     if (!config->mode().empty()) options.mode = config->mode();
     options.scheduling = config->scheduling();
+    options.security = config->security();
+    karat::cluster::SecurityConfig& sec = options.security;
+    sec.set_ca_cert(FromConfigDir(config_path, sec.ca_cert()));
+    sec.set_cert_dir(FromConfigDir(config_path, sec.cert_dir()));
+    sec.set_client_tokens(FromConfigDir(config_path, sec.client_tokens()));
+    sec.set_admin_tokens(FromConfigDir(config_path, sec.admin_tokens()));
     for (const auto& g : config->gpu_nodes())
       options.max_batch_by_rank.push_back(g.max_batch());
     // A config that cannot work with its model is refused now, with the
@@ -144,6 +183,29 @@ int main(int argc, char** argv) {
   if (max_new_tokens_limit > 0)
     options.max_new_tokens_limit = max_new_tokens_limit;
   if (!state_dir.empty()) options.state_dir = state_dir;
+  if (config_path.empty()) options.security.set_plaintext(false);
+  if (!admin_listen.empty()) options.security.set_admin_listen(admin_listen);
+  {
+    karat::cluster::SecurityConfig& sec = options.security;
+    if (plaintext && !tls_dir.empty())
+      UsageError("--plaintext contradicts --tls-dir");
+    if (plaintext) sec.set_plaintext(true);
+    if (!tls_dir.empty()) {
+      auto fill = [&](const std::string& have, const char* file) {
+        return have.empty() ? tls_dir + "/" + file : have;
+      };
+      sec.set_ca_cert(fill(sec.ca_cert(), "ca.crt"));
+      if (sec.cert_dir().empty()) sec.set_cert_dir(tls_dir);
+      sec.set_client_tokens(fill(sec.client_tokens(), "client.tokens"));
+      sec.set_admin_tokens(fill(sec.admin_tokens(), "admin.tokens"));
+    }
+    if (!sec.plaintext() && (sec.ca_cert().empty() || sec.cert_dir().empty()))
+      UsageError(
+          "no TLS files: name them in the config's `security` block "
+          "(ca_cert, cert_dir, client_tokens, admin_tokens) or pass "
+          "--tls-dir DIR; a cluster without TLS says security.plaintext: "
+          "true (or --plaintext)");
+  }
 
   // Signals are taken synchronously by this thread; every other thread
   // inherits the blocked mask.
@@ -157,6 +219,13 @@ int main(int argc, char** argv) {
   if (!coordinator.ok()) {
     std::fprintf(stderr, "karat-coordinator: %s\n",
                  std::string(coordinator.status().message()).c_str());
+    return 1;
+  }
+  // The admin address first: a launcher waits for the port file.
+  if (!admin_port_file.empty() &&
+      !WriteFileAtomically(admin_port_file, (*coordinator)->admin_address())) {
+    std::fprintf(stderr, "karat-coordinator: cannot write %s\n",
+                 admin_port_file.c_str());
     return 1;
   }
   if (!port_file.empty() &&

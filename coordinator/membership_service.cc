@@ -2,9 +2,15 @@
 
 namespace karat::coordinator {
 
-grpc::Status MembershipService::RegisterNode(grpc::ServerContext*,
+grpc::Status MembershipService::RegisterNode(grpc::ServerContext* ctx,
                                              const cl::RegisterNodeRequest* req,
                                              cl::RegisterNodeResponse* resp) {
+  // Only the daemon the cluster's CA certified under this name registers
+  // it (docs/security.md).
+  if (absl::Status who = s_->auth_->Daemon(
+          *ctx, req->name(), absl::StrCat("RegisterNode of ", req->name()));
+      !who.ok())
+    return ToGrpc(who);
   NodeRole role;
   if (req->role() == "gpu") {
     role = NodeRole::kGpu;
@@ -23,10 +29,15 @@ grpc::Status MembershipService::RegisterNode(grpc::ServerContext*,
     return grpc::Status(
         grpc::StatusCode::INVALID_ARGUMENT,
         absl::StrCat("node ", req->name(), ": grpc_address must not be empty"));
-  auto channel = grpc::CreateChannel(req->grpc_address(),
-                                     grpc::InsecureChannelCredentials());
+  if (role == NodeRole::kGpu && req->model_fingerprint().empty())
+    return grpc::Status(
+        grpc::StatusCode::INVALID_ARGUMENT,
+        absl::StrCat("node ", req->name(),
+                     ": a GPU node must send its model_fingerprint"));
+  auto channel =
+      grpc::CreateChannel(req->grpc_address(), s_->node_credentials_);
   absl::MutexLock lock(&s_->mu_);
-  if (role == NodeRole::kGpu && !req->model_fingerprint().empty()) {
+  if (role == NodeRole::kGpu) {
     if (s_->gpu_fingerprint_.empty()) {
       s_->gpu_fingerprint_ = req->model_fingerprint();
     } else if (s_->gpu_fingerprint_ != req->model_fingerprint()) {
@@ -113,9 +124,13 @@ grpc::Status MembershipService::RegisterNode(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status MembershipService::Heartbeat(grpc::ServerContext*,
+grpc::Status MembershipService::Heartbeat(grpc::ServerContext* ctx,
                                           const cl::HeartbeatRequest* req,
                                           cl::HeartbeatResponse* resp) {
+  if (absl::Status who = s_->auth_->Daemon(
+          *ctx, req->name(), absl::StrCat("Heartbeat of ", req->name()));
+      !who.ok())
+    return ToGrpc(who);
   absl::MutexLock lock(&s_->mu_);
   s_->NoteStallLocked();
   auto it = s_->nodes_.find(req->node_id());

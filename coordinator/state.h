@@ -438,6 +438,9 @@ class State {
   // Who calls (client tokens, admin tokens, daemon certificates). Set
   // before the server starts; immutable, thread-safe.
   std::unique_ptr<ClientAuth> auth_;
+  // Credentials of the coordinator's channels to the nodes (its own
+  // certificate; insecure in plaintext). Set before the server starts.
+  std::shared_ptr<grpc::ChannelCredentials> node_credentials_;
 
   mutable absl::Mutex mu_;
   std::map<uint32_t, Node> nodes_ ABSL_GUARDED_BY(mu_);
