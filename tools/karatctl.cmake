@@ -8,7 +8,8 @@ add_library(karatctl_lib STATIC
   common/link_stats.cc)
 target_include_directories(karatctl_lib PUBLIC ${PROJECT_SOURCE_DIR})
 target_link_libraries(karatctl_lib PUBLIC
-  karat_coordinator karat_proto gRPC::grpc++ absl::status absl::statusor
+  karat_coordinator karat_security karat_proto gRPC::grpc++ absl::status
+  absl::statusor
   absl::strings absl::str_format absl::synchronization Threads::Threads)
 
 add_executable(karatctl tools/karatctl/main.cc)

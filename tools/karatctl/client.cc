@@ -29,14 +29,15 @@ absl::Status FromGrpc(const grpc::Status& s) {
                       s.error_message());
 }
 
-std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address) {
+std::shared_ptr<grpc::Channel> MakeChannel(
+    const std::string& address,
+    std::shared_ptr<grpc::ChannelCredentials> credentials) {
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, kReconnectInitialMs);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, kReconnectMaxMs);
   args.SetInt(GRPC_ARG_DNS_MIN_TIME_BETWEEN_RESOLUTIONS_MS,
               kReconnectInitialMs);
-  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
-                                   args);
+  return grpc::CreateCustomChannel(address, std::move(credentials), args);
 }
 
 void SetDeadline(grpc::ClientContext* ctx, const Deadline& deadline) {
@@ -94,7 +95,11 @@ const char* StatusCodeName(absl::StatusCode code) {
 }
 
 Client::Client(const std::string& address)
-    : stub_(v1::Karat::NewStub(MakeChannel(address))) {}
+    : Client(address, grpc::InsecureChannelCredentials()) {}
+
+Client::Client(const std::string& address,
+               std::shared_ptr<grpc::ChannelCredentials> credentials)
+    : stub_(v1::Karat::NewStub(MakeChannel(address, std::move(credentials)))) {}
 
 absl::StatusOr<v1::Session> Client::CreateSession(uint64_t seed,
                                                   Deadline deadline) {

@@ -9,6 +9,8 @@
 #include <optional>
 #include <string>
 
+#include <grpcpp/security/credentials.h>
+
 #include "absl/status/statusor.h"
 #include "karat.grpc.pb.h"
 
@@ -41,7 +43,11 @@ struct TurnResult {
 // otherwise grow to two minutes while it is down.
 class Client {
  public:
+  // A plaintext channel to `address`.
   explicit Client(const std::string& address);
+  // A channel with `credentials` (TLS and the client token).
+  Client(const std::string& address,
+         std::shared_ptr<grpc::ChannelCredentials> credentials);
 
   absl::StatusOr<v1::Session> CreateSession(uint64_t seed,
                                             Deadline deadline = {});

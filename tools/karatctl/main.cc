@@ -27,6 +27,7 @@
 #include "cluster.grpc.pb.h"
 #include "common/link_rules.h"
 #include "common/link_stats.h"
+#include "security/tls.h"
 #include "coordinator/cluster_config.h"
 #include "tools/karatctl/bench.h"
 #include "tools/karatctl/client.h"
@@ -35,7 +36,9 @@ namespace karat::ctl {
 namespace {
 
 constexpr char kUsage[] =
-    R"(usage: karatctl [--coordinator HOST:PORT | --addr-file PATH] COMMAND [flags]
+    R"(usage: karatctl [--coordinator HOST:PORT | --addr-file PATH]
+                [--tls-dir DIR | --plaintext] [--admin-addr HOST:PORT]
+                COMMAND [flags]
 
 commands:
   generate --prompt TEXT | --prompt-file PATH [--max-new-tokens N]
@@ -89,7 +92,12 @@ commands:
       --hbm-bandwidth-gbps / --tflops when set (the rank's timing model).
 
 Without --coordinator or --addr-file the address is read from
-run/coordinator.addr (written by `deploy/karat up`).
+run/coordinator.addr (written by `deploy/karat up`), and the admin API's
+(link, fault, and the rules of status) from coordinator-admin.addr beside
+it. TLS and credentials (docs/security.md) come from --tls-dir DIR
+(default: tls/ beside the address file): DIR/ca.crt verifies the
+coordinator, DIR/client.token is sent as the client bearer token and
+DIR/admin.token as the admin one. --plaintext: a cluster without TLS.
 )";
 
 [[noreturn]] void Usage(const std::string& message) {
@@ -106,6 +114,20 @@ int PrintError(const absl::Status& st) {
   // gRPC's own words for a refused connection name no cause a user would
   // look for.
   if (st.code() == absl::StatusCode::kUnavailable &&
+      (absl::StrContains(st.message(), "Ssl handshake failed") ||
+       absl::StrContains(st.message(), "certificate verify failed"))) {
+    std::fprintf(stderr,
+                 "karatctl: the TLS handshake with %s failed: is --tls-dir "
+                 "the cluster's (its ca.crt signed the coordinator's "
+                 "certificate)?\n",
+                 g_coordinator.c_str());
+  } else if (st.code() == absl::StatusCode::kUnavailable &&
+             absl::StrContains(st.message(), "Socket closed")) {
+    std::fprintf(stderr,
+                 "karatctl: %s closed the connection: a cluster with TLS "
+                 "does not take --plaintext; or it is restarting\n",
+                 g_coordinator.c_str());
+  } else if (st.code() == absl::StatusCode::kUnavailable &&
       absl::StrContains(st.message(), "failed to connect")) {
     std::fprintf(stderr,
                  "karatctl: no coordinator answers at %s: is the cluster up "
@@ -415,9 +437,14 @@ void PrintLinkRules(
   }
 }
 
-std::unique_ptr<cluster::Admin::Stub> AdminStub(const std::string& address) {
+// The admin API: its own port (RUN_DIR/coordinator-admin.addr or
+// --admin-addr), with the admin token.
+std::string g_admin_address;
+std::shared_ptr<grpc::ChannelCredentials> g_admin_credentials;
+
+std::unique_ptr<cluster::Admin::Stub> AdminStub() {
   return cluster::Admin::NewStub(
-      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+      grpc::CreateChannel(g_admin_address, g_admin_credentials));
 }
 
 absl::Status FromGrpc(const grpc::Status& s) {
@@ -430,8 +457,11 @@ void PrintLinks(const std::string& address, const v1::ClusterStatus& st) {
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
   cluster::GetLinksResponse links;
+  // The rules come from the admin API, when its address is known.
   const grpc::Status gs =
-      AdminStub(address)->GetLinks(&ctx, cluster::GetLinksRequest(), &links);
+      g_admin_address.empty()
+          ? grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "")
+          : AdminStub()->GetLinks(&ctx, cluster::GetLinksRequest(), &links);
   if (gs.ok() && links.links_size() > 0) {
     std::printf("link rules:\n");
     PrintLinkRules(links.links(), "  ");
@@ -462,7 +492,7 @@ void PrintLinks(const std::string& address, const v1::ClusterStatus& st) {
 
 int Link(const std::string& address, const std::string& action,
          const Flags& f) {
-  auto stub = AdminStub(address);
+  auto stub = AdminStub();
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
   if (action == "list") {
@@ -511,7 +541,7 @@ int Fault(const std::string& address, const std::string& action,
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
   cluster::ProcessFaultResponse resp;
   const grpc::Status gs =
-      AdminStub(address)->InjectProcessFault(&ctx, req, &resp);
+      AdminStub()->InjectProcessFault(&ctx, req, &resp);
   if (!gs.ok()) return PrintError(FromGrpc(gs));
   std::printf(
       "%s %s%s\n", action == "kill" ? "killed" : "paused", req.node().c_str(),
@@ -610,6 +640,36 @@ int Plan(const Flags& f) {
   std::printf("model_dir %s\n", config->model_dir().c_str());
   std::printf("provider %s\n",
               config->provider().empty() ? "shm" : config->provider().c_str());
+  // TLS (docs/security.md): "plaintext", "default" (the launcher makes the
+  // files in the run directory) or "files CA CERT_DIR CLIENT_TOKENS
+  // ADMIN_TOKENS" (the config's, relative paths from the config's folder).
+  const auto& sec = config->security();
+  if (sec.plaintext()) {
+    std::printf("security plaintext\n");
+  } else if (sec.ca_cert().empty() && sec.cert_dir().empty() &&
+             sec.client_tokens().empty() && sec.admin_tokens().empty()) {
+    std::printf("security default\n");
+  } else {
+    const std::string config_path = f.Str("config");
+    const size_t slash = config_path.rfind('/');
+    const std::string base =
+        slash == std::string::npos ? "" : config_path.substr(0, slash + 1);
+    auto path = [&](const std::string& p, const char* field) {
+      if (p.empty()) {
+        std::fprintf(stderr,
+                     "karatctl: %s: security.%s: required when the security "
+                     "block names TLS files\n",
+                     config_path.c_str(), field);
+        std::exit(2);
+      }
+      return p[0] == '/' ? p : base + p;
+    };
+    std::printf("security files %s %s %s %s\n",
+                path(sec.ca_cert(), "ca_cert").c_str(),
+                path(sec.cert_dir(), "cert_dir").c_str(),
+                path(sec.client_tokens(), "client_tokens").c_str(),
+                path(sec.admin_tokens(), "admin_tokens").c_str());
+  }
   const auto& sched = config->scheduling();
   const std::string mode = config->mode().empty() ? "karat" : config->mode();
   const int micro_batches =
@@ -676,10 +736,15 @@ std::string ReadAddress(const std::string& path) {
 
 int Main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
-  std::string address, addr_file;
+  std::string address, addr_file, tls_dir, admin_address;
+  bool plaintext = false;
   size_t i = 0;
   for (; i < args.size() && args[i].rfind("--", 0) == 0; ++i) {
     std::string a = args[i];
+    if (a == "--plaintext") {
+      plaintext = true;
+      continue;
+    }
     if (a == "--help" || a == "-h") {
       std::fputs(kUsage, stdout);
       return 0;
@@ -696,6 +761,10 @@ int Main(int argc, char** argv) {
     }
     if (name == "--coordinator")
       address = value;
+    else if (name == "--tls-dir")
+      tls_dir = value;
+    else if (name == "--admin-addr")
+      admin_address = value;
     else if (name == "--addr-file")
       addr_file = value;
     else
@@ -755,7 +824,51 @@ int Main(int argc, char** argv) {
     }
   }
   g_coordinator = address;
-  Client client(address);
+  // Defaults beside the address file `deploy/karat up` wrote.
+  std::string run_dir = ".";
+  {
+    const std::string f = addr_file.empty() ? "run/coordinator.addr"
+                                            : addr_file;
+    const size_t slash = f.rfind('/');
+    if (slash != std::string::npos) run_dir = f.substr(0, slash);
+  }
+  if (admin_address.empty())
+    admin_address = ReadAddress(run_dir + "/coordinator-admin.addr");
+  g_admin_address = admin_address;
+  if (admin_address.empty() && (command == "link" || command == "fault")) {
+    std::fprintf(stderr,
+                 "karatctl: no admin API address: cannot read "
+                 "%s/coordinator-admin.addr (pass --admin-addr HOST:PORT)\n",
+                 run_dir.c_str());
+    return 2;
+  }
+  security::TlsOptions tls;
+  std::string client_token, admin_token;
+  if (plaintext) {
+    if (!tls_dir.empty()) Usage("--plaintext contradicts --tls-dir");
+    tls.plaintext = true;
+  } else {
+    if (tls_dir.empty()) tls_dir = run_dir + "/tls";
+    tls.ca_file = tls_dir + "/ca.crt";
+    if (ReadAddress(tls.ca_file).empty()) {
+      std::fprintf(stderr,
+                   "karatctl: no TLS files: cannot read %s (pass --tls-dir "
+                   "DIR, or --plaintext for a cluster without TLS)\n",
+                   tls.ca_file.c_str());
+      return 2;
+    }
+    client_token = ReadAddress(tls_dir + "/client.token");
+    admin_token = ReadAddress(tls_dir + "/admin.token");
+  }
+  auto client_creds = security::ClientCredentials(tls, client_token);
+  auto admin_creds = security::ClientCredentials(tls, admin_token);
+  if (!client_creds.ok() || !admin_creds.ok()) {
+    PrintError(!client_creds.ok() ? client_creds.status()
+                                  : admin_creds.status());
+    return 2;
+  }
+  g_admin_credentials = *admin_creds;
+  Client client(address, *client_creds);
   if (command == "generate") return Generate(client, flags);
   if (command == "chat") return Chat(client, flags);
   if (command == "status") return Status(client, address, flags);
