@@ -50,6 +50,31 @@ TEST_CASE("config: invalid values name the field") {
         std::string::npos);
 }
 
+TEST_CASE("config: the security block is checked by field") {
+  auto err = [](const std::string& text) {
+    auto c = ParseClusterConfig(text, "s");
+    REQUIRE_FALSE(c.ok());
+    return std::string(c.status().message());
+  };
+  CHECK(err("gpu_nodes { name: \"coordinator\" }") ==
+        "s: gpu_nodes[0].name: \"coordinator\" is the coordinator's name");
+  CHECK(err("security { plaintext: true ca_cert: \"ca.crt\" }") ==
+        "s: security.plaintext: contradicts the TLS and token files the "
+        "block names");
+  CHECK(err("security { admin_listen: \"7443\" }") ==
+        "s: security.admin_listen: expected HOST:PORT");
+  CHECK(err("security { idle_kv_evict_s: -1 }") ==
+        "s: security.idle_kv_evict_s: must be >= 0");
+  CHECK(err("security { default_limits { max_sessions: -2 } }") ==
+        "s: security.default_limits: every limit must be >= 0");
+  auto ok = ParseClusterConfig(
+      "security { ca_cert: \"tls/ca.crt\" cert_dir: \"tls\" "
+      "admin_listen: \"127.0.0.1:7443\" default_limits { max_sessions: 8 } }",
+      "s");
+  REQUIRE(ok.ok());
+  CHECK(ok->security().default_limits().max_sessions() == 8);
+}
+
 TEST_CASE("config: loading a file") {
   std::string path = "coordinator_config_test.textproto";
   {

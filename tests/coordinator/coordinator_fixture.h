@@ -298,7 +298,10 @@ class Cluster {
     req.set_role(role);
     req.set_rank(rank);
     req.set_ranks(ranks);
-    if (role == "gpu") req.set_routed_experts(routed_experts);
+    if (role == "gpu") {
+      req.set_routed_experts(routed_experts);
+      req.set_model_fingerprint("test-model");
+    }
     req.set_grpc_address(address);
     req.set_fabric_address("fabric-" + name);
     req.set_provider("shm");

@@ -84,6 +84,19 @@ TEST_CASE("membership: a bad role is refused") {
         grpc::StatusCode::INVALID_ARGUMENT);
 }
 
+TEST_CASE("membership: a GPU node without its model fingerprint is refused") {
+  Cluster c;
+  cl::RegisterNodeRequest req;
+  req.set_name("gpu0");
+  req.set_role("gpu");
+  req.set_grpc_address("127.0.0.1:1");
+  cl::RegisterNodeResponse resp;
+  grpc::ClientContext ctx;
+  const grpc::Status st = c.membership->RegisterNode(&ctx, req, &resp);
+  CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK(st.error_message().find("model_fingerprint") != std::string::npos);
+}
+
 TEST_CASE("generate: validation errors") {
   Cluster c(/*limit=*/16);
   std::string sid = c.NewSession();
@@ -568,6 +581,7 @@ TEST_CASE("ranks: registration checks, SetPeers push, rank choice") {
     cl::RegisterNodeRequest req;
     req.set_name("gpu2");
     req.set_role("gpu");
+    req.set_model_fingerprint("test-model");
     req.set_grpc_address("127.0.0.1:1");
     req.set_rank(1);
     req.set_ranks(2);
@@ -1246,7 +1260,7 @@ TEST_CASE("state_dir: link rules set at run time survive a restart") {
                      const std::string& destination, int64_t latency_us,
                      bool remove) {
     auto admin = cl::Admin::NewStub(grpc::CreateChannel(
-        c.coordinator->address(), grpc::InsecureChannelCredentials()));
+        c.coordinator->admin_address(), grpc::InsecureChannelCredentials()));
     cl::SetLinkRequest req;
     req.mutable_link()->set_source(source);
     req.mutable_link()->set_destination(destination);
@@ -1258,7 +1272,7 @@ TEST_CASE("state_dir: link rules set at run time survive a restart") {
   };
   auto links = [](Cluster& c) {
     auto admin = cl::Admin::NewStub(grpc::CreateChannel(
-        c.coordinator->address(), grpc::InsecureChannelCredentials()));
+        c.coordinator->admin_address(), grpc::InsecureChannelCredentials()));
     cl::GetLinksRequest req;
     cl::GetLinksResponse resp;
     grpc::ClientContext ctx;
@@ -1306,7 +1320,7 @@ TEST_CASE("Admin.SetLink warns about names no node registered under") {
   Cluster c(64);
   c.AddNodes({1000}, {65});
   auto admin = cl::Admin::NewStub(grpc::CreateChannel(
-      c.coordinator->address(), grpc::InsecureChannelCredentials()));
+      c.coordinator->admin_address(), grpc::InsecureChannelCredentials()));
   auto set_link = [&](const std::string& source, const std::string& destination,
                       bool remove = false) {
     cl::SetLinkRequest req;

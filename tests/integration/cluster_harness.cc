@@ -21,6 +21,7 @@
 #include "common/reference_engine.h"
 #include "common/tokenizer.h"
 #include "common/weights.h"
+#include "security/tls.h"
 
 extern char** environ;
 
@@ -133,6 +134,23 @@ void Cluster::StartAll() {
   INFO(out);
   REQUIRE(rc == 0);
 
+  // TLS: a CA, a certificate for every daemon, client and admin tokens.
+  std::vector<std::string> coordinator_tls = {"--plaintext"};
+  std::vector<std::string> node_tls = {"--plaintext"};
+  if (!spec.plaintext) {
+    std::vector<std::string> certs = {KARAT_CERTS_SCRIPT, tls_dir(),
+                                      "coordinator"};
+    for (int k = 0; k < spec.karat_nodes; ++k)
+      certs.push_back("karat" + std::to_string(k));
+    for (int g = 0; g < spec.gpu_nodes; ++g)
+      certs.push_back("gpu" + std::to_string(g));
+    const int certs_rc = RunCommand(certs, &out);
+    INFO(out);
+    REQUIRE(certs_rc == 0);
+    coordinator_tls = {"--tls-dir", tls_dir()};
+    node_tls = {"--tls-ca", tls_dir() + "/ca.crt", "--tls-cert-dir",
+                tls_dir()};
+  }
   const bool scale_out = spec.gpu_nodes != 1 || spec.karat_nodes != 1 ||
                          !spec.mode.empty() || spec.micro_batches != 0 ||
                          !spec.schedule.empty() || !spec.balance.empty() ||
@@ -146,7 +164,11 @@ void Cluster::StartAll() {
       "--port-file",
       dir_ + "/coordinator.addr",
       "--max-new-tokens-limit",
-      std::to_string(spec.max_new_tokens_limit)};
+      std::to_string(spec.max_new_tokens_limit),
+      "--admin-port-file",
+      dir_ + "/coordinator-admin.addr"};
+  coordinator.insert(coordinator.end(), coordinator_tls.begin(),
+                     coordinator_tls.end());
   if (scale_out) {
     const std::string config = dir_ + "/cluster.textproto";
     std::ofstream(config) << ClusterConfigText();
@@ -159,13 +181,16 @@ void Cluster::StartAll() {
   }
   pid_t c = Start("coordinator", coordinator);
   coord_addr_ = WaitForPortFile(dir_ + "/coordinator.addr", c);
+  admin_addr_ = WaitForPortFile(dir_ + "/coordinator-admin.addr", c);
   // A restarted coordinator listens where the nodes look for it.
   for (size_t i = 0; i + 1 < argv_["coordinator"].size(); ++i)
     if (argv_["coordinator"][i] == "--listen")
       argv_["coordinator"][i + 1] = coord_addr_;
+  argv_["coordinator"].push_back("--admin-listen");
+  argv_["coordinator"].push_back(admin_addr_);
   for (int k = 0; k < spec.karat_nodes; ++k) {
     const std::string name = "karat" + std::to_string(k);
-    Start(name, {BinPath("karat-node"),
+    std::vector<std::string> argv = {BinPath("karat-node"),
                  "--coordinator",
                  coord_addr_,
                  "--listen",
@@ -185,7 +210,9 @@ void Cluster::StartAll() {
                  "--tokens-per-page",
                  std::to_string(spec.tokens_per_page),
                  "--port-file",
-                 dir_ + "/" + name + ".addr"});
+                 dir_ + "/" + name + ".addr"};
+    argv.insert(argv.end(), node_tls.begin(), node_tls.end());
+    Start(name, argv);
   }
   for (int g = 0; g < spec.gpu_nodes; ++g) {
     const std::string name = "gpu" + std::to_string(g);
@@ -206,6 +233,7 @@ void Cluster::StartAll() {
                                      "1",
                                      "--port-file",
                                      dir_ + "/" + name + ".addr"};
+    argv.insert(argv.end(), node_tls.begin(), node_tls.end());
     if (scale_out) {
       for (const std::string& a :
            {std::string("--rank"), std::to_string(g), std::string("--ranks"),
@@ -374,6 +402,8 @@ void Cluster::RestartCoordinator() {
   const pid_t pid = Restart("coordinator");
   const std::string addr = WaitForPortFile(dir_ + "/coordinator.addr", pid);
   REQUIRE(addr == coord_addr_);
+  REQUIRE(WaitForPortFile(dir_ + "/coordinator-admin.addr", pid) ==
+          admin_addr_);
   // Each node learns from a heartbeat that its id is unknown and registers
   // again.
   WaitForNodes(spec_.gpu_nodes +
@@ -421,9 +451,53 @@ void Cluster::WaitForNodes(int expected) {
   FAIL("nodes did not register within 60 s");
 }
 
+namespace {
+
+// Credentials from the cluster's TLS folder: `token_file` ("" for none) sent
+// as a bearer token, `cert` ("" for none) presented as the certificate.
+std::shared_ptr<grpc::ChannelCredentials> TestCredentials(
+    const Cluster& c, const std::string& token_file, const std::string& cert) {
+  if (c.plaintext()) return grpc::InsecureChannelCredentials();
+  karat::security::TlsOptions tls;
+  tls.ca_file = c.tls_dir() + "/ca.crt";
+  if (!cert.empty()) {
+    tls.cert_file = c.tls_dir() + "/" + cert + ".crt";
+    tls.key_file = c.tls_dir() + "/" + cert + ".key";
+  }
+  std::string token;
+  if (!token_file.empty()) {
+    token = ReadFile(c.tls_dir() + "/" + token_file);
+    while (!token.empty() && (token.back() == '\n' || token.back() == ' '))
+      token.pop_back();
+  }
+  auto creds = karat::security::ClientCredentials(tls, token);
+  REQUIRE(creds.ok());
+  return *creds;
+}
+
+}  // namespace
+
+std::shared_ptr<grpc::Channel> Cluster::ClientChannel() const {
+  return grpc::CreateChannel(coord_addr_,
+                             TestCredentials(*this, "client.token", ""));
+}
+
 std::unique_ptr<karat::v1::Karat::Stub> Cluster::NewStub() const {
-  return karat::v1::Karat::NewStub(
-      grpc::CreateChannel(coord_addr_, grpc::InsecureChannelCredentials()));
+  return karat::v1::Karat::NewStub(ClientChannel());
+}
+
+std::unique_ptr<karat::cluster::Admin::Stub> Cluster::NewAdminStub() const {
+  return karat::cluster::Admin::NewStub(grpc::CreateChannel(
+      admin_addr_, TestCredentials(*this, "admin.token", "")));
+}
+
+std::shared_ptr<grpc::Channel> Cluster::NodeChannel(
+    const std::string& name) const {
+  std::string addr = ReadFile(dir_ + "/" + name + ".addr");
+  while (!addr.empty() && (addr.back() == '\n' || addr.back() == ' '))
+    addr.pop_back();
+  return grpc::CreateChannel(addr,
+                             TestCredentials(*this, "", "coordinator"));
 }
 
 std::string Cluster::ReadLog(const std::string& name) const {

@@ -47,6 +47,10 @@ struct ClusterSpec {
   // The coordinator keeps its write-ahead log of sessions in DIR/state
   // (--state-dir), for RestartCoordinator.
   bool coordinator_state = false;
+  // No TLS and no credentials (--plaintext everywhere). Off: the cluster's
+  // CA, certificates and tokens are made in DIR/tls (deploy/karat-certs)
+  // and every daemon and channel uses them.
+  bool plaintext = false;
 };
 
 class Cluster {
@@ -58,7 +62,19 @@ class Cluster {
 
   const std::string& model_dir() const { return model_dir_; }
   const std::string& coordinator_address() const { return coord_addr_; }
+  const std::string& admin_address() const { return admin_addr_; }
+  // A channel to the client API with the client token (TLS) or plaintext.
+  std::shared_ptr<grpc::Channel> ClientChannel() const;
   std::unique_ptr<karat::v1::Karat::Stub> NewStub() const;
+  // The admin API (its own port) with the admin token.
+  std::unique_ptr<karat::cluster::Admin::Stub> NewAdminStub() const;
+  // A channel to the gRPC address of node `name` with the coordinator's
+  // certificate (the only caller the nodes take).
+  std::shared_ptr<grpc::Channel> NodeChannel(const std::string& name) const;
+  // DIR/tls: ca.crt, NAME.crt/.key, client.token, admin.token (not with
+  // spec.plaintext).
+  std::string tls_dir() const { return dir_ + "/tls"; }
+  bool plaintext() const { return spec_.plaintext; }
   // pids of the running daemons, by name.
   const std::map<std::string, pid_t>& pids() const { return pids_; }
   // SIGKILLs daemon `name` and reaps it (a fault; the shared-memory
@@ -84,7 +100,7 @@ class Cluster {
   std::string ClusterConfigText() const;
 
   ClusterSpec spec_;
-  std::string dir_, model_dir_, coord_addr_;
+  std::string dir_, model_dir_, coord_addr_, admin_addr_;
   std::map<std::string, pid_t> pids_;
   std::map<std::string, std::vector<std::string>> argv_;
 };

@@ -190,8 +190,7 @@ TEST_CASE("bad requests get clear statuses and sessions survive",
     // meanwhile serves it. A 5 ms one-way delay from the GPU node to the
     // KARAT node makes every decode step take longer than 30 ms (six
     // layers), so the first turn outlasts that wait on any machine.
-    auto admin = cluster::Admin::NewStub(grpc::CreateChannel(
-        cluster.coordinator_address(), grpc::InsecureChannelCredentials()));
+    auto admin = cluster.NewAdminStub();
     cluster::LinkConfig slow;
     slow.set_source("gpu0");
     slow.set_destination("karat0");
@@ -273,8 +272,7 @@ TEST_CASE("KV ingestion per turn is proportional to the new tokens",
   std::string addr;
   in >> addr;
   REQUIRE(!addr.empty());
-  auto node = karat::cluster::KaratNode::NewStub(
-      grpc::CreateChannel(addr, grpc::InsecureChannelCredentials()));
+  auto node = karat::cluster::KaratNode::NewStub(cluster.NodeChannel("karat0"));
   auto ingested = [&] {
     grpc::ClientContext ctx;
     karat::cluster::StatsRequest req;
@@ -319,7 +317,7 @@ TEST_CASE("malformed model files and configs are refused with the field",
   CHECK(rc != 0);
   CHECK(out.find("model.safetensors") != std::string::npos);
   rc = RunCommand({BinPath("karat-gpu-node"), "--model", dir + "/m",
-                   "--coordinator", "127.0.0.1:1"},
+                   "--coordinator", "127.0.0.1:1", "--plaintext"},
                   &out);
   CHECK(rc != 0);
   CHECK(out.find("model.safetensors") != std::string::npos);
@@ -371,7 +369,8 @@ TEST_CASE("a node that cannot reach the coordinator retries and says so",
   const std::string log = dir + "/node.log";
   const std::string cmd =
       BinPath("karat-node") + " --coordinator 127.0.0.1:9 --model " + dir +
-      "/m --devices 1 --device-capacity 16M > " + log + " 2>&1 & echo $!";
+      "/m --devices 1 --device-capacity 16M --plaintext > " + log +
+      " 2>&1 & echo $!";
   FILE* p = popen(cmd.c_str(), "r");
   REQUIRE(p != nullptr);
   int pid = 0;

@@ -149,7 +149,7 @@ std::map<std::string, double> NodeStats(const Cluster& cluster,
   std::ifstream(cluster.dir() + "/" + name + ".addr") >> addr;
   std::map<std::string, double> out;
   if (addr.empty()) return out;
-  auto channel = grpc::CreateChannel(addr, grpc::InsecureChannelCredentials());
+  auto channel = cluster.NodeChannel(name);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
   karat::cluster::StatsRequest req;
@@ -219,8 +219,7 @@ std::vector<int32_t> Reference::Turn(ReferenceSession* session,
 
 std::unique_ptr<karat::cluster::Admin::Stub> NewAdminStub(
     const Cluster& cluster) {
-  return karat::cluster::Admin::NewStub(grpc::CreateChannel(
-      cluster.coordinator_address(), grpc::InsecureChannelCredentials()));
+  return cluster.NewAdminStub();
 }
 
 karat::cluster::LinkConfig LinkRule(const std::string& source,

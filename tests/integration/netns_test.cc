@@ -228,32 +228,48 @@ TEST_CASE("two network namespaces: GPU node and KARAT node over tcp",
                      &out) == 0);
 
   const std::string b = NetnsGuard::kAddrB, a = NetnsGuard::kAddrA;
+  // Mutual TLS across the hosts: certificates valid for both addresses.
+  const std::string tls = guard.dir() + "/tls";
+  REQUIRE(RunCommand({KARAT_CERTS_SCRIPT, tls, "coordinator", "karat0", "gpu0",
+                      "--host", a, "--host", b},
+                     &out) == 0);
+  const std::vector<std::string> node_tls = {"--tls-ca", tls + "/ca.crt",
+                                             "--tls-cert-dir", tls};
+  auto with = [](std::vector<std::string> argv,
+                 const std::vector<std::string>& more) {
+    argv.insert(argv.end(), more.begin(), more.end());
+    return argv;
+  };
   guard.Start("coordinator", guard.ns_b(),
               {BinPath("karat-coordinator"), "--listen", b + ":0",
-               "--port-file", guard.dir() + "/coordinator.addr"});
+               "--port-file", guard.dir() + "/coordinator.addr", "--tls-dir",
+               tls});
   const std::string coord =
       guard.WaitForPortFile(guard.dir() + "/coordinator.addr", "coordinator");
   guard.Start("karat0", guard.ns_b(),
-              {BinPath("karat-node"), "--coordinator", coord, "--listen",
-               b + ":0", "--name", "karat0", "--model", model, "--provider",
-               "tcp", "--fabric-node", b, "--devices", "1",
-               "--device-capacity", "256M", "--cores", "1",
-               "--tokens-per-page", "16", "--port-file",
-               guard.dir() + "/karat0.addr"});
+              with({BinPath("karat-node"), "--coordinator", coord, "--listen",
+                    b + ":0", "--name", "karat0", "--model", model,
+                    "--provider", "tcp", "--fabric-node", b, "--devices", "1",
+                    "--device-capacity", "256M", "--cores", "1",
+                    "--tokens-per-page", "16", "--port-file",
+                    guard.dir() + "/karat0.addr"},
+                   node_tls));
   guard.Start("gpu0", guard.ns_a(),
-              {BinPath("karat-gpu-node"), "--coordinator", coord, "--listen",
-               a + ":0", "--name", "gpu0", "--model", model, "--provider",
-               "tcp", "--fabric-node", a, "--max-step-tokens", "64",
-               "--threads", "1", "--attention-timeout-ms", "20000",
-               "--send-timeout-ms", "5000", "--port-file",
-               guard.dir() + "/gpu0.addr"});
+              with({BinPath("karat-gpu-node"), "--coordinator", coord,
+                    "--listen", a + ":0", "--name", "gpu0", "--model", model,
+                    "--provider", "tcp", "--fabric-node", a,
+                    "--max-step-tokens", "64", "--threads", "1",
+                    "--attention-timeout-ms", "20000", "--send-timeout-ms",
+                    "5000", "--port-file", guard.dir() + "/gpu0.addr"},
+                   node_tls));
 
   // The client runs in the coordinator's namespace.
   bool alive = false;
   for (int i = 0; i < 600 && !alive; ++i) {
     alive = guard.Run(guard.ns_b(),
-                      {BinPath("karatctl"), "--coordinator", coord, "status",
-                       "--expect-alive", "gpu0,karat0"},
+                      {BinPath("karatctl"), "--coordinator", coord,
+                       "--tls-dir", tls, "status", "--expect-alive",
+                       "gpu0,karat0"},
                       &out) == 0;
     if (!alive) std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
@@ -265,8 +281,9 @@ TEST_CASE("two network namespaces: GPU node and KARAT node over tcp",
   constexpr int kMaxNew = 20;
   const int rc = guard.Run(
       guard.ns_b(),
-      {BinPath("karatctl"), "--coordinator", coord, "generate", "--prompt",
-       prompt, "--max-new-tokens", std::to_string(kMaxNew), "--ids"},
+      {BinPath("karatctl"), "--coordinator", coord, "--tls-dir", tls,
+       "generate", "--prompt", prompt, "--max-new-tokens",
+       std::to_string(kMaxNew), "--ids"},
       &out);
   INFO("karatctl generate:\n" << out);
   REQUIRE(rc == 0);
@@ -326,8 +343,7 @@ TEST_CASE("link emulation: set through the admin API, counted, and down fails",
   ClusterSpec spec;
   Cluster cluster(spec);
   auto stub = cluster.NewStub();
-  auto admin = cluster::Admin::NewStub(grpc::CreateChannel(
-      cluster.coordinator_address(), grpc::InsecureChannelCredentials()));
+  auto admin = cluster.NewAdminStub();
 
   // Invalid settings are refused and change nothing.
   cluster::LinkConfig bad;
@@ -383,11 +399,14 @@ TEST_CASE("link emulation: set through the admin API, counted, and down fails",
   // karatctl shows the rules and prints Prometheus text.
   std::string out;
   REQUIRE(RunCommand({BinPath("karatctl"), "--coordinator",
-                      cluster.coordinator_address(), "status"},
+                      cluster.coordinator_address(), "--admin-addr",
+                      cluster.admin_address(), "--tls-dir", cluster.tls_dir(),
+                      "status"},
                      &out) == 0);
   CHECK(out.find("latency 3000us") != std::string::npos);
   REQUIRE(RunCommand({BinPath("karatctl"), "--coordinator",
-                      cluster.coordinator_address(), "metrics"},
+                      cluster.coordinator_address(), "--tls-dir",
+                      cluster.tls_dir(), "metrics"},
                      &out) == 0);
   CHECK(out.find("karat_link_messages_total{node=\"gpu0\",peer=\"karat0\"}") !=
         std::string::npos);

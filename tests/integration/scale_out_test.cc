@@ -419,8 +419,7 @@ TEST_CASE("a GPU rank lost mid-turn: the turns resume, the rank rejoins",
 // Admin.InjectProcessFault through the coordinator.
 grpc::Status ProcessFault(const Cluster& cluster, const std::string& node,
                           const std::string& action, int pause_ms = 0) {
-  auto admin = karat::cluster::Admin::NewStub(grpc::CreateChannel(
-      cluster.coordinator_address(), grpc::InsecureChannelCredentials()));
+  auto admin = cluster.NewAdminStub();
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
   karat::cluster::ProcessFaultRequest req;

@@ -79,3 +79,21 @@ target_compile_definitions(faults_recovery_test PRIVATE
   KARAT_BIN_DIR="${PROJECT_BINARY_DIR}/bin")
 add_dependencies(faults_recovery_test karat-coordinator karat-node
                  karat-gpu-node karat-weights)
+# The harness makes each cluster's CA, certificates and tokens with the
+# launcher's script.
+foreach(t cluster_test netns_test scale_out_test faults_test
+          faults_recovery_test)
+  target_compile_definitions(${t} PRIVATE
+    KARAT_CERTS_SCRIPT="${PROJECT_SOURCE_DIR}/deploy/karat-certs")
+endforeach()
+# Who may call what, end to end with TLS: the attacks of docs/security.md.
+add_unit_test(attacks_test
+  SOURCES tests/integration/attacks_test.cc
+          tests/integration/cluster_harness.cc
+  LIBS karat_common karat_proto
+  LABELS integration)
+target_compile_definitions(attacks_test PRIVATE
+  KARAT_BIN_DIR="${PROJECT_BINARY_DIR}/bin"
+  KARAT_CERTS_SCRIPT="${PROJECT_SOURCE_DIR}/deploy/karat-certs")
+add_dependencies(attacks_test karat-coordinator karat-node karat-gpu-node
+                 karat-weights)
