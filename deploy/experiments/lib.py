@@ -104,11 +104,13 @@ def cluster_config(model_dir, ranks=1, karat_nodes=1, devices=2,
                    max_batch=64, max_step_tokens=256, threads=1, mode=None,
                    scheduling=None, links=None, hbm_bytes=None,
                    hbm_bandwidth_gbps=None, tflops=None,
-                   device_bandwidth_gbps=None, device_tflops=None):
+                   device_bandwidth_gbps=None, device_tflops=None,
+                   plaintext=False):
     """A ClusterConfig dict in the shape of deploy/local.textproto.
     `hbm_bandwidth_gbps` / `tflops`: the GPU ranks' timing model,
     `device_bandwidth_gbps` / `device_tflops` the KARAT devices' (off when
-    None or 0)."""
+    None or 0). `plaintext`: no TLS and no credentials (security.plaintext;
+    otherwise deploy/karat up makes the cluster's certificates)."""
     gpus = []
     for name in gpu_names(ranks):
         gpus.append({"name": name, "listen": "127.0.0.1:0",
@@ -138,6 +140,7 @@ def cluster_config(model_dir, ranks=1, karat_nodes=1, devices=2,
         "links": links or None,
         "mode": mode,
         "scheduling": scheduling,
+        "security": {"plaintext": True} if plaintext else None,
     }
 
 
@@ -398,8 +401,14 @@ class Runner:
             return subprocess.run(cmd, env=env, stdout=f, stderr=f)
 
     def _ctl(self, run_dir, *argv, timeout=None, **kw):
+        # TLS from the run directory's tls/ (deploy/karat up made it), or a
+        # cluster whose config says security.plaintext.
+        tls = Path(run_dir) / "tls"
+        security = (["--tls-dir", str(tls)] if (tls / "ca.crt").exists()
+                    else ["--plaintext"])
         cmd = [str(self.karatctl), "--addr-file",
-               str(Path(run_dir) / "coordinator.addr"), *map(str, argv)]
+               str(Path(run_dir) / "coordinator.addr"), *security,
+               *map(str, argv)]
         return subprocess.run(cmd, timeout=timeout, **kw)
 
     def scrape(self, run_dir, path):
