@@ -208,6 +208,10 @@ absl::StatusOr<std::unique_ptr<LinkEmulator>> OpenDataPlane(
 absl::StatusOr<NodeGrpcServer> StartNodeGrpcServer(
     grpc::Service* service, const std::string& listen,
     const security::TlsOptions& tls) {
+  if (tls.plaintext)
+    KLOG(Warning, "node")
+        << "--plaintext: no TLS; this node takes calls from anyone who "
+           "reaches " << listen << " (for tests only; docs/security.md)";
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds =
       security::ServerCredentials(tls,
                                   security::ClientCertificates::kRequire,
