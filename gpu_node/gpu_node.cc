@@ -298,6 +298,8 @@ class GpuNodeService final : public cluster::GpuNode::Service {
     if (!dropped.ok()) return ToGrpc(dropped.status());
     response->set_used_bytes(int64_t(local_->used_bytes()));
     response->set_kv_dropped(*dropped);
+    response->set_session_bytes(
+        int64_t(local_->session_bytes(request->session())));
     return grpc::Status::OK;
   }
 

@@ -93,7 +93,8 @@ absl::StatusOr<DataPlaneHandler::Reserved> DataPlaneHandler::Reserve(
       KaratDevice::ReserveResult r,
       devices_[device]->Reserve(session, tokens, turn_epoch, kv_tokens));
   session_device_[session] = device;
-  return Reserved{int64_t(devices_[device]->used_bytes()), r.kv_dropped};
+  return Reserved{int64_t(devices_[device]->used_bytes()), r.kv_dropped,
+                  r.session_bytes};
 }
 
 absl::Status DataPlaneHandler::FreeSession(uint64_t session) {

@@ -313,6 +313,7 @@ absl::StatusOr<KaratDevice::ReserveResult> KaratDevice::Reserve(
         << ": the attention metadata covers positions past " << kv_tokens
         << "; its KV is dropped and rebuilt from the token log";
   }
+  result.session_bytes = int64_t(s.cache->bytes());
   return result;
 }
 

@@ -71,6 +71,7 @@ class KaratNodeService final : public cluster::KaratNode::Service {
         << " (device used " << used->used_bytes << " bytes)";
     response->set_used_bytes(used->used_bytes);
     response->set_kv_dropped(used->kv_dropped);
+    response->set_session_bytes(used->session_bytes);
     return grpc::Status::OK;
   }
 
