@@ -13,6 +13,7 @@ add_library(karat_coordinator STATIC
   coordinator/turn_resume.cc
   coordinator/admission_policy.cc
   coordinator/placement.cc
+  coordinator/quota.cc
   coordinator/scheduling.cc
   coordinator/wal.cc
   # The only compiled parts of common/ the coordinator needs (tokenizer.h and

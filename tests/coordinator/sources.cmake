@@ -29,3 +29,6 @@ add_unit_test(coordinator_admission_policy_test
 add_unit_test(coordinator_retry_test
   SOURCES tests/coordinator/coordinator_retry_test.cc
   LIBS karat_coordinator gRPC::grpc++)
+add_unit_test(coordinator_quota_test
+  SOURCES tests/coordinator/quota_test.cc
+  LIBS karat_coordinator)
