@@ -85,6 +85,8 @@ absl::Status ValidateClusterConfig(const cluster::ClusterConfig& config) {
     return Invalid("coordinator.heartbeat_interval_ms", "must be >= 0");
   if (c.node_timeout_ms() < 0)
     return Invalid("coordinator.node_timeout_ms", "must be >= 0");
+  if (c.max_message_bytes() < 0)
+    return Invalid("coordinator.max_message_bytes", "must be >= 0 (0: 4 MiB)");
   std::set<std::string> names;
   for (int i = 0; i < config.gpu_nodes_size(); ++i) {
     const auto& g = config.gpu_nodes(i);

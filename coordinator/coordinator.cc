@@ -61,6 +61,7 @@ class CoordinatorImpl final : public Coordinator {
         session.id = l.id;
         session.key = l.key;
         session.seed = l.seed;
+        session.owner = std::move(l.owner);
         session.history = std::move(l.history);
         session.prefill_ends = std::move(l.prefill_ends);
         session.turns = l.turns;
@@ -72,6 +73,7 @@ class CoordinatorImpl final : public Coordinator {
             !l.last_turn->idempotency_key().empty())
           session.last_turn = std::move(l.last_turn);
         state_.session_keys_.insert(session.key);
+        state_.quotas_.AddSession(session.owner);
         state_.sessions_.emplace(session.id, std::move(session));
       }
       KLOG(Info, kLog) << "state dir " << state_.options().state_dir << ": "
@@ -83,6 +85,9 @@ class CoordinatorImpl final : public Coordinator {
     int port = 0;
     builder.AddListeningPort(state_.options().listen,
                              grpc::InsecureServerCredentials(), &port);
+    // Explicit, so that the limit is the documented one (README, Client
+    // API): a larger request gets RESOURCE_EXHAUSTED from gRPC.
+    builder.SetMaxReceiveMessageSize(state_.options().max_message_bytes);
     builder.RegisterService(&karat_);
     builder.RegisterService(&membership_);
     builder.RegisterService(&admin_);
@@ -153,6 +158,9 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(
     return absl::InvalidArgumentError(absl::StrCat(
         "mode must be \"karat\" or \"gpu_only\", got \"", options.mode, "\""));
   RETURN_IF_ERROR(ValidateSchedulingConfig(options.scheduling));
+  if (options.max_message_bytes < 1)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_message_bytes must be >= 1, got ", options.max_message_bytes));
   for (const double v :
        {options.step_cost.fixed_ms, options.step_cost.per_request_ms,
         options.step_cost.per_context_token_ms}) {

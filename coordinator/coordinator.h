@@ -100,6 +100,11 @@ struct Options {
   // (cert_dir/coordinator.crt and .key, ca_cert) and the token files, and
   // fails (NOT_FOUND / INVALID_ARGUMENT naming the file) without them.
   cluster::SecurityConfig security = PlaintextSecurity();
+  // Largest request the gRPC server takes (ClusterConfig.coordinator.
+  // max_message_bytes); a larger one is refused with RESOURCE_EXHAUSTED
+  // before it reaches a handler.
+  int max_message_bytes = kDefaultMaxMessageBytes;
+  static constexpr int kDefaultMaxMessageBytes = 4 << 20;
 
   static cluster::SecurityConfig PlaintextSecurity() {
     cluster::SecurityConfig s;

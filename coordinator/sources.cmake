@@ -8,6 +8,7 @@ add_library(karat_coordinator STATIC
   coordinator/coordinator.cc
   coordinator/generate.cc
   coordinator/karat_service.cc
+  coordinator/kv_release.cc
   coordinator/membership_service.cc
   coordinator/turn_plan.cc
   coordinator/turn_resume.cc

@@ -32,3 +32,7 @@ add_unit_test(coordinator_retry_test
 add_unit_test(coordinator_quota_test
   SOURCES tests/coordinator/quota_test.cc
   LIBS karat_coordinator)
+add_unit_test(coordinator_sessions_test
+  SOURCES tests/coordinator/ownership_test.cc
+    tests/coordinator/quota_service_test.cc
+  LIBS karat_coordinator)
