@@ -32,6 +32,9 @@ KaratService::Attempt KaratService::TryAdmit(
     if (absl::Status nodes = CheckNodesLocked(&settling); !nodes.ok())
       return {settling ? Attempt::kWait : Attempt::kFailed, nodes};
     Session& session = s_->sessions_.at(session_id);
+    // Its KV is being freed (idle eviction): it is placed again once that
+    // is done.
+    if (session.evicting) return {Attempt::kWait, absl::OkStatus()};
     key = session.key;
     kv_tokens = session.kv_len;
     const int64_t context =

@@ -87,6 +87,8 @@ absl::Status ValidateClusterConfig(const cluster::ClusterConfig& config) {
     return Invalid("coordinator.node_timeout_ms", "must be >= 0");
   if (c.max_message_bytes() < 0)
     return Invalid("coordinator.max_message_bytes", "must be >= 0 (0: 4 MiB)");
+  if (config.security().idle_kv_evict_s() < 0)
+    return Invalid("security.idle_kv_evict_s", "must be >= 0 (0: never)");
   std::set<std::string> names;
   for (int i = 0; i < config.gpu_nodes_size(); ++i) {
     const auto& g = config.gpu_nodes(i);

@@ -11,6 +11,7 @@
 #include "coordinator/admin_service.h"
 #include "coordinator/cluster_config.h"
 #include "coordinator/control_push.h"
+#include "coordinator/idle_evict.h"
 #include "coordinator/karat_service.h"
 #include "coordinator/membership_service.h"
 #include "coordinator/state.h"
@@ -124,6 +125,7 @@ class CoordinatorImpl final : public Coordinator {
     }
     link_pusher_.Stop();
     rank_watcher_.Stop();
+    idle_evictor_.Stop();
     control_pusher_.Stop();
     KLOG(Info, kLog) << "shut down";
   }
@@ -140,6 +142,7 @@ class CoordinatorImpl final : public Coordinator {
   LinkPusher link_pusher_;
   ControlPusher control_pusher_;
   RankWatcher rank_watcher_{&state_, &control_pusher_};
+  IdleKvEvictor idle_evictor_{&state_};
   std::unique_ptr<grpc::Server> server_;
   std::string address_;
   absl::Mutex shutdown_mu_;
@@ -161,6 +164,8 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(
   if (options.max_message_bytes < 1)
     return absl::InvalidArgumentError(absl::StrCat(
         "max_message_bytes must be >= 1, got ", options.max_message_bytes));
+  if (options.idle_kv_evict < absl::ZeroDuration())
+    return absl::InvalidArgumentError("idle_kv_evict must be >= 0 (0: never)");
   for (const double v :
        {options.step_cost.fixed_ms, options.step_cost.per_request_ms,
         options.step_cost.per_context_token_ms}) {

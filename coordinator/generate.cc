@@ -129,6 +129,7 @@ grpc::Status TurnCall::Run() {
         it->second.busy = false;
         it->second.turn_ctx = nullptr;
         it->second.stop_turn.reset();
+        it->second.last_turn_end = s->Now();
       }
     }
   } busy_guard{s_, sid_, caller_.principal, busy};

@@ -204,6 +204,7 @@ void KaratService::FillStatsLocked(
   m["gpu_ranks_lost"] = double(s_->gpu_ranks_lost_);
   m["karat_nodes_lost"] = double(s_->karat_losses_);
   m["sessions_rehomed"] = double(s_->sessions_rehomed_);
+  m["kv_evictions"] = double(s_->kv_evictions_);
   for (QuotaKind kind : kQuotaKinds)
     m[absl::StrCat("quota_refusals_", QuotaKindName(kind))] =
         double(s_->quotas_.refusals(kind));

@@ -160,12 +160,12 @@ class KaratService final : public v1::Karat::Service {
   // turn epoch and on success enters the turn into the rank's batch
   // (filling `turn`); a `new_turn` also appends its prompt to the history
   // and counts as a turn (a continued one feeds what the history holds).
-  // kWait: no room now; kFailed: never (RESOURCE_EXHAUSTED when no device
-  // or rank could hold it even empty: Reserve's OUT_OF_RANGE), a node
-  // error, or the reservation would take the session's owner past
-  // `limits`' max_kv_bytes (RESOURCE_EXHAUSTED, `quota` set; the session's
-  // KV is then freed and its home cleared, so that its next turn rebuilds
-  // it).
+  // kWait: no room now, or the session's KV is being freed (idle
+  // eviction); kFailed: never (RESOURCE_EXHAUSTED when no device or rank
+  // could hold it even empty: Reserve's OUT_OF_RANGE), a node error, or
+  // the reservation would take the session's owner past `limits`'
+  // max_kv_bytes (RESOURCE_EXHAUSTED, `quota` set; the session's KV is
+  // then freed and its home cleared, so that its next turn rebuilds it).
   // Otherwise the session is left unchanged unless admitted.
   Attempt TryAdmit(const std::string& session_id,
                    const cluster::ClientLimits& limits, int tokens,

@@ -1,6 +1,7 @@
 // Freeing a session's KV on its home (KaratNode.FreeSession, in gpu_only
-// mode GpuNode.FreeSession): when the session closes, and when a turn would
-// take its owner past max_kv_bytes (admission.cc). A session whose home is
+// mode GpuNode.FreeSession): when the session closes, when it stays idle
+// past Options::idle_kv_evict (idle_evict.h), and when a turn would take
+// its owner past max_kv_bytes (admission.cc). A session whose home is
 // detached has no KV anywhere as far as the coordinator knows: its next
 // turn places it again and rebuilds its KV from the token log by prefill,
 // as after a coordinator restart.

@@ -7,6 +7,7 @@ add_library(karat_coordinator STATIC
   coordinator/control_push.cc
   coordinator/coordinator.cc
   coordinator/generate.cc
+  coordinator/idle_evict.cc
   coordinator/karat_service.cc
   coordinator/kv_release.cc
   coordinator/membership_service.cc

@@ -111,6 +111,10 @@ struct Session {
   // `logged_tokens` tokens and `logged_turns`.
   size_t logged_tokens = 0;
   int logged_turns = 0;
+  // When its last turn call ended (idle KV eviction: idle_evict.h), and
+  // whether its KV is being freed now (a turn waits in admission meanwhile).
+  absl::Time last_turn_end = absl::InfinitePast();
+  bool evicting = false;
 };
 
 // A turn admitted to a rank and not finished yet.
@@ -513,8 +517,10 @@ class State {
   int64_t gpu_ranks_lost_ ABSL_GUARDED_BY(mu_) = 0;
   // Sessions moved to a new home during a turn, their home KARAT node lost.
   int64_t sessions_rehomed_ ABSL_GUARDED_BY(mu_) = 0;
-  // What each principal holds against its limits (quota.h).
+  // What each principal holds against its limits (quota.h), and the idle
+  // sessions whose KV was freed (idle_evict.h).
   QuotaBook quotas_ ABSL_GUARDED_BY(mu_);
+  int64_t kv_evictions_ ABSL_GUARDED_BY(mu_) = 0;
   double imbalance_sum_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t imbalance_samples_ ABSL_GUARDED_BY(mu_) = 0;
   double device_imbalance_sum_ ABSL_GUARDED_BY(mu_) = 0;

@@ -31,8 +31,10 @@ add_unit_test(coordinator_retry_test
   LIBS karat_coordinator gRPC::grpc++)
 add_unit_test(coordinator_quota_test
   SOURCES tests/coordinator/quota_test.cc
+    tests/coordinator/idle_evict_test.cc
   LIBS karat_coordinator)
 add_unit_test(coordinator_sessions_test
   SOURCES tests/coordinator/ownership_test.cc
     tests/coordinator/quota_service_test.cc
+    tests/coordinator/idle_evict_service_test.cc
   LIBS karat_coordinator)
