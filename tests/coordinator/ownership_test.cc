@@ -68,7 +68,7 @@ TEST_CASE("ownership: every client call needs a known client token") {
   Cluster c(64, [&](Options& o) { o.security = TokenSecurity(dir.path); });
   Principal alice(*c.coordinator, kAliceToken);
   const std::string id = alice.NewSession();
-  for (const std::string token :
+  for (const std::string& token :
        {std::string(), std::string("not-a-known-token-0123456789"),
         std::string("admin-token-0123456789abcdef")}) {
     INFO("token \"" << token << "\"");

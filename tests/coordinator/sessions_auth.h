@@ -47,8 +47,8 @@ constexpr char kBobToken[] = "bob-token-0123456789abcdef";
 // Writes token files into `dir` (alice and bob, `alice_limits` appended to
 // alice's line, e.g. "max_sessions=1"; one admin) and returns the security
 // block of Options naming them.
-cluster::SecurityConfig TokenSecurity(const std::string& dir,
-                                      const std::string& alice_limits = "") {
+inline cluster::SecurityConfig TokenSecurity(
+    const std::string& dir, const std::string& alice_limits = "") {
   const std::string clients = dir + "/client.tokens";
   const std::string admins = dir + "/admin.tokens";
   std::ofstream(clients) << kAliceToken << " alice " << alice_limits << "\n"
@@ -143,11 +143,11 @@ class Principal {
   std::unique_ptr<v1::Karat::Stub> client_;
 };
 
-std::vector<int32_t> TokenIds(const v1::Session& s) {
+inline std::vector<int32_t> TokenIds(const v1::Session& s) {
   return std::vector<int32_t>(s.tokens().begin(), s.tokens().end());
 }
 
-std::vector<int32_t> StreamedIds(const Cluster::Result& r) {
+inline std::vector<int32_t> StreamedIds(const Cluster::Result& r) {
   std::vector<int32_t> ids;
   for (const auto& t : r.tokens) ids.push_back(t.token_id());
   return ids;
