@@ -2,14 +2,16 @@
 // the rank's batch cap and the KV reservation on the session's home.
 #include "common/tokenizer.h"
 #include "coordinator/karat_service.h"
+#include "coordinator/kv_release.h"
+#include "security/tokens.h"
 
 namespace karat::coordinator {
 
-KaratService::Attempt KaratService::TryAdmit(const std::string& session_id,
-                                             int tokens,
-                                             const std::vector<int32_t>& prompt,
-                                             bool new_turn,
-                                             AdmittedTurn* turn) {
+KaratService::Attempt KaratService::TryAdmit(
+    const std::string& session_id, const cluster::ClientLimits& limits,
+    int tokens, const std::vector<int32_t>& prompt, bool new_turn,
+    AdmittedTurn* turn) {
+  const std::string log_id = security::ShortId(session_id);
   struct Try {
     HomeDevice home;
     int rank = 0;
@@ -30,6 +32,9 @@ KaratService::Attempt KaratService::TryAdmit(const std::string& session_id,
     if (absl::Status nodes = CheckNodesLocked(&settling); !nodes.ok())
       return {settling ? Attempt::kWait : Attempt::kFailed, nodes};
     Session& session = s_->sessions_.at(session_id);
+    // Its KV is being freed (idle eviction): it is placed again once that
+    // is done.
+    if (session.evicting) return {Attempt::kWait, absl::OkStatus()};
     key = session.key;
     kv_tokens = session.kv_len;
     const int64_t context =
@@ -64,7 +69,7 @@ KaratService::Attempt KaratService::TryAdmit(const std::string& session_id,
           replacing = true;
           kv_tokens = 0;
           KLOG(Warning, kLog)
-              << "session=" << session_id << " rank " << session.rank
+              << "session=" << log_id << " rank " << session.rank
               << " lost its KV; placing the session again";
         }
       }
@@ -91,9 +96,9 @@ KaratService::Attempt KaratService::TryAdmit(const std::string& session_id,
           // token log by prefill (DESIGN.md §7).
           replacing = true;
           kv_tokens = 0;
-          KLOG(Warning, kLog) << "session=" << session_id << " home node "
-                              << session.home.node_id
-                              << " is not alive; placing the session again";
+          KLOG(Warning, kLog)
+              << "session=" << log_id << " home node " << session.home.node_id
+              << " is not alive; placing the session again";
         }
       }
       if (tries.empty()) {
@@ -111,6 +116,27 @@ KaratService::Attempt KaratService::TryAdmit(const std::string& session_id,
     grpc::Status st = ReserveKv(s_, t.channel, key, t.home.device, tokens,
                                 epoch, kv_tokens, &rresp);
     if (st.ok()) {
+      absl::Status quota;
+      {
+        absl::MutexLock lock(&s_->mu_);
+        auto sit = s_->sessions_.find(session_id);
+        if (sit != s_->sessions_.end()) {
+          quota = s_->quotas_.CheckKv(sit->second.owner, limits, session_id,
+                                      rresp.session_bytes());
+          // The reservation took the owner past max_kv_bytes: the
+          // session's KV is freed (its next turn rebuilds it).
+          if (!quota.ok()) DetachHomeLocked(s_, &sit->second);
+        }
+      }
+      if (!quota.ok()) {
+        FreeKv(s_, session_id,
+               KvHome{key, t.name, gpu_only ? NodeRole::kGpu : NodeRole::kKarat,
+                      t.channel},
+               "over max_kv_bytes");
+        absl::MutexLock lock(&s_->mu_);
+        s_->capacity_epoch_++;
+        return {Attempt::kFailed, quota, /*quota=*/true};
+      }
       absl::MutexLock lock(&s_->mu_);
       auto sit = s_->sessions_.find(session_id);
       auto n = s_->nodes_.find(t.home.node_id);
@@ -120,9 +146,10 @@ KaratService::Attempt KaratService::TryAdmit(const std::string& session_id,
                                       "node ", t.name, " or GPU rank ", t.rank,
                                       " went away during admission; retry"))};
       Session& session = sit->second;
+      s_->quotas_.SetKv(session.owner, session_id, rresp.session_bytes());
       if (!session.has_home || replacing) {
-        KLOG(Info, kLog) << "session=" << session_id << " home " << t.name
-                         << "/" << t.home.device;
+        KLOG(Info, kLog) << "session=" << log_id << " home " << t.name << "/"
+                         << t.home.device;
       }
       if (replacing || rresp.kv_dropped()) session.kv_len = 0;
       SetHomeLocked(s_, &session, &n->second, t.home, t.rank,
@@ -173,7 +200,7 @@ KaratService::Attempt KaratService::TryAdmit(const std::string& session_id,
       continue;
     }
     if (st.error_code() == grpc::StatusCode::OUT_OF_RANGE) continue;
-    KLOG(Warning, kLog) << "session=" << session_id << " Reserve on " << t.name
+    KLOG(Warning, kLog) << "session=" << log_id << " Reserve on " << t.name
                         << "/" << t.home.device
                         << " failed: " << st.error_message();
     other_error = absl::UnavailableError(
@@ -196,8 +223,9 @@ KaratService::Attempt KaratService::TryAdmit(const std::string& session_id,
 
 absl::StatusOr<AdmittedTurn> KaratService::WaitForAdmission(
     grpc::ServerContext* ctx, grpc::ServerWriter<v1::GenerateResponse>* writer,
-    const std::string& sid, int reserve_tokens,
-    const std::vector<int32_t>& prompt, bool new_turn) {
+    const std::string& sid, const cluster::ClientLimits& limits,
+    int reserve_tokens, const std::vector<int32_t>& prompt, bool new_turn) {
+  const std::string log_id = security::ShortId(sid);
   uint64_t turn_id = 0;
   const absl::Time enqueued = s_->Now();
   {
@@ -254,10 +282,12 @@ absl::StatusOr<AdmittedTurn> KaratService::WaitForAdmission(
     bool client_gone = waiting && !show(position);
     if (attempt && !client_gone) {
       AdmittedTurn turn;
-      Attempt a = TryAdmit(sid, reserve_tokens, prompt, new_turn, &turn);
+      Attempt a =
+          TryAdmit(sid, limits, reserve_tokens, prompt, new_turn, &turn);
       if (a.kind == Attempt::kAdmitted) return turn;
       if (a.kind == Attempt::kFailed) {
-        if (a.status.code() == absl::StatusCode::kResourceExhausted) {
+        if (a.status.code() == absl::StatusCode::kResourceExhausted &&
+            !a.quota) {
           absl::MutexLock lock(&s_->mu_);
           s_->turns_refused_++;
         }
@@ -281,21 +311,23 @@ absl::StatusOr<AdmittedTurn> KaratService::WaitForAdmission(
         absl::MutexLock lock(&s_->mu_);
         s_->turns_queued_++;
       }
-      KLOG(Info, kLog) << "session=" << sid << " turn queued at position "
+      KLOG(Info, kLog) << "session=" << log_id << " turn queued at position "
                        << position;
       client_gone = !show(position);
     }
     if (client_gone || ctx->IsCancelled()) {
       absl::MutexLock lock(&s_->mu_);
       s_->turns_cancelled_queued_++;
-      KLOG(Info, kLog) << "session=" << sid << " turn cancelled while queued";
+      KLOG(Info, kLog) << "session=" << log_id
+                       << " turn cancelled while queued";
       return absl::CancelledError("cancelled by the client while queued");
     }
     const absl::Duration waited = s_->Now() - enqueued;
     if (waited >= timeout) {
       absl::MutexLock lock(&s_->mu_);
       s_->turns_timed_out_++;
-      KLOG(Info, kLog) << "session=" << sid << " turn timed out in the queue";
+      KLOG(Info, kLog) << "session=" << log_id
+                       << " turn timed out in the queue";
       return absl::ResourceExhaustedError(absl::StrCat(
           "the turn waited ", absl::ToInt64Milliseconds(waited),
           " ms in the admission queue without fitting (queue_timeout_ms ",

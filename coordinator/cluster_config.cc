@@ -85,6 +85,8 @@ absl::Status ValidateClusterConfig(const cluster::ClusterConfig& config) {
     return Invalid("coordinator.heartbeat_interval_ms", "must be >= 0");
   if (c.node_timeout_ms() < 0)
     return Invalid("coordinator.node_timeout_ms", "must be >= 0");
+  if (c.max_message_bytes() < 0)
+    return Invalid("coordinator.max_message_bytes", "must be >= 0 (0: 4 MiB)");
   // "coordinator" is the coordinator's certificate name (docs/security.md):
   // a node under it could pass for the coordinator with the nodes.
   std::set<std::string> names = {"coordinator"};

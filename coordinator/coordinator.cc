@@ -11,6 +11,7 @@
 #include "coordinator/admin_service.h"
 #include "coordinator/cluster_config.h"
 #include "coordinator/control_push.h"
+#include "coordinator/idle_evict.h"
 #include "coordinator/karat_service.h"
 #include "coordinator/membership_service.h"
 #include "coordinator/state.h"
@@ -25,9 +26,12 @@ namespace {
 // the address it bound ("host:port", the port picked when `listen` had 0).
 // Only that address: a host name that resolves to several addresses would
 // also bind ports nobody is told of.
+// `max_message_bytes`: the largest request (explicit, so that the limit is
+// the documented one, README "Client API"; a larger request gets
+// RESOURCE_EXHAUSTED from gRPC).
 absl::StatusOr<std::pair<std::unique_ptr<grpc::Server>, std::string>> Serve(
     const std::string& listen, std::shared_ptr<grpc::ServerCredentials> creds,
-    std::initializer_list<grpc::Service*> services) {
+    std::initializer_list<grpc::Service*> services, int max_message_bytes) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -36,6 +40,7 @@ absl::StatusOr<std::pair<std::unique_ptr<grpc::Server>, std::string>> Serve(
   // port 0 each picks a port of its own: the server would also answer on a
   // port nobody is told of. One listener, on the advertised port.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  builder.SetMaxReceiveMessageSize(max_message_bytes);
   builder.AddListeningPort(listen, std::move(creds), &port);
   for (grpc::Service* s : services) builder.RegisterService(s);
   builder.experimental().SetInterceptorCreators(RequestErrorInterceptors());
@@ -90,6 +95,7 @@ class CoordinatorImpl final : public Coordinator {
         session.id = l.id;
         session.key = l.key;
         session.seed = l.seed;
+        session.owner = std::move(l.owner);
         session.history = std::move(l.history);
         session.prefill_ends = std::move(l.prefill_ends);
         session.turns = l.turns;
@@ -101,6 +107,7 @@ class CoordinatorImpl final : public Coordinator {
             !l.last_turn->idempotency_key().empty())
           session.last_turn = std::move(l.last_turn);
         state_.session_keys_.insert(session.key);
+        state_.quotas_.AddSession(session.owner);
         state_.sessions_.emplace(session.id, std::move(session));
       }
       KLOG(Info, kLog) << "state dir " << state_.options().state_dir << ": "
@@ -127,7 +134,8 @@ class CoordinatorImpl final : public Coordinator {
                                   "the coordinator")));
     ASSIGN_OR_RETURN(std::tie(server_, address_),
                      Serve(state_.options().listen, main_creds,
-                           {&karat_, &membership_}));
+                           {&karat_, &membership_},
+                           state_.options().max_message_bytes));
     KLOG(Info, kLog) << "listening on " << address_;
     // The admin API on a port of its own, for admin tokens only.
     ASSIGN_OR_RETURN(
@@ -140,7 +148,8 @@ class CoordinatorImpl final : public Coordinator {
     const std::string admin_listen =
         sec.admin_listen().empty() ? "127.0.0.1:0" : sec.admin_listen();
     ASSIGN_OR_RETURN(std::tie(admin_server_, admin_address_),
-                     Serve(admin_listen, admin_creds, {&admin_}));
+                     Serve(admin_listen, admin_creds, {&admin_},
+                           state_.options().max_message_bytes));
     KLOG(Info, kLog) << "admin API listening on " << admin_address_;
     return absl::OkStatus();
   }
@@ -166,6 +175,7 @@ class CoordinatorImpl final : public Coordinator {
     }
     link_pusher_.Stop();
     rank_watcher_.Stop();
+    idle_evictor_.Stop();
     control_pusher_.Stop();
     KLOG(Info, kLog) << "shut down";
   }
@@ -183,6 +193,7 @@ class CoordinatorImpl final : public Coordinator {
   LinkPusher link_pusher_;
   ControlPusher control_pusher_;
   RankWatcher rank_watcher_{&state_, &control_pusher_};
+  IdleKvEvictor idle_evictor_{&state_};
   std::unique_ptr<grpc::Server> server_;
   std::string address_;
   std::unique_ptr<grpc::Server> admin_server_;
@@ -203,6 +214,11 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(
     return absl::InvalidArgumentError(absl::StrCat(
         "mode must be \"karat\" or \"gpu_only\", got \"", options.mode, "\""));
   RETURN_IF_ERROR(ValidateSchedulingConfig(options.scheduling));
+  if (options.max_message_bytes < 1)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_message_bytes must be >= 1, got ", options.max_message_bytes));
+  if (options.idle_kv_evict < absl::ZeroDuration())
+    return absl::InvalidArgumentError("idle_kv_evict must be >= 0 (0: never)");
   for (const double v :
        {options.step_cost.fixed_ms, options.step_cost.per_request_ms,
         options.step_cost.per_context_token_ms}) {

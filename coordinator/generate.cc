@@ -7,6 +7,7 @@
 #include "common/tokenizer.h"
 #include "coordinator/karat_service.h"
 #include "coordinator/turn_plan.h"
+#include "security/tokens.h"
 
 namespace karat::coordinator {
 namespace {
@@ -23,13 +24,15 @@ class TurnCall {
  public:
   TurnCall(KaratService* service, grpc::ServerContext* ctx,
            const v1::GenerateRequest* req,
-           grpc::ServerWriter<v1::GenerateResponse>* writer)
+           grpc::ServerWriter<v1::GenerateResponse>* writer, Caller caller)
       : service_(service),
         s_(service->s_),
         ctx_(ctx),
         req_(req),
         writer_(writer),
+        caller_(std::move(caller)),
         sid_(req->session_id()),
+        log_id_(security::ShortId(sid_)),
         arrived_(s_->Now()),
         prompt_(req->prompt_tokens().empty()
                     ? EncodeText(req->prompt())
@@ -41,8 +44,10 @@ class TurnCall {
  private:
   enum class PassEnd { kDone, kClientGone, kStopped, kBroken };
 
-  // Validates, takes over a call still running the same turn, plans the
-  // turn and marks the session busy. `*busy` is set once it is.
+  // Checks that the caller owns the session, validates, takes over a call
+  // still running the same turn, plans the turn, counts it against the
+  // caller's max_concurrent_turns and marks the session busy. `*busy` is
+  // set once it is.
   grpc::Status Begin(bool* busy);
   // Streams the turn's tokens [from, to) from the history.
   bool Replay(int from, int to);
@@ -71,7 +76,9 @@ class TurnCall {
   grpc::ServerContext* const ctx_;
   const v1::GenerateRequest* const req_;
   grpc::ServerWriter<v1::GenerateResponse>* const writer_;
+  const Caller caller_;
   const std::string sid_;
+  const std::string log_id_;  // sid_ as logs print it
   const absl::Time arrived_;
   const std::vector<int32_t> prompt_;
   const std::string& key() const { return req_->idempotency_key(); }
@@ -97,29 +104,35 @@ class TurnCall {
 grpc::Status KaratService::Generate(
     grpc::ServerContext* ctx, const v1::GenerateRequest* req,
     grpc::ServerWriter<v1::GenerateResponse>* writer) {
-  TurnCall call(this, ctx, req, writer);
+  absl::StatusOr<Caller> caller = Authenticate(*ctx);
+  if (!caller.ok()) return ToGrpc(caller.status());
+  TurnCall call(this, ctx, req, writer, *std::move(caller));
   return call.Run();
 }
 
 grpc::Status TurnCall::Run() {
   bool busy = false;
   grpc::Status begun = Begin(&busy);
-  // Clears the busy flag however the call ends.
+  // Clears the busy flag however the call ends, and the turn's count
+  // against the caller's max_concurrent_turns.
   struct BusyGuard {
     State* s;
     const std::string& id;
+    const std::string& principal;
     bool armed;
     ~BusyGuard() {
       if (!armed) return;
       absl::MutexLock lock(&s->mu_);
+      s->quotas_.EndTurn(principal);
       auto it = s->sessions_.find(id);
       if (it != s->sessions_.end()) {
         it->second.busy = false;
         it->second.turn_ctx = nullptr;
         it->second.stop_turn.reset();
+        it->second.last_turn_end = s->Now();
       }
     }
-  } busy_guard{s_, sid_, busy};
+  } busy_guard{s_, sid_, caller_.principal, busy};
   if (!begun.ok()) return begun;
   previous_ = arrived_;
 
@@ -147,7 +160,7 @@ grpc::Status TurnCall::Run() {
       started = *s_->sessions_.at(sid_).last_turn;
     }
     if (absl::Status st = service_->LogTurnStart(sid_, started); !st.ok()) {
-      KLOG(Error, kLog) << "session=" << sid_ << " " << st.message();
+      KLOG(Error, kLog) << "session=" << log_id_ << " " << st.message();
       return EndEarly(grpc::Status(
           grpc::StatusCode::INTERNAL,
           absl::StrCat("cannot log the turn's start: ", st.message())));
@@ -165,10 +178,10 @@ grpc::Status TurnCall::Run() {
   }
   const bool new_turn = plan_.kind == TurnPlan::kNew;
   absl::StatusOr<AdmittedTurn> admitted = service_->WaitForAdmission(
-      ctx_, writer_, sid_, reserve_tokens,
+      ctx_, writer_, sid_, caller_.limits, reserve_tokens,
       new_turn ? prompt_ : std::vector<int32_t>(), new_turn);
   if (!admitted.ok()) {
-    KLOG(Info, kLog) << "session=" << sid_
+    KLOG(Info, kLog) << "session=" << log_id_
                      << " turn refused: " << admitted.status();
     return EndEarly(ToGrpc(admitted.status()));
   }
@@ -180,10 +193,15 @@ grpc::Status TurnCall::Run() {
 }
 
 grpc::Status TurnCall::Begin(bool* busy) {
+  {
+    absl::MutexLock lock(&s_->mu_);
+    if (service_->OwnedLocked(sid_, caller_) == nullptr)
+      return KaratService::NoSession(sid_);
+  }
   service_->WaitForCancelledTurn(sid_, absl::Milliseconds(200));
   {
     absl::MutexLock lock(&s_->mu_);
-    if (s_->sessions_.find(sid_) == s_->sessions_.end())
+    if (service_->OwnedLocked(sid_, caller_) == nullptr)
       return KaratService::NoSession(sid_);
     if (absl::Status valid = service_->Validate(*req_); !valid.ok())
       return ToGrpc(valid);
@@ -193,9 +211,10 @@ grpc::Status TurnCall::Begin(bool* busy) {
   bool take_over = false;
   if (!key().empty()) {
     absl::MutexLock lock(&s_->mu_);
-    const Session& session = s_->sessions_.at(sid_);
-    take_over = session.busy && session.last_turn.has_value() &&
-                session.last_turn->idempotency_key() == key();
+    const Session* session = service_->OwnedLocked(sid_, caller_);
+    if (session == nullptr) return KaratService::NoSession(sid_);
+    take_over = session->busy && session->last_turn.has_value() &&
+                session->last_turn->idempotency_key() == key();
   }
   if (take_over && !service_->StopRunningTurn(sid_, kTakeOverWait)) {
     return grpc::Status(
@@ -205,10 +224,9 @@ grpc::Status TurnCall::Begin(bool* busy) {
                      absl::FormatDuration(kTakeOverWait), "; retry"));
   }
   absl::MutexLock lock(&s_->mu_);
-  auto it = s_->sessions_.find(sid_);
-  if (it == s_->sessions_.end() || it->second.closing)
-    return KaratService::NoSession(sid_);
-  Session& session = it->second;
+  Session* owned = service_->OwnedLocked(sid_, caller_);
+  if (owned == nullptr || owned->closing) return KaratService::NoSession(sid_);
+  Session& session = *owned;
   if (session.busy)
     return grpc::Status(
         grpc::StatusCode::FAILED_PRECONDITION,
@@ -228,6 +246,15 @@ grpc::Status TurnCall::Begin(bool* busy) {
     if (absl::Status nodes = service_->CheckNodesLocked(&settling);
         !nodes.ok() && !settling)
       return ToGrpc(nodes);
+  }
+  // Refused at once rather than queued: the caller's other turns hold its
+  // share.
+  if (absl::Status quota =
+          s_->quotas_.StartTurn(caller_.principal, caller_.limits);
+      !quota.ok()) {
+    KLOG(Info, kLog) << "session=" << log_id_
+                     << " turn refused: " << quota.message();
+    return ToGrpc(quota);
   }
   history_before_ = session.history.size();
   prefill_ends_before_ = session.prefill_ends;
@@ -329,9 +356,9 @@ grpc::Status TurnCall::RunPasses(AdmittedTurn* admitted) {
     grpc::Status gpu_status;
     const PassEnd end = RunPass(turn, run, &gpu_status);
     if (end == PassEnd::kClientGone) {
-      KLOG(Info, kLog) << "session=" << sid_
-                       << " turn cancelled by the client after "
-                       << turn_tokens_ << " tokens";
+      KLOG(Info, kLog) << "session=" << log_id_
+                       << " turn cancelled by the client after " << turn_tokens_
+                       << " tokens";
       return EndEarly(
           grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client"));
     }
@@ -355,9 +382,9 @@ grpc::Status TurnCall::RunPasses(AdmittedTurn* admitted) {
       }
       return Finish("cancelled");
     }
-    KLOG(Warning, kLog) << "session=" << sid_ << " GPU node " << turn.gpu_name
-                        << " (rank " << turn.rank << ") failed after "
-                        << turn_tokens_
+    KLOG(Warning, kLog) << "session=" << log_id_ << " GPU node "
+                        << turn.gpu_name << " (rank " << turn.rank
+                        << ") failed after " << turn_tokens_
                         << " tokens: " << gpu_status.error_message();
     grpc::StatusCode code = gpu_status.error_code();
     switch (code) {
@@ -382,7 +409,7 @@ grpc::Status TurnCall::RunPasses(AdmittedTurn* admitted) {
           ++resumes_;
           absl::MutexLock lock(&s_->mu_);
           s_->turns_resumed_++;
-          KLOG(Info, kLog) << "session=" << sid_ << " resuming after "
+          KLOG(Info, kLog) << "session=" << log_id_ << " resuming after "
                            << turn_tokens_ << " tokens: " << failed_on
                            << " failed, " << turn.gpu_name << " (rank "
                            << turn.rank << ") continues";
@@ -426,7 +453,7 @@ TurnCall::PassEnd TurnCall::RunPass(const AdmittedTurn& turn,
       }
     }
   }
-  KLOG(Info, kLog) << "session=" << sid_
+  KLOG(Info, kLog) << "session=" << log_id_
                    << (resumes_ > 0 ? " turn resumed on " : " turn on ")
                    << turn.gpu_name << " (rank " << turn.rank
                    << ", micro-batch " << run.micro_batch() << ")"
@@ -578,7 +605,7 @@ grpc::Status TurnCall::EndEarly(grpc::Status status) {
     KeepOrRollBackLocked();
   }
   if (absl::Status st = service_->LogTurn(sid_); !st.ok()) {
-    KLOG(Error, kLog) << "session=" << sid_ << " " << st.message();
+    KLOG(Error, kLog) << "session=" << log_id_ << " " << st.message();
   }
   ctx_->AddTrailingMetadata("karat-turn-tokens", std::to_string(turn_tokens_));
   if (turn_tokens_ == 0) return status;
@@ -597,7 +624,7 @@ grpc::Status TurnCall::Finish(const std::string& reason) {
     SettleLastTurnLocked(s_->sessions_.at(sid_), reason);
   }
   if (absl::Status st = service_->LogTurn(sid_); !st.ok()) {
-    KLOG(Error, kLog) << "session=" << sid_ << " " << st.message();
+    KLOG(Error, kLog) << "session=" << log_id_ << " " << st.message();
     return grpc::Status(
         grpc::StatusCode::INTERNAL,
         absl::StrCat("the turn's tokens could not be logged: ", st.message()));
@@ -611,7 +638,7 @@ grpc::Status TurnCall::Finish(const std::string& reason) {
   d->set_ttft_us(ttft_us_);
   d->set_total_us(total_us);
   writer_->Write(done);
-  KLOG(Info, kLog) << "session=" << sid_ << " turn done: " << reason << " "
+  KLOG(Info, kLog) << "session=" << log_id_ << " turn done: " << reason << " "
                    << turn_tokens_ << " tokens, ttft_us=" << ttft_us_
                    << " total_us=" << total_us
                    << (resumes_ > 0

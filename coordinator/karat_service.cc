@@ -4,19 +4,30 @@
 
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/log_ids.h"
 #include "common/status_macros.h"
 #include "common/tokenizer.h"
+#include "coordinator/kv_release.h"
 #include "coordinator/turn_plan.h"
+#include "security/tokens.h"
 
 namespace karat::coordinator {
 
-grpc::Status KaratService::CreateSession(grpc::ServerContext*,
+grpc::Status KaratService::CreateSession(grpc::ServerContext* ctx,
                                          const v1::CreateSessionRequest* req,
                                          v1::Session* resp) {
+  absl::StatusOr<Caller> caller = Authenticate(*ctx);
+  if (!caller.ok()) return ToGrpc(caller.status());
   absl::MutexLock lock(&s_->mu_);
   if (s_->shutting_down_)
     return grpc::Status(grpc::StatusCode::UNAVAILABLE,
                         "coordinator is shutting down");
+  if (absl::Status quota =
+          s_->quotas_.OpenSession(caller->principal, caller->limits, s_->Now());
+      !quota.ok()) {
+    KLOG(Info, kLog) << "session refused: " << quota.message();
+    return ToGrpc(quota);
+  }
   Session session;
   do {
     session.id = absl::StrFormat("s-%016x", absl::Uniform<uint64_t>(s_->rng_));
@@ -25,6 +36,7 @@ grpc::Status KaratService::CreateSession(grpc::ServerContext*,
     session.key = absl::Uniform<uint64_t>(s_->rng_);
   } while (session.key == 0 || s_->session_keys_.count(session.key));
   session.seed = req->seed();
+  session.owner = caller->principal;
   s_->session_keys_.insert(session.key);
   FillSession(session, false, resp);
   if (s_->wal_ != nullptr) {
@@ -34,75 +46,82 @@ grpc::Status KaratService::CreateSession(grpc::ServerContext*,
     record.mutable_created()->set_id(session.id);
     record.mutable_created()->set_key(session.key);
     record.mutable_created()->set_seed(session.seed);
+    record.mutable_created()->set_owner(session.owner);
     if (absl::Status st = s_->wal_->Append(record); !st.ok()) {
       s_->session_keys_.erase(session.key);
-      KLOG(Error, kLog) << "session=" << session.id
+      s_->quotas_.CloseSession(session.owner, session.id);
+      KLOG(Error, kLog) << "session=" << security::ShortId(session.id)
                         << " not created: " << st.message();
       return grpc::Status(
           grpc::StatusCode::INTERNAL,
           absl::StrCat("cannot log the session: ", st.message()));
     }
   }
-  KLOG(Info, kLog) << "session=" << session.id
-                   << " created seed=" << session.seed;
+  KLOG(Info, kLog) << "session=" << security::ShortId(session.id)
+                   << " created seed=" << session.seed
+                   << " key=" << ShortKey(session.key)
+                   << (session.owner.empty()
+                           ? std::string()
+                           : absl::StrCat(" owner=", session.owner));
   s_->sessions_.emplace(session.id, std::move(session));
   return grpc::Status::OK;
 }
 
-grpc::Status KaratService::GetSession(grpc::ServerContext*,
+grpc::Status KaratService::GetSession(grpc::ServerContext* ctx,
                                       const v1::GetSessionRequest* req,
                                       v1::Session* resp) {
+  absl::StatusOr<Caller> caller = Authenticate(*ctx);
+  if (!caller.ok()) return ToGrpc(caller.status());
+  {
+    absl::MutexLock lock(&s_->mu_);
+    if (OwnedLocked(req->session_id(), *caller) == nullptr)
+      return NoSession(req->session_id());
+  }
   WaitForCancelledTurn(req->session_id(), absl::Milliseconds(50));
   absl::MutexLock lock(&s_->mu_);
-  auto it = s_->sessions_.find(req->session_id());
-  if (it == s_->sessions_.end()) return NoSession(req->session_id());
-  FillSession(it->second, req->include_tokens(), resp);
+  const Session* session = OwnedLocked(req->session_id(), *caller);
+  if (session == nullptr) return NoSession(req->session_id());
+  FillSession(*session, req->include_tokens(), resp);
   return grpc::Status::OK;
 }
 
-grpc::Status KaratService::CloseSession(grpc::ServerContext*,
+grpc::Status KaratService::CloseSession(grpc::ServerContext* ctx,
                                         const v1::CloseSessionRequest* req,
                                         v1::CloseSessionResponse*) {
-  std::shared_ptr<grpc::Channel> home_channel;
-  std::string home_name;
-  NodeRole home_role = NodeRole::kKarat;
-  uint64_t key = 0;
-  WaitForCancelledTurn(req->session_id(), absl::Milliseconds(200));
+  absl::StatusOr<Caller> caller = Authenticate(*ctx);
+  if (!caller.ok()) return ToGrpc(caller.status());
+  const std::string& sid = req->session_id();
+  {
+    absl::MutexLock lock(&s_->mu_);
+    if (OwnedLocked(sid, *caller) == nullptr) return NoSession(sid);
+  }
+  WaitForCancelledTurn(sid, absl::Milliseconds(200));
   // A turn still running ends first (its call gets ABORTED); no new one
   // starts meanwhile.
   {
     absl::MutexLock lock(&s_->mu_);
-    auto it = s_->sessions_.find(req->session_id());
-    if (it == s_->sessions_.end() || it->second.closing)
-      return NoSession(req->session_id());
-    it->second.closing = true;
+    Session* session = OwnedLocked(sid, *caller);
+    if (session == nullptr || session->closing) return NoSession(sid);
+    session->closing = true;
   }
-  const bool stopped = StopRunningTurn(req->session_id(), absl::Seconds(10));
+  const bool stopped = StopRunningTurn(sid, absl::Seconds(10));
+  std::optional<KvHome> home;
   {
     absl::MutexLock lock(&s_->mu_);
-    auto it = s_->sessions_.find(req->session_id());
-    if (it == s_->sessions_.end()) return NoSession(req->session_id());
+    auto it = s_->sessions_.find(sid);
+    if (it == s_->sessions_.end()) return NoSession(sid);
     if (!stopped) {
       it->second.closing = false;
       return grpc::Status(
           grpc::StatusCode::FAILED_PRECONDITION,
-          absl::StrCat("the turn running on session ", req->session_id(),
+          absl::StrCat("the turn running on session ", sid,
                        " did not end within 10 s; retry the close"));
-    }
-    key = it->second.key;
-    if (it->second.has_home) {
-      auto n = s_->nodes_.find(it->second.home.node_id);
-      if (n != s_->nodes_.end()) {
-        home_channel = n->second.channel;
-        home_name = n->second.name;
-        home_role = n->second.role;
-      }
     }
     if (s_->wal_ != nullptr) {
       cl::WalRecord record;
-      record.mutable_closed()->set_id(req->session_id());
+      record.mutable_closed()->set_id(sid);
       if (absl::Status st = s_->wal_->Append(record); !st.ok()) {
-        KLOG(Error, kLog) << "session=" << req->session_id()
+        KLOG(Error, kLog) << "session=" << security::ShortId(sid)
                           << " not closed: " << st.message();
         it->second.closing = false;
         return grpc::Status(
@@ -110,39 +129,29 @@ grpc::Status KaratService::CloseSession(grpc::ServerContext*,
             absl::StrCat("cannot log the close: ", st.message()));
       }
     }
-    s_->session_keys_.erase(key);
+    home = DetachHomeLocked(s_, &it->second);
+    s_->quotas_.CloseSession(it->second.owner, sid);
+    s_->session_keys_.erase(it->second.key);
     s_->sessions_.erase(it);
     // Its pages are about to be freed: queued turns may fit.
     s_->capacity_epoch_++;
   }
-  KLOG(Info, kLog) << "session=" << req->session_id() << " closed";
-  if (home_channel) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(Deadline(s_));
-    cl::FreeSessionRequest freq;
-    freq.set_session(key);
-    cl::FreeSessionResponse fresp;
-    grpc::Status st = home_role == NodeRole::kGpu
-                          ? cl::GpuNode::NewStub(home_channel)
-                                ->FreeSession(&ctx, freq, &fresp)
-                          : cl::KaratNode::NewStub(home_channel)
-                                ->FreeSession(&ctx, freq, &fresp);
-    if (!st.ok()) {
-      // The session is closed either way; the node frees the pages when
-      // it restarts or when it learns the session is gone.
-      KLOG(Warning, kLog) << "session=" << req->session_id()
-                          << " FreeSession on " << home_name
-                          << " failed: " << st.error_message();
-    }
+  KLOG(Info, kLog) << "session=" << security::ShortId(sid) << " closed";
+  if (home.has_value()) {
+    // The session is closed either way; the node frees the pages when it
+    // restarts or when it learns the session is gone.
+    FreeKv(s_, sid, *home, "close");
     absl::MutexLock lock(&s_->mu_);
     s_->capacity_epoch_++;
   }
   return grpc::Status::OK;
 }
 
-grpc::Status KaratService::GetClusterStatus(grpc::ServerContext*,
+grpc::Status KaratService::GetClusterStatus(grpc::ServerContext* ctx,
                                             const v1::GetClusterStatusRequest*,
                                             v1::ClusterStatus* resp) {
+  absl::StatusOr<Caller> caller = Authenticate(*ctx);
+  if (!caller.ok()) return ToGrpc(caller.status());
   absl::MutexLock lock(&s_->mu_);
   absl::Time now = s_->Now();
   for (const auto& [id, n] : s_->nodes_) {
@@ -195,6 +204,10 @@ void KaratService::FillStatsLocked(
   m["gpu_ranks_lost"] = double(s_->gpu_ranks_lost_);
   m["karat_nodes_lost"] = double(s_->karat_losses_);
   m["sessions_rehomed"] = double(s_->sessions_rehomed_);
+  m["kv_evictions"] = double(s_->kv_evictions_);
+  for (QuotaKind kind : kQuotaKinds)
+    m[absl::StrCat("quota_refusals_", QuotaKindName(kind))] =
+        double(s_->quotas_.refusals(kind));
   m["expert_ownership_version"] = double(s_->owners_version_);
   m["microbatch_token_imbalance_mean"] =
       s_->imbalance_samples_ > 0 ? s_->imbalance_sum_ / s_->imbalance_samples_
@@ -235,9 +248,29 @@ void KaratService::FillStatsLocked(
 }
 
 grpc::Status KaratService::NoSession(const std::string& id) {
+  // An id is "s-" and 16 hex digits: a longer one is shown in part (it
+  // could be megabytes, too many for a status).
+  constexpr size_t kShown = 40;
+  const std::string shown =
+      id.size() <= kShown
+          ? id
+          : absl::StrCat(id.substr(0, kShown), "... (", id.size(), " bytes)");
   return grpc::Status(
       grpc::StatusCode::NOT_FOUND,
-      absl::StrCat("no session \"", id, "\" (unknown or closed)"));
+      absl::StrCat("no session \"", shown, "\" (unknown or closed)"));
+}
+
+absl::StatusOr<Caller> KaratService::Authenticate(
+    const grpc::ServerContext& ctx) const {
+  return s_->auth_->Client(ctx);
+}
+
+Session* KaratService::OwnedLocked(const std::string& id,
+                                   const Caller& caller) const {
+  auto it = s_->sessions_.find(id);
+  if (it == s_->sessions_.end() || it->second.owner != caller.principal)
+    return nullptr;
+  return &it->second;
 }
 
 void KaratService::FillSession(const Session& s, bool tokens,

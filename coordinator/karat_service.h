@@ -62,6 +62,15 @@ class KaratService final : public v1::Karat::Service {
 
   static grpc::Status NoSession(const std::string& id);
 
+  // The caller of a client API call (ClientAuth::Client): its principal and
+  // limits, or UNAUTHENTICATED.
+  absl::StatusOr<Caller> Authenticate(const grpc::ServerContext& ctx) const;
+  // The session `id` when it exists and `caller` created it, else null.
+  // The handlers answer both cases with NoSession(id), so that a caller
+  // cannot tell another principal's session from an id that does not exist.
+  Session* OwnedLocked(const std::string& id, const Caller& caller) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(s_->mu_);
+
   void FillSession(const Session& s, bool tokens, v1::Session* out) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(s_->mu_);
 
@@ -143,6 +152,7 @@ class KaratService final : public v1::Karat::Service {
   struct Attempt {
     enum Kind { kAdmitted, kWait, kFailed } kind;
     absl::Status status;  // kFailed
+    bool quota = false;   // kFailed by the owner's max_kv_bytes
   };
   // One admission attempt of a queued turn: picks the rank (fewest
   // running; gpu_only: the one holding the KV) if its batch has room,
@@ -150,10 +160,15 @@ class KaratService final : public v1::Karat::Service {
   // turn epoch and on success enters the turn into the rank's batch
   // (filling `turn`); a `new_turn` also appends its prompt to the history
   // and counts as a turn (a continued one feeds what the history holds).
-  // kWait: no room now; kFailed: never (RESOURCE_EXHAUSTED when no device
-  // or rank could hold it even empty: Reserve's OUT_OF_RANGE) or a node
-  // error. The session is left unchanged unless admitted.
-  Attempt TryAdmit(const std::string& session_id, int tokens,
+  // kWait: no room now, or the session's KV is being freed (idle
+  // eviction); kFailed: never (RESOURCE_EXHAUSTED when no device or rank
+  // could hold it even empty: Reserve's OUT_OF_RANGE), a node error, or
+  // the reservation would take the session's owner past `limits`'
+  // max_kv_bytes (RESOURCE_EXHAUSTED, `quota` set; the session's KV is
+  // then freed and its home cleared, so that its next turn rebuilds it).
+  // Otherwise the session is left unchanged unless admitted.
+  Attempt TryAdmit(const std::string& session_id,
+                   const cluster::ClientLimits& limits, int tokens,
                    const std::vector<int32_t>& prompt, bool new_turn,
                    AdmittedTurn* turn);
   // Queues the turn and returns once it is admitted (TryAdmit), streaming
@@ -163,7 +178,8 @@ class KaratService final : public v1::Karat::Service {
   absl::StatusOr<AdmittedTurn> WaitForAdmission(
       grpc::ServerContext* ctx,
       grpc::ServerWriter<v1::GenerateResponse>* writer, const std::string& sid,
-      int reserve_tokens, const std::vector<int32_t>& prompt, bool new_turn);
+      const cluster::ClientLimits& limits, int reserve_tokens,
+      const std::vector<int32_t>& prompt, bool new_turn);
 
   State* s_;
   ControlPusher* control_ = nullptr;

@@ -148,6 +148,9 @@ int main(int argc, char** argv) {
       options.heartbeat_interval_ms = c.heartbeat_interval_ms();
     if (c.node_timeout_ms() > 0) options.node_timeout_ms = c.node_timeout_ms();
     options.state_dir = c.state_dir();
+    if (c.max_message_bytes() > 0)
+      options.max_message_bytes = c.max_message_bytes();
+    options.idle_kv_evict = absl::Seconds(config->security().idle_kv_evict_s());
     options.links.assign(config->links().begin(), config->links().end());
     if (config->link_seed() != 0) options.link_seed = config->link_seed();
     if (!config->mode().empty()) options.mode = config->mode();

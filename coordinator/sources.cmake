@@ -7,12 +7,15 @@ add_library(karat_coordinator STATIC
   coordinator/control_push.cc
   coordinator/coordinator.cc
   coordinator/generate.cc
+  coordinator/idle_evict.cc
   coordinator/karat_service.cc
+  coordinator/kv_release.cc
   coordinator/membership_service.cc
   coordinator/turn_plan.cc
   coordinator/turn_resume.cc
   coordinator/admission_policy.cc
   coordinator/placement.cc
+  coordinator/quota.cc
   coordinator/scheduling.cc
   coordinator/wal.cc
   # The only compiled parts of common/ the coordinator needs (tokenizer.h and

@@ -28,10 +28,11 @@
 #include "absl/time/time.h"
 #include "cluster.grpc.pb.h"
 #include "common/log.h"
-#include "coordinator/coordinator.h"
 #include "coordinator/admission_policy.h"
-#include "coordinator/placement.h"
 #include "coordinator/client_auth.h"
+#include "coordinator/coordinator.h"
+#include "coordinator/placement.h"
+#include "coordinator/quota.h"
 #include "coordinator/scheduling.h"
 #include "coordinator/wal.h"
 #include "karat.grpc.pb.h"
@@ -78,6 +79,9 @@ struct Node {
 
 struct Session {
   std::string id;
+  // The principal that created it (ClientAuth; "" in plaintext mode): no
+  // other caller may see or use it.
+  std::string owner;
   uint64_t key = 0;  // data-plane session number
   uint64_t seed = 0;
   std::vector<int32_t> history;  // BOS, prompts, generated tokens
@@ -107,6 +111,10 @@ struct Session {
   // `logged_tokens` tokens and `logged_turns`.
   size_t logged_tokens = 0;
   int logged_turns = 0;
+  // When its last turn call ended (idle KV eviction: idle_evict.h), and
+  // whether its KV is being freed now (a turn waits in admission meanwhile).
+  absl::Time last_turn_end = absl::InfinitePast();
+  bool evicting = false;
 };
 
 // A turn admitted to a rank and not finished yet.
@@ -512,6 +520,10 @@ class State {
   int64_t gpu_ranks_lost_ ABSL_GUARDED_BY(mu_) = 0;
   // Sessions moved to a new home during a turn, their home KARAT node lost.
   int64_t sessions_rehomed_ ABSL_GUARDED_BY(mu_) = 0;
+  // What each principal holds against its limits (quota.h), and the idle
+  // sessions whose KV was freed (idle_evict.h).
+  QuotaBook quotas_ ABSL_GUARDED_BY(mu_);
+  int64_t kv_evictions_ ABSL_GUARDED_BY(mu_) = 0;
   double imbalance_sum_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t imbalance_samples_ ABSL_GUARDED_BY(mu_) = 0;
   double device_imbalance_sum_ ABSL_GUARDED_BY(mu_) = 0;

@@ -1,6 +1,7 @@
 // Turns that resume after a lost node (DESIGN.md §7): KaratService::ResumeTurn
 // and ReplaceHome.
 #include "coordinator/karat_service.h"
+#include "security/tokens.h"
 
 namespace karat::coordinator {
 
@@ -180,10 +181,10 @@ absl::Status KaratService::FenceHome(const std::string& sid, int remaining,
         "the session's home ", name, "/", device,
         " cannot take the resumed turn: ", st.error_message()));
   }
-  if (rresp.kv_dropped()) {
-    absl::MutexLock lock(&s_->mu_);
-    s_->sessions_.at(sid).kv_len = 0;
-  }
+  absl::MutexLock lock(&s_->mu_);
+  Session& session = s_->sessions_.at(sid);
+  if (rresp.kv_dropped()) session.kv_len = 0;
+  s_->quotas_.SetKv(session.owner, sid, rresp.session_bytes());
   return absl::OkStatus();
 }
 
@@ -248,6 +249,9 @@ absl::Status KaratService::ReplaceHome(const std::string& sid, int remaining,
     Session& session = s_->sessions_.at(sid);
     SetHomeLocked(s_, &session, &n->second, t.home, t.rank, rresp.used_bytes());
     session.kv_len = 0;
+    // Counted, not checked: the move is the cluster's doing, not the
+    // owner's.
+    s_->quotas_.SetKv(session.owner, sid, rresp.session_bytes());
     if (!gpu_only) {
       turn->placement.set_node_id(n->second.id);
       turn->placement.set_node_name(n->second.name);
@@ -256,8 +260,8 @@ absl::Status KaratService::ReplaceHome(const std::string& sid, int remaining,
       *run->mutable_placement() = turn->placement;
     }
     s_->sessions_rehomed_++;
-    KLOG(Warning, kLog) << "session=" << sid << " home " << old_name
-                        << " is lost; new home " << t.name << "/"
+    KLOG(Warning, kLog) << "session=" << security::ShortId(sid) << " home "
+                        << old_name << " is lost; new home " << t.name << "/"
                         << t.home.device << ", the KV of "
                         << session.history.size()
                         << " tokens is rebuilt by prefill";

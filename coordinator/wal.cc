@@ -18,6 +18,7 @@
 #include "common/log.h"
 #include "common/stable_hash.h"
 #include "common/status_macros.h"
+#include "security/tokens.h"
 
 namespace karat::coordinator {
 namespace {
@@ -136,6 +137,36 @@ WalContents ParseWal(std::string_view data) {
   return contents;
 }
 
+// Creates `dir` (and its parents) when missing, itself 0700. An existing
+// `dir` keeps its mode (it may be shared, as /tmp is); one open to group
+// or others is warned about (the log file itself is 0600).
+absl::Status MakePrivateDir(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::is_directory(dir, ec)) {
+    const fs::perms mode = fs::status(dir, ec).permissions();
+    if (!ec && (mode & (fs::perms::group_all | fs::perms::others_all)) !=
+                   fs::perms::none) {
+      KLOG(Warning, kLog) << "state dir " << dir
+                          << " is open to other users; the session log in it "
+                             "is 0600, but a state dir of its own (created "
+                             "0700) keeps even its name private";
+    }
+    return absl::OkStatus();
+  }
+  fs::create_directories(dir, ec);
+  if (ec)
+    return absl::FailedPreconditionError(
+        absl::StrCat("coordinator state: cannot create the state dir ", dir,
+                     ": ", ec.message()));
+  fs::permissions(dir, fs::perms::owner_all, fs::perm_options::replace, ec);
+  if (ec)
+    return absl::FailedPreconditionError(
+        absl::StrCat("coordinator state: cannot make the state dir ", dir,
+                     " private (mode 0700): ", ec.message()));
+  return absl::OkStatus();
+}
+
 // The temp file of a compaction; removed unless kept (renamed into place).
 struct TempFile {
   std::string path;
@@ -189,8 +220,9 @@ std::vector<LoggedSession> ReplayWal(
         s.id = r.created().id();
         s.key = r.created().key();
         s.seed = r.created().seed();
+        s.owner = r.created().owner();
         if (!sessions.emplace(s.id, s).second) {
-          KLOG(Warning, kLog) << "session=" << s.id
+          KLOG(Warning, kLog) << "session=" << security::ShortId(s.id)
                               << " created twice in the log; the second "
                                  "record is skipped";
         }
@@ -199,7 +231,7 @@ std::vector<LoggedSession> ReplayWal(
       case cluster::WalRecord::kTurn: {
         auto it = sessions.find(r.turn().id());
         if (it == sessions.end()) {
-          KLOG(Warning, kLog) << "session=" << r.turn().id()
+          KLOG(Warning, kLog) << "session=" << security::ShortId(r.turn().id())
                               << " has a turn in the log but no creation; "
                                  "skipped";
           break;
@@ -216,15 +248,15 @@ std::vector<LoggedSession> ReplayWal(
       case cluster::WalRecord::kStarted: {
         auto it = sessions.find(r.started().id());
         if (it == sessions.end()) {
-          KLOG(Warning, kLog) << "session=" << r.started().id()
-                              << " has a turn start in the log but no "
-                                 "creation; skipped";
+          KLOG(Warning, kLog)
+              << "session=" << security::ShortId(r.started().id())
+              << " has a turn start in the log but no creation; skipped";
           break;
         }
         if (!r.started().has_turn()) {
-          KLOG(Warning, kLog) << "session=" << r.started().id()
-                              << " has a turn start without its turn in the "
-                                 "log; skipped";
+          KLOG(Warning, kLog)
+              << "session=" << security::ShortId(r.started().id())
+              << " has a turn start without its turn in the log; skipped";
           break;
         }
         it->second.last_turn = r.started().turn();
@@ -232,8 +264,9 @@ std::vector<LoggedSession> ReplayWal(
       }
       case cluster::WalRecord::kClosed:
         if (sessions.erase(r.closed().id()) == 0) {
-          KLOG(Warning, kLog) << "session=" << r.closed().id()
-                              << " closed in the log but never created";
+          KLOG(Warning, kLog)
+              << "session=" << security::ShortId(r.closed().id())
+              << " closed in the log but never created";
         }
         break;
       case cluster::WalRecord::kLinks:  // ReplayWalLinks
@@ -277,6 +310,7 @@ std::string EncodeCompactedWal(
     created.mutable_created()->set_id(s.id);
     created.mutable_created()->set_key(s.key);
     created.mutable_created()->set_seed(s.seed);
+    created.mutable_created()->set_owner(s.owner);
     out += EncodeWalRecord(created);
     if (s.history.empty() && s.turns == 0 && !s.last_turn.has_value()) continue;
     cluster::WalRecord turn;
@@ -304,12 +338,7 @@ absl::StatusOr<std::unique_ptr<SessionLog>> SessionLog::Open(
         "coordinator state: compaction thresholds out of range (min bytes ",
         options.compact_min_bytes, ", ratio ", options.compact_ratio,
         "; want min bytes >= 0 and a finite ratio >= 1)"));
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec)
-    return absl::FailedPreconditionError(
-        absl::StrCat("coordinator state: cannot create the state dir ", dir,
-                     ": ", ec.message()));
+  RETURN_IF_ERROR(MakePrivateDir(dir));
   if (::access(dir.c_str(), R_OK | W_OK | X_OK) != 0)
     return Errno("read and write the state dir", dir);
   const std::string path = (std::filesystem::path(dir) / kFileName).string();
@@ -328,7 +357,7 @@ absl::StatusOr<std::unique_ptr<SessionLog>> SessionLog::Open(
 
   const std::string snapshot = EncodeCompactedWal(*sessions, logged_links);
   const std::string tmp = path + ".tmp";
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
   if (fd < 0) return Errno("create", tmp);
   if (!WriteAll(fd, snapshot) || ::fsync(fd) != 0) {
     absl::Status st = Errno("write", tmp);
@@ -504,7 +533,7 @@ absl::Status SessionLog::Compact(const int64_t start) {
   TempFile tmp;
   tmp.path = path_ + ".tmp";
   tmp.fd = ::open(tmp.path.c_str(),
-                  O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0644);
+                  O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0600);
   if (tmp.fd < 0) return Errno("create", tmp.path);
   if (!WriteSynced(tmp.fd, snapshot)) return Errno("write", tmp.path);
   // The records appended meanwhile, still without the lock: those below

@@ -4,7 +4,8 @@
 // run time (Admin.SetLink), so that they stay in force. Their KV is not logged:
 // it is rebuilt from the token log by prefill at each session's next turn.
 //
-// File: DIR/sessions.wal, a sequence of records
+// File: DIR/sessions.wal (0600, and DIR 0700 when Open creates it: the log
+// holds every session's prompts and outputs), a sequence of records
 //
 //   u32 length (little endian) | u64 FNV-1a of the payload | payload
 //
@@ -56,6 +57,7 @@ struct LoggedSession {
   std::string id;
   uint64_t key = 0;
   uint64_t seed = 0;
+  std::string owner;  // the principal that created it ("": plaintext mode)
   std::vector<int32_t> history;  // BOS, prompts, generated tokens
   std::vector<int> prefill_ends;
   int turns = 0;
@@ -97,7 +99,8 @@ cluster::WalRecord LinkRulesRecord(
     const std::vector<cluster::LinkConfig>& links);
 
 // The compacted form of a log: the LinkRules record of `links` (when set),
-// then per session one SessionCreated and, when it has tokens, turns or a
+// then per session one SessionCreated (with its owner) and, when it has
+// tokens, turns or a
 // last turn, one TurnLogged with its whole history, prefill_ends, turns and
 // last_turn. Its replay gives `sessions` and `links` back.
 std::string EncodeCompactedWal(
@@ -123,8 +126,10 @@ struct SessionLogOptions {
 // Thread-safe.
 class SessionLog {
  public:
-  // Creates `dir` when missing, replays DIR/sessions.wal into `*sessions`
-  // (and, when `links` is given, the last logged link rules into it),
+  // Creates `dir` when missing (0700; an existing one keeps its mode, with
+  // a warning when group or others may use it), replays DIR/sessions.wal
+  // into `*sessions` (and, when `links` is given, the last logged link
+  // rules into it),
   // cuts a torn tail (warning), compacts the file and opens it for appends.
   // FAILED_PRECONDITION naming the path when the directory cannot be created
   // or read, or the file cannot be read or written; INVALID_ARGUMENT for an

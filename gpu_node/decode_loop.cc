@@ -10,6 +10,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/log.h"
+#include "common/log_ids.h"
 
 namespace karat {
 
@@ -302,8 +303,8 @@ void DecodeLoop::Run() {
     for (auto& r : active) {
       if (r->stream->cancelled()) {
         KLOG(Info, "gpu_node")
-            << "session=" << r->turn.session << " turn cancelled after "
-            << r->generated << " tokens";
+            << "session=" << ShortKey(r->turn.session)
+            << " turn cancelled after " << r->generated << " tokens";
         r->stream->Finish(absl::CancelledError("turn cancelled"));
         Retire(r.get());
       }
@@ -344,7 +345,7 @@ void DecodeLoop::Run() {
       backend_->SetPlacement(r->turn.session, r->turn.placement,
                              r->turn.turn_epoch);
       KLOG(Debug, "gpu_node")
-          << "session=" << r->turn.session
+          << "session=" << ShortKey(r->turn.session)
           << " turn admitted: " << r->turn.feed_tokens.size()
           << " feed tokens from position " << r->turn.pos_start << ", up to "
           << r->turn.max_new_tokens << " new";
@@ -553,7 +554,8 @@ void DecodeLoop::RunStep(std::vector<std::shared_ptr<Request>>* active) {
     }
   } else {
     std::string sessions;
-    for (const Segment& s : segs) absl::StrAppend(&sessions, " ", s.session);
+    for (const Segment& s : segs)
+      absl::StrAppend(&sessions, " ", ShortKey(s.session));
     KLOG(Error, "gpu_node") << "step over " << segs.size()
                             << " requests failed: " << logits.status()
                             << "; failing session=" << sessions;
@@ -582,9 +584,9 @@ void DecodeLoop::RunStep(std::vector<std::shared_ptr<Request>>* active) {
     Request* r = o.request;
     if (!o.has_event) {
       if (logits.ok()) {
-        KLOG(Warning, "gpu_node")
-            << "session=" << r->turn.session << " turn failed alone after "
-            << r->generated << " tokens: " << o.failure;
+        KLOG(Warning, "gpu_node") << "session=" << ShortKey(r->turn.session)
+                                  << " turn failed alone after " << r->generated
+                                  << " tokens: " << o.failure;
       }
       r->stream->Finish(o.failure);
       Retire(r);
@@ -593,9 +595,9 @@ void DecodeLoop::RunStep(std::vector<std::shared_ptr<Request>>* active) {
     const bool last = o.event.last();
     r->stream->Push(std::move(o.event));
     if (last) {
-      KLOG(Debug, "gpu_node")
-          << "session=" << r->turn.session << " turn done: " << r->generated
-          << " tokens, kv_len " << r->next_pos;
+      KLOG(Debug, "gpu_node") << "session=" << ShortKey(r->turn.session)
+                              << " turn done: " << r->generated
+                              << " tokens, kv_len " << r->next_pos;
       r->stream->Finish(absl::OkStatus());
       Retire(r);
     }

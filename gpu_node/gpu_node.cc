@@ -16,6 +16,7 @@
 #include "common/frame.h"
 #include "common/link_emulation.h"
 #include "common/log.h"
+#include "common/log_ids.h"
 #include "common/membership.h"
 #include "common/model_runner.h"
 #include "common/node_daemon.h"
@@ -172,8 +173,8 @@ class GpuNodeService final : public cluster::GpuNode::Service {
           " has no KV room on this rank: call Reserve first (gpu_only mode)"));
     }
     if (!valid.ok()) {
-      KLOG(Info, "gpu_node")
-          << "session=" << request->session() << " RunTurn refused: " << valid;
+      KLOG(Info, "gpu_node") << "session=" << ShortKey(request->session())
+                             << " RunTurn refused: " << valid;
       return ToGrpc(valid);
     }
     absl::StatusOr<std::shared_ptr<TurnStream>> stream =
@@ -192,7 +193,7 @@ class GpuNodeService final : public cluster::GpuNode::Service {
         case TurnStream::Next::kTimeout:
           if (context->IsCancelled()) {
             (*stream)->Cancel();
-            KLOG(Info, "gpu_node") << "session=" << request->session()
+            KLOG(Info, "gpu_node") << "session=" << ShortKey(request->session())
                                    << " RunTurn cancelled by the client";
             return grpc::Status(grpc::StatusCode::CANCELLED,
                                 "cancelled by the client");
@@ -201,8 +202,9 @@ class GpuNodeService final : public cluster::GpuNode::Service {
         case TurnStream::Next::kFinished: {
           const absl::Status status = (*stream)->status();
           if (!status.ok()) {
-            KLOG(Warning, "gpu_node") << "session=" << request->session()
-                                      << " turn failed: " << status;
+            KLOG(Warning, "gpu_node")
+                << "session=" << ShortKey(request->session())
+                << " turn failed: " << status;
           }
           return ToGrpc(status);
         }
@@ -296,6 +298,8 @@ class GpuNodeService final : public cluster::GpuNode::Service {
     if (!dropped.ok()) return ToGrpc(dropped.status());
     response->set_used_bytes(int64_t(local_->used_bytes()));
     response->set_kv_dropped(*dropped);
+    response->set_session_bytes(
+        int64_t(local_->session_bytes(request->session())));
     return grpc::Status::OK;
   }
 

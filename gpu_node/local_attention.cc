@@ -96,6 +96,12 @@ size_t GpuLocalAttention::used_bytes() const {
   return total;
 }
 
+size_t GpuLocalAttention::session_bytes(uint64_t session) const {
+  absl::MutexLock lock(&mu_);
+  auto it = reserved_.find(session);
+  return it == reserved_.end() ? 0 : BytesFor(it->second);
+}
+
 int GpuLocalAttention::sessions() const {
   absl::MutexLock lock(&mu_);
   return int(reserved_.size());

@@ -47,6 +47,8 @@ class GpuLocalAttention : public StepBackend {
   size_t capacity_bytes() const { return capacity_; }
   // Pages held by the sessions (page-granular, every layer).
   size_t used_bytes() const;
+  // Those held by `session` (0 when it has none).
+  size_t session_bytes(uint64_t session) const;
   int sessions() const;
 
   void SetPlacement(uint64_t session, const cluster::KaratPlacement& placement,

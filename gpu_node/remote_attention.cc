@@ -15,6 +15,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/frame.h"
 #include "common/log.h"
+#include "common/log_ids.h"
 #include "common/log_limiter.h"
 #include "common/status_macros.h"
 #include "gpu_node/moe_retransmit.h"
@@ -220,9 +221,9 @@ void RemoteAttentionBackend::Impl::OnMessage(std::string_view message,
   if (it == pending.end() || it->second.done) {
     // The answer to a copy sent again, or to a segment given up on.
     stale_answers.fetch_add(1);
-    KLOG(Debug, "gpu_node")
-        << "session=" << h.session << " stale " << FrameTypeName(h.type)
-        << " (step " << h.step << ", layer " << h.layer << ") dropped";
+    KLOG(Debug, "gpu_node") << "session=" << ShortKey(h.session) << " stale "
+                            << FrameTypeName(h.type) << " (step " << h.step
+                            << ", layer " << h.layer << ") dropped";
     return;
   }
   Slot& slot = it->second;
@@ -781,8 +782,9 @@ absl::Status RemoteAttentionBackend::Impl::RunLayer(
             absl::StrCat("segment/", int(outcome[i].code())));
         held >= 0) {
       KLOG(Warning, "gpu_node")
-          << "session=" << segs[i].session << " layer " << layer << " of step "
-          << step << " failed: " << outcome[i] << HeldBackNote(held);
+          << "session=" << ShortKey(segs[i].session) << " layer " << layer
+          << " of step " << step << " failed: " << outcome[i]
+          << HeldBackNote(held);
     }
     RETURN_IF_ERROR(fail_segment(i, outcome[i]));
   }

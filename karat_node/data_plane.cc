@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "common/log_ids.h"
 #include "common/log_limiter.h"
 #include "common/status_macros.h"
 
@@ -92,7 +93,8 @@ absl::StatusOr<DataPlaneHandler::Reserved> DataPlaneHandler::Reserve(
       KaratDevice::ReserveResult r,
       devices_[device]->Reserve(session, tokens, turn_epoch, kv_tokens));
   session_device_[session] = device;
-  return Reserved{int64_t(devices_[device]->used_bytes()), r.kv_dropped};
+  return Reserved{int64_t(devices_[device]->used_bytes()), r.kv_dropped,
+                  r.session_bytes};
 }
 
 absl::Status DataPlaneHandler::FreeSession(uint64_t session) {
@@ -113,8 +115,8 @@ int DataPlaneHandler::FreeAllSessions() {
   for (const auto& [session, device] : session_device_) {
     absl::Status st = devices_[device]->Free(session);
     if (!st.ok()) {
-      KLOG(Warning, "karat_node")
-          << "session " << session << ": freeing failed: " << st.message();
+      KLOG(Warning, "karat_node") << "session=" << ShortKey(session)
+                                  << " freeing failed: " << st.message();
     }
   }
   session_device_.clear();
@@ -287,10 +289,11 @@ void DataPlaneHandler::ReplyError(const FrameHeader& request,
           absl::StrCat("error/", peer, "/", int(status.code())));
       held >= 0) {
     KLOG(Warning, "karat_node")
-        << "session=" << request.session << " device=" << request.device
-        << " layer=" << request.layer << " from node " << request.src_node
-        << " (peer '" << peer << "'): " << FrameTypeName(request.type)
-        << " failed: " << status << HeldBackNote(held);
+        << "session=" << ShortKey(request.session)
+        << " device=" << request.device << " layer=" << request.layer
+        << " from node " << request.src_node << " (peer '" << peer
+        << "'): " << FrameTypeName(request.type) << " failed: " << status
+        << HeldBackNote(held);
   }
   const std::string text(status.message());
   Reply(request, FrameType::kError, {text},
@@ -312,7 +315,7 @@ void DataPlaneHandler::Reply(const FrameHeader& request, FrameType type,
             absl::StrCat("no-hello/", request.src_node));
         held >= 0) {
       KLOG(Warning, "karat_node")
-          << "session=" << request.session << " cannot answer node "
+          << "session=" << ShortKey(request.session) << " cannot answer node "
           << request.src_node << ": no kHello from it" << HeldBackNote(held);
     }
     return;

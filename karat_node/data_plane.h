@@ -91,8 +91,9 @@ class DataPlaneHandler {
   uint32_t node_id() const { return node_id_.load(); }
 
   struct Reserved {
-    int64_t used_bytes = 0;   // the device's, afterwards
-    bool kv_dropped = false;  // KaratDevice::ReserveResult
+    int64_t used_bytes = 0;     // the device's, afterwards
+    bool kv_dropped = false;    // KaratDevice::ReserveResult
+    int64_t session_bytes = 0;  // KaratDevice::ReserveResult
   };
   // KaratNode.Reserve: makes room for `tokens` positions of `session` on
   // `device` (creating its cache there on first use), fences its older

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "common/log_ids.h"
 #include "common/status_macros.h"
 
 namespace karat {
@@ -308,10 +309,11 @@ absl::StatusOr<KaratDevice::ReserveResult> KaratDevice::Reserve(
     s.selection_key.reset();
     result.kv_dropped = true;
     KLOG(Info, "karat_node")
-        << "session=" << session << " device=" << index_
+        << "session=" << ShortKey(session) << " device=" << index_
         << ": the attention metadata covers positions past " << kv_tokens
         << "; its KV is dropped and rebuilt from the token log";
   }
+  result.session_bytes = int64_t(s.cache->bytes());
   return result;
 }
 
@@ -576,9 +578,10 @@ absl::Status KaratDevice::ApplyLocked(const FrameView& frame, Session* sp,
         uint64_t(cost->bytes * double(spilled) / double(length)));
   }
   KLOG(Debug, "karat_node")
-      << "session=" << h.session << " device=" << index_ << " layer=" << layer
-      << " " << FrameTypeName(h.type) << " positions " << pos_start << ".."
-      << pos_start + n - 1 << " ingested_bytes=" << session.ingested_bytes;
+      << "session=" << ShortKey(h.session) << " device=" << index_
+      << " layer=" << layer << " " << FrameTypeName(h.type) << " positions "
+      << pos_start << ".." << pos_start + n - 1
+      << " ingested_bytes=" << session.ingested_bytes;
   return absl::OkStatus();
 }
 

@@ -189,6 +189,9 @@ class KaratDevice {
     // turn-end metadata covered the cut: TruncateSessionKv) and was dropped
     // whole; the caller feeds the whole token log.
     bool kv_dropped = false;
+    // The bytes the session holds afterwards (SessionCache::bytes: its
+    // pages here and spilled, those of its metadata included).
+    int64_t session_bytes = 0;
   };
   // Ensures room for `tokens` positions of `session`, creating its cache on
   // first use. Pages the arena cannot hold spill to the node's other devices

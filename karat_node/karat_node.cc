@@ -18,6 +18,7 @@
 #include "common/attention.h"
 #include "common/link_emulation.h"
 #include "common/log.h"
+#include "common/log_ids.h"
 #include "common/membership.h"
 #include "common/model_config.h"
 #include "common/node_daemon.h"
@@ -59,17 +60,18 @@ class KaratNodeService final : public cluster::KaratNode::Service {
         request->turn_epoch(), request->kv_tokens());
     if (!used.ok()) {
       KLOG(Info, "karat_node")
-          << "session=" << request->session() << " reserve of "
+          << "session=" << ShortKey(request->session()) << " reserve of "
           << request->tokens() << " tokens on device " << request->device()
           << " refused: " << used.status();
       return ToGrpc(used.status());
     }
     KLOG(Debug, "karat_node")
-        << "session=" << request->session() << " reserved " << request->tokens()
-        << " tokens on device " << request->device() << " (device used "
-        << used->used_bytes << " bytes)";
+        << "session=" << ShortKey(request->session()) << " reserved "
+        << request->tokens() << " tokens on device " << request->device()
+        << " (device used " << used->used_bytes << " bytes)";
     response->set_used_bytes(used->used_bytes);
     response->set_kv_dropped(used->kv_dropped);
+    response->set_session_bytes(used->session_bytes);
     return grpc::Status::OK;
   }
 
@@ -78,8 +80,8 @@ class KaratNodeService final : public cluster::KaratNode::Service {
                            cluster::FreeSessionResponse*) override {
     absl::Status s = handler_->FreeSession(request->session());
     KLOG(Info, "karat_node")
-        << "session=" << request->session() << " freed" << (s.ok() ? "" : ": ")
-        << (s.ok() ? "" : s.ToString());
+        << "session=" << ShortKey(request->session()) << " freed"
+        << (s.ok() ? "" : ": ") << (s.ok() ? "" : s.ToString());
     return ToGrpc(s);
   }
 

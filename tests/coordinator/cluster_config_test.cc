@@ -154,6 +154,15 @@ TEST_CASE("config: scale-out settings are checked by field") {
         "c: links[0].source: must be a node name or *");
 }
 
+TEST_CASE("config: the request size limit and idle KV eviction") {
+  CHECK(Refusal("coordinator { max_message_bytes: 8388608 }\n"
+                "security { idle_kv_evict_s: 600 }") == "");
+  CHECK(Refusal("coordinator { max_message_bytes: -1 }") ==
+        "c: coordinator.max_message_bytes: must be >= 0 (0: 4 MiB)");
+  CHECK(Refusal("security { idle_kv_evict_s: -5 }") ==
+        "c: security.idle_kv_evict_s: must be >= 0 (0: never)");
+}
+
 TEST_CASE("config: a GPU node with every link to the KARAT nodes down") {
   CHECK(
       Refusal("links { source: \"g0\" destination: \"k0\" down: true }") ==

@@ -47,6 +47,7 @@ class FakeKaratNode final : public cl::KaratNode::Service {
     if (req->tokens() > capacity_[req->device()] - busy_tokens.load())
       return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "full now");
     resp->set_used_bytes(req->tokens() * 100);
+    resp->set_session_bytes(req->tokens() * 100);  // 100 bytes a position
     return grpc::Status::OK;
   }
   grpc::Status FreeSession(grpc::ServerContext*,
@@ -142,6 +143,7 @@ class FakeGpuNode final : public cl::GpuNode::Service {
     if (req->tokens() > kv_capacity_tokens.load())
       return grpc::Status(grpc::StatusCode::OUT_OF_RANGE, "HBM full");
     resp->set_used_bytes(req->tokens() * 100);
+    resp->set_session_bytes(req->tokens() * 100);  // 100 bytes a position
     return grpc::Status::OK;
   }
   grpc::Status FreeSession(grpc::ServerContext*,
@@ -239,7 +241,7 @@ class FakeGpuNode final : public cl::GpuNode::Service {
 };
 
 // Waits (bounded) until `gpu` has received `n` RunTurn calls.
-void WaitRuns(FakeGpuNode& gpu, size_t n) {
+inline void WaitRuns(FakeGpuNode& gpu, size_t n) {
   for (int i = 0; i < 1000 && gpu.runs().size() < n; ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
 }

@@ -29,3 +29,14 @@ add_unit_test(coordinator_admission_policy_test
 add_unit_test(coordinator_retry_test
   SOURCES tests/coordinator/coordinator_retry_test.cc
   LIBS karat_coordinator gRPC::grpc++)
+add_unit_test(coordinator_quota_test
+  SOURCES tests/coordinator/quota_test.cc
+    tests/coordinator/idle_evict_test.cc
+  LIBS karat_coordinator)
+add_unit_test(coordinator_sessions_test
+  SOURCES tests/coordinator/ownership_test.cc
+    tests/coordinator/quota_service_test.cc
+    tests/coordinator/idle_evict_service_test.cc
+  LIBS karat_coordinator)
+target_compile_definitions(coordinator_sessions_test PRIVATE
+  KARAT_CERTS_SCRIPT="${PROJECT_SOURCE_DIR}/deploy/karat-certs")

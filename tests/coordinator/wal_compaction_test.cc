@@ -70,7 +70,7 @@ std::vector<cl::WalRecord> SessionRecords(int n) {
   const cl::LastTurn done = MakeLastTurn(absl::StrCat("k", n), {n, 1}, 0, 2,
                                          n % 4 == 0 ? "eos" : "length");
   std::vector<cl::WalRecord> records = {
-      Created(id, uint64_t(1000 + n), uint64_t(n)),
+      Created(id, uint64_t(1000 + n), uint64_t(n), n % 2 ? "alice" : ""),
       Started(id, MakeLastTurn(absl::StrCat("k", n), {n, 1}, 0, 0, "")),
       TurnWithLast(id, {256, n, 1, 7, n}, {3}, 1, done)};
   if (n % 2 == 1) records.push_back(Turn(id, {n + 1, 9}, {3, 7}, 2));

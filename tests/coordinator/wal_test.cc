@@ -86,6 +86,39 @@ TEST_CASE("Opening the session log compacts it to the live sessions", "[wal]") {
         ReplayWal(before->records)[0].history);
 }
 
+TEST_CASE("Owners are replayed and kept by compaction; the files are private",
+          "[wal]") {
+  TempDir dir;
+  const std::string state = dir.path() + "/state";
+  {
+    std::vector<LoggedSession> sessions;
+    auto log = SessionLog::Open(state, &sessions);
+    REQUIRE(log.ok());
+    REQUIRE((*log)->Append(Created("s-a", 11, 1, "alice")).ok());
+    REQUIRE((*log)->Append(Created("s-b", 22, 2, "bob")).ok());
+    REQUIRE((*log)->Append(Created("s-c", 33, 3)).ok());
+    REQUIRE((*log)->Append(Closed("s-b")).ok());
+  }
+  // Created by Open: the dir is 0700, the log 0600 (whatever the umask).
+  CHECK((std::filesystem::status(state).permissions() &
+         std::filesystem::perms::all) == std::filesystem::perms::owner_all);
+  CHECK((std::filesystem::status(state + "/" + SessionLog::kFileName)
+             .permissions() &
+         std::filesystem::perms::all) == (std::filesystem::perms::owner_read |
+                                          std::filesystem::perms::owner_write));
+  std::vector<LoggedSession> sessions;
+  REQUIRE(SessionLog::Open(state, &sessions).ok());
+  REQUIRE(sessions.size() == 2);
+  CHECK(sessions[0].owner == "alice");
+  CHECK(sessions[1].owner.empty());
+  // Open compacted the file: its records still name the owners.
+  auto file = ReadWalFile(state + "/" + SessionLog::kFileName);
+  REQUIRE(file.ok());
+  REQUIRE(file->records.size() == 2);
+  CHECK(file->records[0].created().owner() == "alice");
+  CheckSameSessions(ReplayWal(file->records), sessions);
+}
+
 TEST_CASE("A torn last record of the session log is cut off", "[wal]") {
   TempDir dir;
   WriteSome(dir.path());

@@ -53,12 +53,13 @@ class TempDir {
   std::string path_;
 };
 
-inline cl::WalRecord Created(const std::string& id, uint64_t key,
-                             uint64_t seed) {
+inline cl::WalRecord Created(const std::string& id, uint64_t key, uint64_t seed,
+                             const std::string& owner = "") {
   cl::WalRecord r;
   r.mutable_created()->set_id(id);
   r.mutable_created()->set_key(key);
   r.mutable_created()->set_seed(seed);
+  r.mutable_created()->set_owner(owner);
   return r;
 }
 
@@ -147,6 +148,7 @@ inline void CheckSameSessions(const std::vector<LoggedSession>& a,
     CHECK(a[i].id == b[i].id);
     CHECK(a[i].key == b[i].key);
     CHECK(a[i].seed == b[i].seed);
+    CHECK(a[i].owner == b[i].owner);
     CHECK(a[i].history == b[i].history);
     CHECK(a[i].prefill_ends == b[i].prefill_ends);
     CHECK(a[i].turns == b[i].turns);

@@ -193,6 +193,8 @@ TEST_CASE("node daemons serve a turn over gRPC and libfabric",
     cluster::ReserveResponse resp;
     REQUIRE(karat_stub->Reserve(&ctx, r, &resp).ok());
     CHECK(resp.used_bytes() > 0);
+    // The session is the device's only one.
+    CHECK(resp.session_bytes() == resp.used_bytes());
   }
   {
     grpc::ClientContext ctx;

@@ -1,5 +1,6 @@
 add_unit_test(gpu_node_decode_loop_test
   SOURCES tests/gpu_node/decode_loop_test.cc
+    tests/gpu_node/local_attention_test.cc
   LIBS karat_gpu_node karat_karat_node
   LABELS unit)
 

@@ -480,5 +480,45 @@ TEST_CASE("a restarted coordinator: cluster tokens equal the reference engine",
                         TextConversations(kMaxNew, seed, temperature), kTurns);
 }
 
+// Idle KV eviction (security.idle_kv_evict_s): a session idle for a second
+// has its KV freed on the KARAT node; its next turn rebuilds it from the
+// token log, and the conversation's tokens stay the reference engine's.
+TEST_CASE("idle KV eviction: cluster tokens equal the reference engine",
+          "[integration]") {
+  ClusterSpec spec;
+  spec.extra_config = "security { idle_kv_evict_s: 1 }\n";
+  Cluster cluster(spec);
+  constexpr int kSessions = 2, kTurns = 3, kMaxNew = 12;
+  auto temperature = [](int s) { return s == 0 ? 0.0f : 0.9f; };
+  auto seed = [](int s) { return uint64_t(900 + s); };
+  auto stub = cluster.NewStub();
+  std::vector<std::string> ids;
+  std::vector<std::vector<Turn>> got(kSessions);
+  auto evictions = [&] {
+    grpc::ClientContext ctx;
+    karat::v1::ClusterStatus status;
+    REQUIRE(stub->GetClusterStatus(&ctx, {}, &status).ok());
+    return status.stats().at("kv_evictions");
+  };
+  for (int s = 0; s < kSessions; ++s)
+    ids.push_back(NewSession(stub.get(), seed(s)));
+  for (int t = 0; t < kTurns; ++t) {
+    const double before = evictions();
+    for (int s = 0; s < kSessions; ++s) {
+      got[s].push_back(Generate(stub.get(), ids[s], PromptText(s, t), kMaxNew,
+                                temperature(s)));
+      INFO(got[s].back().status.error_message());
+      REQUIRE(got[s].back().status.ok());
+    }
+    // Both sessions' KV is freed before their next turn.
+    for (int i = 0; i < 600 && evictions() < before + kSessions; ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    REQUIRE(evictions() >= before + kSessions);
+  }
+  CHECK(cluster.ReadLog("karat0").find(" freed") != std::string::npos);
+  CheckAgainstReference(cluster.model_dir(), got,
+                        TextConversations(kMaxNew, seed, temperature), kTurns);
+}
+
 }  // namespace
 }  // namespace karat::testing

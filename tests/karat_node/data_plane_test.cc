@@ -379,6 +379,34 @@ TEST_CASE("a negative inline_max_context is refused, naming the field",
              Catch::Contains("inline_max_context"));
 }
 
+TEST_CASE("Reserve reports the session's bytes beside the device's",
+          "[karat_node]") {
+  auto c = PresetConfig("dsa-small");
+  REQUIRE(c.ok());
+  const KvLayout layout = MakeKvLayout(*c, 16);
+  const int64_t session =
+      int64_t(layout.page_bytes) * c->num_hidden_layers * layout.PagesFor(16);
+  DataPlaneOptions options;
+  options.tokens_per_page = 16;
+  options.devices = {DeviceOptions{size_t(4 * session), 1}};
+  auto h = DataPlaneHandler::Create(*c, options, nullptr);
+  REQUIRE(h.ok());
+  auto first = (*h)->Reserve(1, 0, 16);
+  REQUIRE(first.ok());
+  CHECK(first->session_bytes == session);
+  auto second = (*h)->Reserve(2, 0, 32);
+  REQUIRE(second.ok());
+  CHECK(second->session_bytes == int64_t(layout.page_bytes) *
+                                     c->num_hidden_layers *
+                                     layout.PagesFor(32));
+  CHECK(second->used_bytes == session + second->session_bytes);
+  REQUIRE((*h)->FreeSession(2).ok());
+  auto again = (*h)->Reserve(1, 0, 8);  // already room: unchanged
+  REQUIRE(again.ok());
+  CHECK(again->session_bytes == session);
+  CHECK(again->used_bytes == session);
+}
+
 TEST_CASE("Reserve is all or nothing", "[karat_node]") {
   auto c = PresetConfig("dsa-small");
   REQUIRE(c.ok());
@@ -398,6 +426,7 @@ TEST_CASE("Reserve is all or nothing", "[karat_node]") {
   auto used = handler.Reserve(1, 0, 16);
   REQUIRE(used.ok());
   CHECK(used->used_bytes == int64_t(layout.page_bytes * pages));
+  CHECK(used->session_bytes == int64_t(layout.page_bytes * pages));
   CHECK_FALSE(used->kv_dropped);
 
   // 32 tokens need twice the pages the device holds even empty.
