@@ -154,7 +154,7 @@ absl::Status ValidateClusterConfig(const cluster::ClusterConfig& config) {
       sec.admin_listen().find(':') == std::string::npos)
     return Invalid("security.admin_listen", "expected HOST:PORT");
   if (sec.idle_kv_evict_s() < 0)
-    return Invalid("security.idle_kv_evict_s", "must be >= 0");
+    return Invalid("security.idle_kv_evict_s", "must be >= 0 (0: never)");
   const cluster::ClientLimits& lim = sec.default_limits();
   if (lim.max_sessions() < 0 || lim.max_kv_bytes() < 0 ||
       lim.max_concurrent_turns() < 0 || lim.session_burst() < 0 ||

@@ -64,7 +64,7 @@ TEST_CASE("config: the security block is checked by field") {
   CHECK(err("security { admin_listen: \"7443\" }") ==
         "s: security.admin_listen: expected HOST:PORT");
   CHECK(err("security { idle_kv_evict_s: -1 }") ==
-        "s: security.idle_kv_evict_s: must be >= 0");
+        "s: security.idle_kv_evict_s: must be >= 0 (0: never)");
   CHECK(err("security { default_limits { max_sessions: -2 } }") ==
         "s: security.default_limits: every limit must be >= 0");
   auto ok = ParseClusterConfig(
