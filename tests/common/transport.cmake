@@ -1,6 +1,10 @@
 add_unit_test(frame_test
   SOURCES tests/common/frame_test.cc
   LIBS karat_common)
+# The data-plane hello's proof (HMAC layout and coverage).
+add_unit_test(hello_proof_test
+  SOURCES tests/common/hello_proof_test.cc
+  LIBS karat_common)
 add_unit_test(fake_transport_test
   SOURCES tests/common/fake_transport_test.cc
   LIBS karat_common)
