@@ -615,7 +615,8 @@ absl::StatusOr<std::unique_ptr<GpuNodeDaemon>> GpuNodeDaemon::Start(
     impl->service->Fill(r->mutable_stats());
     impl->service->FillDevices(r->mutable_devices());
   };
-  reg.on_registered = [impl](uint32_t id) {
+  reg.on_registered = [impl](const cluster::RegisterNodeResponse& response) {
+    const uint32_t id = response.node_id();
     impl->registered_once = true;
     impl->service->set_node_id(id);
     if (impl->backend) impl->backend->set_node_id(id);

@@ -299,7 +299,8 @@ absl::StatusOr<std::unique_ptr<KaratNodeDaemon>> KaratNodeDaemon::Start(
   reg.fill_heartbeat = [impl](cluster::HeartbeatRequest* r) {
     impl->FillHeartbeat(r);
   };
-  reg.on_registered = [impl](uint32_t id) {
+  reg.on_registered = [impl](const cluster::RegisterNodeResponse& response) {
+    const uint32_t id = response.node_id();
     impl->registered_once = true;
     impl->handler->set_node_id(id);
     KLOG(Info, "karat_node") << "ready: " << impl->options.name
