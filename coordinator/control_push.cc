@@ -255,6 +255,7 @@ cl::SetLinksRequest LinkPushLocked(State* s,
   req.set_seed(s->options().link_seed);
   for (const auto& [id, n] : s->nodes_) {
     (*req.mutable_node_names())[id] = n.name;
+    (*req.mutable_node_roles())[id] = RoleName(n.role);
     if (s->AliveLocked(n)) targets->push_back({n.name, n.role, n.channel});
   }
   return req;
@@ -263,8 +264,10 @@ cl::SetLinksRequest LinkPushLocked(State* s,
 // Sends `req` to every target; returns "name: reason" for each failure.
 std::vector<std::string> PushLinks(const State* s,
                                    const cl::SetLinksRequest& req,
-                                   const std::vector<LinkPushTarget>& targets) {
+                                   const std::vector<LinkPushTarget>& targets,
+                                   bool* unreachable) {
   std::vector<std::string> failed;
+  if (unreachable != nullptr) *unreachable = false;
   for (const LinkPushTarget& t : targets) {
     grpc::ClientContext ctx;
     ctx.set_deadline(Deadline(s));
@@ -279,6 +282,10 @@ std::vector<std::string> PushLinks(const State* s,
       KLOG(Warning, kLog) << "cannot push link settings to " << t.name << ": "
                           << st.error_message();
       failed.push_back(absl::StrCat(t.name, ": ", st.error_message()));
+      if (unreachable != nullptr &&
+          (st.error_code() == grpc::StatusCode::UNAVAILABLE ||
+           st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED))
+        *unreachable = true;
     }
   }
   return failed;

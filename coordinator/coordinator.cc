@@ -11,6 +11,7 @@
 #include "coordinator/admin_service.h"
 #include "coordinator/cluster_config.h"
 #include "coordinator/control_push.h"
+#include "coordinator/data_plane_secret.h"
 #include "coordinator/karat_service.h"
 #include "coordinator/membership_service.h"
 #include "coordinator/state.h"
@@ -76,6 +77,17 @@ class CoordinatorImpl final : public Coordinator {
       }
       KLOG(Info, kLog) << "state dir " << state_.options().state_dir << ": "
                        << logged.size() << " sessions restored";
+    }
+    ASSIGN_OR_RETURN(state_.data_plane_secret_,
+                     DataPlaneSecretFor(state_.options().security,
+                                        state_.options().state_dir));
+    if (!state_.data_plane_secret_.empty()) {
+      KLOG(Info, kLog) << "data-plane secret "
+                       << (state_.options().state_dir.empty()
+                               ? std::string("made for this run (no state dir)")
+                               : absl::StrCat("in ",
+                                              state_.options().state_dir, "/",
+                                              kDataPlaneSecretFile));
     }
     grpc::EnableDefaultHealthCheckService(true);
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();

@@ -438,6 +438,10 @@ class State {
   // Who calls (client tokens, admin tokens, daemon certificates). Set
   // before the server starts; immutable, thread-safe.
   std::unique_ptr<ClientAuth> auth_;
+  // The cluster's data-plane secret, handed to every node that registers
+  // (coordinator/data_plane_secret.h); empty in plaintext mode. Set before
+  // the server starts; immutable.
+  std::string data_plane_secret_;
 
   mutable absl::Mutex mu_;
   std::map<uint32_t, Node> nodes_ ABSL_GUARDED_BY(mu_);

@@ -239,7 +239,7 @@ class FakeGpuNode final : public cl::GpuNode::Service {
 };
 
 // Waits (bounded) until `gpu` has received `n` RunTurn calls.
-void WaitRuns(FakeGpuNode& gpu, size_t n) {
+[[maybe_unused]] void WaitRuns(FakeGpuNode& gpu, size_t n) {
   for (int i = 0; i < 1000 && gpu.runs().size() < n; ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
 }

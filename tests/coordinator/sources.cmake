@@ -29,3 +29,8 @@ add_unit_test(coordinator_admission_policy_test
 add_unit_test(coordinator_retry_test
   SOURCES tests/coordinator/coordinator_retry_test.cc
   LIBS karat_coordinator gRPC::grpc++)
+# The data-plane secret (made, kept 0600, handed out) and the node table the
+# KARAT nodes admit GPU nodes by (docs/security.md "Data plane").
+add_unit_test(coordinator_data_plane_secret_test
+  SOURCES tests/coordinator/data_plane_secret_test.cc
+  LIBS karat_coordinator)
