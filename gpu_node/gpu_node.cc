@@ -618,6 +618,10 @@ absl::StatusOr<std::unique_ptr<GpuNodeDaemon>> GpuNodeDaemon::Start(
   reg.on_registered = [impl](const cluster::RegisterNodeResponse& response) {
     const uint32_t id = response.node_id();
     impl->registered_once = true;
+    // The data-plane secret first: the handshakes under the new id carry
+    // proofs made with it.
+    if (impl->backend)
+      impl->backend->set_data_plane_secret(response.data_plane_secret());
     impl->service->set_node_id(id);
     if (impl->backend) impl->backend->set_node_id(id);
     impl->SetNodeId(id);

@@ -47,3 +47,10 @@ add_unit_test(decode_loop_isolation_test
   SOURCES tests/gpu_node/decode_loop_isolation_test.cc
   LIBS karat_gpu_node
   LABELS unit)
+
+# Remote attention with a data-plane secret (docs/security.md "Data plane"):
+# the proven handshake, refused hellos and acks, answers from strangers.
+add_unit_test(remote_attention_auth_test
+  SOURCES tests/gpu_node/remote_attention_auth_test.cc
+  LIBS karat_gpu_node karat_karat_node
+  LABELS unit)
