@@ -619,9 +619,10 @@ absl::StatusOr<std::unique_ptr<GpuNodeDaemon>> GpuNodeDaemon::Start(
     const uint32_t id = response.node_id();
     impl->registered_once = true;
     // The data-plane secret first: the handshakes under the new id carry
-    // proofs made with it.
-    if (impl->backend)
-      impl->backend->set_data_plane_secret(response.data_plane_secret());
+    // proofs made with it, and the other ranks' frames are checked.
+    const std::string& secret = response.data_plane_secret();
+    if (impl->backend) impl->backend->set_data_plane_secret(secret);
+    if (impl->experts) impl->experts->set_authenticated(!secret.empty());
     impl->service->set_node_id(id);
     if (impl->backend) impl->backend->set_node_id(id);
     impl->SetNodeId(id);

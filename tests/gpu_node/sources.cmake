@@ -54,3 +54,9 @@ add_unit_test(remote_attention_auth_test
   SOURCES tests/gpu_node/remote_attention_auth_test.cc
   LIBS karat_gpu_node karat_karat_node
   LABELS unit)
+# Expert-parallel MoE with a data-plane secret: frames only from the rank
+# table's transport peers.
+add_unit_test(expert_parallel_auth_test
+  SOURCES tests/gpu_node/expert_parallel_auth_test.cc
+  LIBS karat_gpu_node
+  LABELS unit)
