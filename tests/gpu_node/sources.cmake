@@ -60,3 +60,9 @@ add_unit_test(expert_parallel_auth_test
   SOURCES tests/gpu_node/expert_parallel_auth_test.cc
   LIBS karat_gpu_node
   LABELS unit)
+# The authenticated data plane over real libfabric endpoints (shm, tcp on
+# loopback): an endpoint no coordinator registered gets no attention output.
+add_unit_test(data_plane_fabric_auth_test
+  SOURCES tests/gpu_node/data_plane_fabric_auth_test.cc
+  LIBS karat_gpu_node karat_karat_node
+  LABELS unit loopback)
