@@ -34,3 +34,8 @@ add_unit_test(coordinator_retry_test
 add_unit_test(coordinator_data_plane_secret_test
   SOURCES tests/coordinator/data_plane_secret_test.cc
   LIBS karat_coordinator)
+# Where the daemons' data planes bind: the cluster file's policy, the
+# daemons' default and karatctl plan's --fabric-node.
+add_unit_test(coordinator_data_plane_bind_test
+  SOURCES tests/coordinator/data_plane_bind_test.cc
+  LIBS karatctl_lib)
