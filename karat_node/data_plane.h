@@ -32,9 +32,10 @@
 // per sending peer frames_invalid.<peer name>) and logged with the name of
 // the peer the transport says sent it. A frame naming an unknown session or
 // device, or with a section of the wrong length, is answered with kError
-// (status code + message) and counted (errors); one from a node that sent no
-// kHello cannot be answered and is counted and logged with the transport's
-// name for its sender. Replies carry this node's id as src_node.
+// (status code + message) and counted (errors); in plaintext mode one from a
+// node that sent no kHello cannot be answered and is counted and logged with
+// the transport's name for its sender (with a secret it is refused before it
+// is handled). Replies carry this node's id as src_node.
 #pragma once
 
 #include <atomic>

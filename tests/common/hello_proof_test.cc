@@ -3,6 +3,8 @@
 #include "common/hello_proof.h"
 
 #include <catch2/catch.hpp>
+#include <fstream>
+#include <sstream>
 #include <string>
 
 namespace karat {
@@ -65,6 +67,31 @@ TEST_CASE("a hello proof verifies only with every field it was made over",
   // and the address changes it.
   CHECK(HelloMac(kSecret, FrameType::kHello, 3, 7, "ab", "c") !=
         HelloMac(kSecret, FrameType::kHello, 3, 7, "a", "bc"));
+}
+
+// The fuzzer's seeds of the handshake frames (tests/fuzz/frame_corpus) are
+// frames the decoder takes, with proofs of this layout.
+TEST_CASE("the frame corpus holds proven handshake frames", "[hello_proof]") {
+  auto read = [](const std::string& name) {
+    std::ifstream in(std::string(KARAT_FRAME_CORPUS) + "/" + name,
+                     std::ios::binary);
+    REQUIRE(in);
+    std::ostringstream bytes;
+    bytes << in.rdbuf();
+    return bytes.str();
+  };
+  const std::string hello = read("hello_proof");
+  auto h = DecodeFrame(hello);
+  REQUIRE(h.ok());
+  CHECK(h->header.type == uint16_t(FrameType::kHello));
+  REQUIRE(h->header.n_sections == 2);
+  CHECK(ParseHelloProof(h->sections[kHelloProofSection]).ok());
+  const std::string ack = read("hello_ack_proof");
+  auto a = DecodeFrame(ack);
+  REQUIRE(a.ok());
+  CHECK(a->header.type == uint16_t(FrameType::kHelloAck));
+  REQUIRE(a->header.n_sections == 1);
+  CHECK(ParseHelloProof(a->sections[kHelloAckProofSection]).ok());
 }
 
 }  // namespace
