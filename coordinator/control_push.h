@@ -212,9 +212,9 @@ cl::SetLinksRequest LinkPushLocked(State* s,
                                    std::vector<LinkPushTarget>* targets)
     ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu_);
 
-// Sends `req` to every target; returns "name: reason" for each failure, and
-// in `*unreachable` (optional) whether a target could not be reached
-// (UNAVAILABLE, DEADLINE_EXCEEDED).
+// Sends `req` to every target, all at once; returns "name: reason" for each
+// failure (in the order of `targets`), and in `*unreachable` (optional)
+// whether a target could not be reached (UNAVAILABLE, DEADLINE_EXCEEDED).
 std::vector<std::string> PushLinks(const State* s,
                                    const cl::SetLinksRequest& req,
                                    const std::vector<LinkPushTarget>& targets,

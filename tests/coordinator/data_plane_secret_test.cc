@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "coordinator/membership_service.h"
 #include "coordinator/state.h"
@@ -127,14 +128,20 @@ TEST_CASE("RegisterNode hands every node the cluster's secret",
   }
 }
 
-// A KARAT node that records the tables pushed to it.
+// A KARAT node that records the tables pushed to it; with `hold`, each
+// push waits for Release() (a node that hangs).
 class RecordingKaratNode final : public cl::KaratNode::Service {
  public:
+  explicit RecordingKaratNode(bool hold = false) : hold_(hold) {}
   grpc::Status SetLinks(grpc::ServerContext*, const cl::SetLinksRequest* req,
                         cl::SetLinksResponse*) override {
+    if (hold_) released_.WaitForNotificationWithTimeout(absl::Seconds(60));
     absl::MutexLock lock(&mu_);
     pushed_.push_back(*req);
     return grpc::Status::OK;
+  }
+  void Release() {
+    if (!released_.HasBeenNotified()) released_.Notify();
   }
   // Waits (bounded) for a push whose table holds `ids`; returns it.
   std::optional<cl::SetLinksRequest> WaitFor(const std::vector<uint32_t>& ids) {
@@ -154,6 +161,8 @@ class RecordingKaratNode final : public cl::KaratNode::Service {
   }
 
  private:
+  const bool hold_;
+  absl::Notification released_;
   absl::Mutex mu_;
   std::vector<cl::SetLinksRequest> pushed_ ABSL_GUARDED_BY(mu_);
 };
@@ -173,6 +182,22 @@ TEST_CASE("every registration pushes the node table with roles, rules or not",
   CHECK(pushed->node_roles().at(gpu_id) == "gpu");
   CHECK(pushed->node_roles().at(karat_id) == "karat");
   CHECK(pushed->node_names().at(gpu_id) == "gpu0");
+}
+
+TEST_CASE("a node that hangs holds back no other node's table",
+          "[coordinator][security]") {
+  // Calls to nodes wait long: a push made one node after the other would
+  // wait on the hung node first.
+  Cluster c(64, [](Options& o) { o.node_call_timeout_ms = 60000; });
+  RecordingKaratNode hung(/*hold=*/true), karat;
+  FakeServer hung_server(&hung), karat_server(&karat);
+  FakeGpuNode gpu({1});
+  FakeServer gpu_server(&gpu);
+  c.Register("karat0", "karat", hung_server.address, 1);  // the lowest id
+  const uint32_t karat_id = c.Register("karat1", "karat", karat_server.address, 1);
+  const uint32_t gpu_id = c.Register("gpu0", "gpu", gpu_server.address, 0);
+  CHECK(karat.WaitFor({karat_id, gpu_id}).has_value());
+  hung.Release();
 }
 
 }  // namespace
