@@ -40,9 +40,8 @@ std::string EncodeHelloProof(const HelloProof& proof) {
 
 absl::StatusOr<HelloProof> ParseHelloProof(std::string_view section) {
   if (section.size() != kHelloProofBytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("a hello proof is ", kHelloProofBytes, " bytes, got ",
-                     section.size()));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a hello proof is ", kHelloProofBytes, " bytes, got ", section.size()));
   }
   if (GetU32(section, 4) != 0) {
     return absl::InvalidArgumentError(

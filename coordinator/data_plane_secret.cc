@@ -28,17 +28,15 @@ absl::StatusOr<std::string> ReadSecret(int fd, const std::string& path) {
   if (!S_ISREG(st.st_mode)) return FileError(path, "not a regular file");
   if ((st.st_mode & 077) != 0) {
     return FileError(
-        path, absl::StrCat("mode ",
-                           absl::StrFormat("%03o", st.st_mode & 0777),
+        path, absl::StrCat("mode ", absl::StrFormat("%03o", st.st_mode & 0777),
                            " lets others than its owner read or write it "
                            "(chmod 600 ",
                            path, ")"));
   }
   if (st.st_size != off_t(kDataPlaneSecretBytes)) {
-    return FileError(path,
-                     absl::StrCat(st.st_size, " bytes, expected ",
-                                  kDataPlaneSecretBytes,
-                                  " (remove it to make a new secret)"));
+    return FileError(path, absl::StrCat(st.st_size, " bytes, expected ",
+                                        kDataPlaneSecretBytes,
+                                        " (remove it to make a new secret)"));
   }
   std::string secret(kDataPlaneSecretBytes, '\0');
   size_t done = 0;
@@ -71,7 +69,8 @@ absl::StatusOr<std::string> CreateSecret(const std::string& dir,
   const int fd =
       open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
   if (fd < 0) {
-    return FileError(tmp, absl::StrCat("cannot create: ", std::strerror(errno)));
+    return FileError(tmp,
+                     absl::StrCat("cannot create: ", std::strerror(errno)));
   }
   absl::Status written = WriteAll(fd, secret);
   if (written.ok() && fsync(fd) != 0)
@@ -112,8 +111,7 @@ absl::StatusOr<std::string> LoadOrCreateDataPlaneSecret(
     return secret;
   }
   if (errno != ENOENT) {
-    return FileError(path,
-                     absl::StrCat("cannot open: ", std::strerror(errno)));
+    return FileError(path, absl::StrCat("cannot open: ", std::strerror(errno)));
   }
   return CreateSecret(state_dir, path);
 }

@@ -39,8 +39,8 @@ void RemoteAttentionBackend::Impl::OnHelloAckLocked(const FrameView& ack,
     const bool valid = proof.ok() && h.src_node == wait.node_id &&
                        proof->receiver == node_id.load() &&
                        proof->nonce == wait.nonce &&
-                       HelloProofValid(secret, FrameType::kHelloAck,
-                                       h.src_node, wait.address, *proof);
+                       HelloProofValid(secret, FrameType::kHelloAck, h.src_node,
+                                       wait.address, *proof);
     if (!valid) {
       refused_acks.fetch_add(1);
       wait.refused = true;
@@ -76,10 +76,9 @@ absl::StatusOr<PeerId> RemoteAttentionBackend::Impl::EnsurePeer(
     absl::MutexLock lock(&mu);
     auto lost = lost_nodes.find(p.fabric_address());
     if (lost != lost_nodes.end() && lost->second == p.node_id()) {
-      return absl::UnavailableError(
-          absl::StrCat("KARAT node ", KaratNodeName(p), " (node id ",
-                       p.node_id(), ") is lost; its sessions move to other "
-                       "homes"));
+      return absl::UnavailableError(absl::StrCat(
+          "KARAT node ", KaratNodeName(p), " (node id ", p.node_id(),
+          ") is lost; its sessions move to other homes"));
     }
     key = secret;
   }
@@ -116,8 +115,8 @@ absl::StatusOr<PeerId> RemoteAttentionBackend::Impl::EnsurePeer(
     } else {
       expect.nonce = security::RandomBytes(kHelloNonceBytes);
       const std::string proof = EncodeHelloProof(
-          MakeHelloProof(key, FrameType::kHello, header.src_node,
-                         p.node_id(), expect.nonce, address));
+          MakeHelloProof(key, FrameType::kHello, header.src_node, p.node_id(),
+                         expect.nonce, address));
       EncodeFrame(header, {address, proof}, &hello);
     }
     {

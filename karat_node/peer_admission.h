@@ -35,15 +35,15 @@ namespace karat {
 // Why a frame was refused; kNone: taken.
 enum class Refusal {
   kNone,
-  kNotRegistered,   // closed: the node has not registered yet
-  kNoProof,         // a hello without a proof section
-  kMalformedProof,  // a proof section of the wrong layout
-  kOtherReceiver,   // a hello made for another node id
-  kBadProof,        // a MAC that does not verify under the secret
-  kUnknownNode,     // src_node not announced by the coordinator
-  kNotGpu,          // src_node announced, but not as a GPU node
-  kReplayed,        // a hello nonce seen before
-  kUnauthenticated, // a frame not from the peer a hello bound to src_node
+  kNotRegistered,    // closed: the node has not registered yet
+  kNoProof,          // a hello without a proof section
+  kMalformedProof,   // a proof section of the wrong layout
+  kOtherReceiver,    // a hello made for another node id
+  kBadProof,         // a MAC that does not verify under the secret
+  kUnknownNode,      // src_node not announced by the coordinator
+  kNotGpu,           // src_node announced, but not as a GPU node
+  kReplayed,         // a hello nonce seen before
+  kUnauthenticated,  // a frame not from the peer a hello bound to src_node
 };
 inline constexpr int kRefusalKinds = 10;
 

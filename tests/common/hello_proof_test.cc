@@ -14,8 +14,8 @@ const std::string kSecret(32, 's');
 const std::string kNonce = "0123456789abcdef";
 
 TEST_CASE("a hello proof encodes and parses back", "[hello_proof]") {
-  const HelloProof proof = MakeHelloProof(kSecret, FrameType::kHello, 3, 7,
-                                          kNonce, "gpu-address");
+  const HelloProof proof =
+      MakeHelloProof(kSecret, FrameType::kHello, 3, 7, kNonce, "gpu-address");
   CHECK(proof.mac.size() == kHelloMacBytes);
   const std::string bytes = EncodeHelloProof(proof);
   REQUIRE(bytes.size() == kHelloProofBytes);
@@ -38,14 +38,14 @@ TEST_CASE("a hello proof encodes and parses back", "[hello_proof]") {
 
 TEST_CASE("a hello proof verifies only with every field it was made over",
           "[hello_proof]") {
-  const HelloProof proof = MakeHelloProof(kSecret, FrameType::kHello, 3, 7,
-                                          kNonce, "gpu-address");
+  const HelloProof proof =
+      MakeHelloProof(kSecret, FrameType::kHello, 3, 7, kNonce, "gpu-address");
   CHECK(HelloProofValid(kSecret, FrameType::kHello, 3, "gpu-address", proof));
   // Another secret, type, sender or address.
   CHECK_FALSE(HelloProofValid(std::string(32, 't'), FrameType::kHello, 3,
                               "gpu-address", proof));
-  CHECK_FALSE(HelloProofValid(kSecret, FrameType::kHelloAck, 3, "gpu-address",
-                              proof));
+  CHECK_FALSE(
+      HelloProofValid(kSecret, FrameType::kHelloAck, 3, "gpu-address", proof));
   CHECK_FALSE(
       HelloProofValid(kSecret, FrameType::kHello, 4, "gpu-address", proof));
   CHECK_FALSE(
@@ -62,7 +62,8 @@ TEST_CASE("a hello proof verifies only with every field it was made over",
   // No secret proves nothing, even a MAC made under the empty key.
   const HelloProof keyless =
       MakeHelloProof("", FrameType::kHello, 3, 7, kNonce, "gpu-address");
-  CHECK_FALSE(HelloProofValid("", FrameType::kHello, 3, "gpu-address", keyless));
+  CHECK_FALSE(
+      HelloProofValid("", FrameType::kHello, 3, "gpu-address", keyless));
   // Field boundaries are part of the MAC: moving bytes between the nonce
   // and the address changes it.
   CHECK(HelloMac(kSecret, FrameType::kHello, 3, 7, "ab", "c") !=

@@ -24,9 +24,10 @@ cluster::ClusterConfig WithProvider(const std::string& provider) {
   return c;
 }
 
-TEST_CASE("DataPlaneBindAddress: loopback by default, the listen host, or "
-          "the config's",
-          "[coordinator][security]") {
+TEST_CASE(
+    "DataPlaneBindAddress: loopback by default, the listen host, or "
+    "the config's",
+    "[coordinator][security]") {
   const cluster::ClusterConfig tcp = WithProvider("tcp");
   auto bind = [&](const cluster::ClusterConfig& c, const std::string& listen,
                   const std::string& fabric_node = "") {

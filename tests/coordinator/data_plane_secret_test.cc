@@ -94,7 +94,8 @@ TEST_CASE("the data-plane secret is kept 0600 in the state dir",
   }
 }
 
-TEST_CASE("plaintext mode has no data-plane secret", "[coordinator][security]") {
+TEST_CASE("plaintext mode has no data-plane secret",
+          "[coordinator][security]") {
   TempDir dir;
   cluster::SecurityConfig security;
   security.set_plaintext(true);
@@ -174,7 +175,8 @@ TEST_CASE("every registration pushes the node table with roles, rules or not",
   FakeServer karat_server(&karat);
   FakeGpuNode gpu({1});
   FakeServer gpu_server(&gpu);
-  const uint32_t karat_id = c.Register("karat0", "karat", karat_server.address, 1);
+  const uint32_t karat_id =
+      c.Register("karat0", "karat", karat_server.address, 1);
   const uint32_t gpu_id = c.Register("gpu0", "gpu", gpu_server.address, 0);
   std::optional<cl::SetLinksRequest> pushed = karat.WaitFor({karat_id, gpu_id});
   REQUIRE(pushed.has_value());
@@ -194,7 +196,8 @@ TEST_CASE("a node that hangs holds back no other node's table",
   FakeGpuNode gpu({1});
   FakeServer gpu_server(&gpu);
   c.Register("karat0", "karat", hung_server.address, 1);  // the lowest id
-  const uint32_t karat_id = c.Register("karat1", "karat", karat_server.address, 1);
+  const uint32_t karat_id =
+      c.Register("karat1", "karat", karat_server.address, 1);
   const uint32_t gpu_id = c.Register("gpu0", "gpu", gpu_server.address, 0);
   CHECK(karat.WaitFor({karat_id, gpu_id}).has_value());
   hung.Release();

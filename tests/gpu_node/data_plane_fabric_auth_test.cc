@@ -62,8 +62,8 @@ std::unique_ptr<Transport> Open(const std::string& provider) {
   o.receive_buffers = 8;
   absl::StatusOr<std::unique_ptr<Transport>> t = OpenFabricTransport(o);
   if (!t.ok()) {
-    WARN("libfabric provider '" << provider << "' unavailable, skipping: "
-                                << t.status());
+    WARN("libfabric provider '" << provider
+                                << "' unavailable, skipping: " << t.status());
     return nullptr;
   }
   return std::move(*t);
@@ -79,9 +79,8 @@ std::string Hello(uint32_t src, const std::string& secret,
   if (secret.empty()) {
     EncodeFrame(h, {address}, &bytes);
   } else {
-    const std::string proof = EncodeHelloProof(
-        MakeHelloProof(secret, FrameType::kHello, src, kKaratId,
-                       "nonce-intruder00", address));
+    const std::string proof = EncodeHelloProof(MakeHelloProof(
+        secret, FrameType::kHello, src, kKaratId, "nonce-intruder00", address));
     EncodeFrame(h, {address, proof}, &bytes);
   }
   return bytes;
@@ -114,7 +113,8 @@ bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
 
 TEST_CASE("an endpoint no coordinator registered gets no attention output",
           "[gpu_node][security][fabric]") {
-  const std::string provider = GENERATE(Catch::Generators::as<std::string>{}, "shm", "tcp");
+  const std::string provider =
+      GENERATE(Catch::Generators::as<std::string>{}, "shm", "tcp");
   INFO("provider " << provider);
   Inbox intruder_inbox;
   std::unique_ptr<Transport> karat = Open(provider);

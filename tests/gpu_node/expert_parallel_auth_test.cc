@@ -58,7 +58,8 @@ TEST_CASE("with a secret, MoE frames are taken only from the table's peers",
     EncodeFrame(h, {std::string_view("xxxxxxxx")}, &bytes);
     REQUIRE(stranger->Send(*from_stranger, bytes.data(), bytes.size()).ok());
   }
-  const std::string unknown = Dispatch(999, 2, layer, {1}, {2}, {0, 1}, rows, D);
+  const std::string unknown =
+      Dispatch(999, 2, layer, {1}, {2}, {0, 1}, rows, D);
   REQUIRE(stranger->Send(*from_stranger, unknown.data(), unknown.size()).ok());
   // Rank 1 itself: served either way.
   const std::string genuine =
@@ -95,9 +96,10 @@ TEST_CASE("with a secret, MoE frames are taken only from the table's peers",
   CHECK(stranger_inbox.frames.empty());
 }
 
-TEST_CASE("with a secret, a parked dispatch is served only from the peer "
-          "the new table names",
-          "[expert_parallel][security]") {
+TEST_CASE(
+    "with a secret, a parked dispatch is served only from the peer "
+    "the new table names",
+    "[expert_parallel][security]") {
   const ModelFiles& f = Files("dsa-small");
   const int D = f.config.hidden_size;
   const int layer = f.config.first_k_dense_replace;
@@ -129,8 +131,8 @@ TEST_CASE("with a secret, a parked dispatch is served only from the peer "
   // From rank 1's address: one claiming node 201, one claiming 202.
   for (auto [node, request] : {std::pair<uint32_t, uint64_t>{201, 1},
                                std::pair<uint32_t, uint64_t>{202, 2}}) {
-    const std::string d = Dispatch(node, request, layer, {1}, {2}, {0, 1},
-                                   rows, D);
+    const std::string d =
+        Dispatch(node, request, layer, {1}, {2}, {0, 1}, rows, D);
     REQUIRE(rank1->Send(*s1, d.data(), d.size()).ok());
   }
   REQUIRE(WaitForStat(ep, "moe_dispatches_parked", 2));

@@ -183,10 +183,9 @@ class FakeKarat {
     h.type = static_cast<uint16_t>(FrameType::kHelloAck);
     h.src_node = kKaratId;
     h.step = hello.header.step;
-    const std::string ack = EncodeHelloProof(
-        MakeHelloProof(secret_, FrameType::kHelloAck, kKaratId,
-                       hello.header.src_node, proof->nonce,
-                       ep_->LocalAddress()));
+    const std::string ack = EncodeHelloProof(MakeHelloProof(
+        secret_, FrameType::kHelloAck, kKaratId, hello.header.src_node,
+        proof->nonce, ep_->LocalAddress()));
     std::string bytes;
     EncodeFrame(h, {ack}, &bytes);
     (void)ep_->Send(*peer, bytes.data(), bytes.size());

@@ -201,8 +201,7 @@ TEST_CASE("refused hellos are counted per reason and never answered",
       {"wrong secret", kGpuId, kKaratId, std::string(32, 'x'),
        "frames_refused.bad_proof"},
       {"no proof", kGpuId, kKaratId, "", "frames_refused.no_proof"},
-      {"unknown node id", 42, kKaratId, kSecret,
-       "frames_refused.unknown_node"},
+      {"unknown node id", 42, kKaratId, kSecret, "frames_refused.unknown_node"},
       {"a KARAT node's id", kOtherKaratId, kKaratId, kSecret,
        "frames_refused.not_gpu"},
       {"made for another node", kGpuId, kOtherKaratId, kSecret,
@@ -211,7 +210,8 @@ TEST_CASE("refused hellos are counted per reason and never answered",
   double refused = 0;
   for (const Case& c : cases) {
     INFO(c.what);
-    fx.gpu->Send(fx.gpu->Hello(c.src, c.receiver, c.secret, "nonce-bbbbbbbbbb"));
+    fx.gpu->Send(
+        fx.gpu->Hello(c.src, c.receiver, c.secret, "nonce-bbbbbbbbbb"));
     // The sender was not bound: its data frame is refused too.
     fx.gpu->Send(AttnFrame(fx.shapes, c.src, 11));
     refused += 2;

@@ -90,10 +90,10 @@ TEST_CASE("CheckHello takes a proven hello from an announced GPU node only",
     const Hello genuine = MakeHello(kGpu, kKarat, kSecret);
     const FrameView v = genuine.view();
     Hello moved;
-    EncodeFrame(v.header,
-                {std::string_view("intruder-address"),
-                 v.sections[kHelloProofSection]},
-                &moved.bytes);
+    EncodeFrame(
+        v.header,
+        {std::string_view("intruder-address"), v.sections[kHelloProofSection]},
+        &moved.bytes);
     CHECK(Check(moved) == Refusal::kBadProof);
   }
   // A proof section of the wrong size.
