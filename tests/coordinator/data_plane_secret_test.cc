@@ -21,6 +21,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
+#include "coordinator/client_auth.h"
 #include "coordinator/membership_service.h"
 #include "coordinator/state.h"
 #include "tests/coordinator/coordinator_fixture.h"
@@ -114,6 +115,9 @@ TEST_CASE("RegisterNode hands every node the cluster's secret",
           "[coordinator][security]") {
   Options options;
   State state(options);
+  auto auth = ClientAuth::Create(options.security);  // plaintext callers
+  REQUIRE(auth.ok());
+  state.auth_ = std::move(*auth);
   state.data_plane_secret_ = std::string(32, 'z');
   MembershipService membership(&state);
   for (const char* role : {"karat", "gpu"}) {
