@@ -20,8 +20,11 @@ constexpr uint16_t kFrameVersion = 2;
 constexpr int kMaxSections = 8;
 
 enum class FrameType : uint16_t {
-  kHello = 1,     // GPU node -> KARAT node: sections[0] = sender address
-  kHelloAck = 2,  // KARAT node -> GPU node
+  // The handshake (docs/security.md "Data plane"; the proof's layout and
+  // MAC in common/hello_proof.h, absent in plaintext mode):
+  kHello = 1,     // GPU node -> KARAT node: sections[0] = sender address,
+                  // sections[1] = proof
+  kHelloAck = 2,  // KARAT node -> GPU node: sections[0] = proof
   kIndexQK = 3,   // indexer Q/K of a segment for one layer
   kAttnQKV = 4,   // attention Q and new KV entries of a segment
   kAttnOut = 5,   // attention output of a segment

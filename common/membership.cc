@@ -111,7 +111,7 @@ void NodeRegistrar::Impl::Run() {
             << "registered with coordinator at " << options.coordinator
             << " as node " << id << " (" << request.name() << ", role "
             << request.role() << ")";
-        if (options.on_registered) options.on_registered(id);
+        if (options.on_registered) options.on_registered(response);
         continue;
       }
       {

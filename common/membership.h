@@ -13,7 +13,10 @@
 //
 // Re-registration may yield another node id (a restarted coordinator hands
 // out new ones); `on_registered` is called after every successful
-// registration with the id in force.
+// registration with the coordinator's answer: the id in force and the
+// cluster's data-plane secret (empty in plaintext mode), which the node's
+// data plane keeps until the next registration (docs/security.md "Data
+// plane").
 #pragma once
 
 #include <cstdint>
@@ -41,7 +44,8 @@ struct RegistrarOptions {
   // Fills devices and stats of a heartbeat (node_id is set by the registrar).
   std::function<void(cluster::HeartbeatRequest*)> fill_heartbeat;
   // Called on the registrar's thread after each successful registration.
-  std::function<void(uint32_t node_id)> on_registered;
+  std::function<void(const cluster::RegisterNodeResponse& response)>
+      on_registered;
   // Heartbeat period unless the coordinator's response names one.
   absl::Duration interval = absl::Seconds(1);
   // Deadline of one RPC.

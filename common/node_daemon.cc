@@ -187,7 +187,7 @@ absl::StatusOr<std::unique_ptr<LinkEmulator>> OpenDataPlane(
     int send_timeout_ms, int spin_us, const std::string& local_name) {
   FabricOptions fabric;
   fabric.provider = provider;
-  fabric.node = fabric_node;
+  fabric.node = DataPlaneBindNode(provider, fabric_node);
   fabric.send_timeout_ms = send_timeout_ms;
   fabric.spin_us = spin_us;
   fabric.use_rma = RmaPays(provider);

@@ -101,7 +101,8 @@ int RunUntilSignal(
     absl::FunctionRef<absl::StatusOr<std::unique_ptr<Daemon>>()> start);
 
 // Opens the data plane of a node: a libfabric transport on `provider`
-// (bound to `fabric_node` when non-empty) whose sends time out after
+// (bound to DataPlaneBindNode(provider, fabric_node): `fabric_node` when
+// non-empty, 127.0.0.1 for tcp without one) whose sends time out after
 // `send_timeout_ms` and which polls for `spin_us` after traffic
 // (FabricOptions), wrapped in a LinkEmulator that names this node
 // `local_name`. An error names the provider.

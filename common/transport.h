@@ -278,6 +278,17 @@ struct FabricOptions {
 // 0.3-0.65x of the message path's bandwidth).
 inline bool RmaPays(const std::string& provider) { return provider != "shm"; }
 
+// The interface a daemon's data plane binds to (FabricOptions::node):
+// `fabric_node` (--fabric-node) when given; else 127.0.0.1 for tcp, so that
+// a daemon started without one cannot be reached from other hosts (several
+// hosts need --fabric-node; `karatctl plan` gives it from the cluster
+// file); else the provider's default (shm binds no interface).
+inline std::string DataPlaneBindNode(const std::string& provider,
+                                     const std::string& fabric_node) {
+  if (!fabric_node.empty()) return fabric_node;
+  return provider == "tcp" ? std::string("127.0.0.1") : std::string();
+}
+
 // Opens a libfabric RDM endpoint with its progress thread. The thread blocks
 // on the completion queue's wait object (no busy polling).
 absl::StatusOr<std::unique_ptr<Transport>> OpenFabricTransport(

@@ -255,6 +255,7 @@ cl::SetLinksRequest LinkPushLocked(State* s,
   req.set_seed(s->options().link_seed);
   for (const auto& [id, n] : s->nodes_) {
     (*req.mutable_node_names())[id] = n.name;
+    (*req.mutable_node_roles())[id] = RoleName(n.role);
     if (s->AliveLocked(n)) targets->push_back({n.name, n.role, n.channel});
   }
   return req;
@@ -263,23 +264,37 @@ cl::SetLinksRequest LinkPushLocked(State* s,
 // Sends `req` to every target; returns "name: reason" for each failure.
 std::vector<std::string> PushLinks(const State* s,
                                    const cl::SetLinksRequest& req,
-                                   const std::vector<LinkPushTarget>& targets) {
-  std::vector<std::string> failed;
-  for (const LinkPushTarget& t : targets) {
+                                   const std::vector<LinkPushTarget>& targets,
+                                   bool* unreachable) {
+  // In parallel, so that a node that hangs holds back none of the others
+  // (a KARAT node takes a new GPU node's hello only once it has the table).
+  std::vector<grpc::Status> outcome(targets.size());
+  std::vector<size_t> index(targets.size());
+  for (size_t i = 0; i < index.size(); ++i) index[i] = i;
+  ForEachConcurrently(index, [&](size_t i) {
+    const LinkPushTarget& t = targets[i];
     grpc::ClientContext ctx;
     ctx.set_deadline(Deadline(s));
     cl::SetLinksResponse resp;
-    grpc::Status st;
     if (t.role == NodeRole::kGpu) {
-      st = cl::GpuNode::NewStub(t.channel)->SetLinks(&ctx, req, &resp);
+      outcome[i] = cl::GpuNode::NewStub(t.channel)->SetLinks(&ctx, req, &resp);
     } else {
-      st = cl::KaratNode::NewStub(t.channel)->SetLinks(&ctx, req, &resp);
+      outcome[i] =
+          cl::KaratNode::NewStub(t.channel)->SetLinks(&ctx, req, &resp);
     }
-    if (!st.ok()) {
-      KLOG(Warning, kLog) << "cannot push link settings to " << t.name << ": "
-                          << st.error_message();
-      failed.push_back(absl::StrCat(t.name, ": ", st.error_message()));
-    }
+  });
+  std::vector<std::string> failed;
+  if (unreachable != nullptr) *unreachable = false;
+  for (size_t i = 0; i < targets.size(); ++i) {
+    const grpc::Status& st = outcome[i];
+    if (st.ok()) continue;
+    KLOG(Warning, kLog) << "cannot push link settings to " << targets[i].name
+                        << ": " << st.error_message();
+    failed.push_back(absl::StrCat(targets[i].name, ": ", st.error_message()));
+    if (unreachable != nullptr &&
+        (st.error_code() == grpc::StatusCode::UNAVAILABLE ||
+         st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED))
+      *unreachable = true;
   }
   return failed;
 }

@@ -212,13 +212,19 @@ cl::SetLinksRequest LinkPushLocked(State* s,
                                    std::vector<LinkPushTarget>* targets)
     ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu_);
 
-// Sends `req` to every target; returns "name: reason" for each failure.
+// Sends `req` to every target, all at once; returns "name: reason" for each
+// failure (in the order of `targets`), and in `*unreachable` (optional)
+// whether a target could not be reached (UNAVAILABLE, DEADLINE_EXCEEDED).
 std::vector<std::string> PushLinks(const State* s,
                                    const cl::SetLinksRequest& req,
-                                   const std::vector<LinkPushTarget>& targets);
+                                   const std::vector<LinkPushTarget>& targets,
+                                   bool* unreachable = nullptr);
 
-// Pushes the table in the background after registrations (a node that just
-// registered, and the KARAT nodes that must learn its name).
+// Pushes the table in the background after every registration (a node that
+// just registered, and the KARAT nodes that must learn its id, name and
+// role before they take its data-plane hello), rules or not. A push that
+// could not reach an alive node is made again, after 1 s doubling up to
+// 30 s, until one reaches every alive node.
 class LinkPusher {
  public:
   explicit LinkPusher(State* s) : s_(s), thread_([this] { Loop(); }) {}
@@ -240,14 +246,21 @@ class LinkPusher {
 
  private:
   void Loop() {
+    absl::Duration retry = kFirstRetry;
+    bool retrying = false;
     for (;;) {
       {
         absl::MutexLock lock(&mu_);
         auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
           return pending_ || stop_;
         };
-        mu_.Await(absl::Condition(&ready));
+        if (retrying) {
+          mu_.AwaitWithTimeout(absl::Condition(&ready), retry);
+        } else {
+          mu_.Await(absl::Condition(&ready));
+        }
         if (stop_) return;
+        if (pending_) retry = kFirstRetry;
         pending_ = false;
       }
       // Give a node that just registered a moment to serve its RPCs.
@@ -256,12 +269,17 @@ class LinkPusher {
       cl::SetLinksRequest req;
       {
         absl::MutexLock lock(&s_->mu_);
-        if (s_->links_.empty()) continue;
         req = LinkPushLocked(s_, &targets);
       }
-      PushLinks(s_, req, targets);
+      bool unreachable = false;
+      PushLinks(s_, req, targets, &unreachable);
+      retrying = unreachable;
+      if (retrying) retry = std::min(retry * 2, kLastRetry);
     }
   }
+
+  static constexpr absl::Duration kFirstRetry = absl::Milliseconds(500);
+  static constexpr absl::Duration kLastRetry = absl::Seconds(30);
 
   State* const s_;
   absl::Mutex mu_;

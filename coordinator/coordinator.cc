@@ -12,6 +12,7 @@
 #include "coordinator/cluster_config.h"
 #include "coordinator/control_push.h"
 #include "coordinator/idle_evict.h"
+#include "coordinator/data_plane_secret.h"
 #include "coordinator/karat_service.h"
 #include "coordinator/membership_service.h"
 #include "coordinator/state.h"
@@ -112,6 +113,17 @@ class CoordinatorImpl final : public Coordinator {
       }
       KLOG(Info, kLog) << "state dir " << state_.options().state_dir << ": "
                        << logged.size() << " sessions restored";
+    }
+    ASSIGN_OR_RETURN(state_.data_plane_secret_,
+                     DataPlaneSecretFor(state_.options().security,
+                                        state_.options().state_dir));
+    if (!state_.data_plane_secret_.empty()) {
+      KLOG(Info, kLog) << "data-plane secret "
+                       << (state_.options().state_dir.empty()
+                               ? std::string("made for this run (no state dir)")
+                               : absl::StrCat("in ",
+                                              state_.options().state_dir, "/",
+                                              kDataPlaneSecretFile));
     }
     const cl::SecurityConfig& sec = state_.options().security;
     const security::TlsOptions tls = security::DaemonTlsOptions(

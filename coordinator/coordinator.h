@@ -58,7 +58,9 @@ struct Options {
   // Link emulation in force from the start (ClusterConfig.links) and the seed
   // of its draws; changed at run time through karat.cluster.Admin, which the
   // same server offers. The table is pushed to every node (SetLinks) when it
-  // changes and when a node registers, as long as it is not empty.
+  // changes and when a node registers (then even when it is empty: it
+  // carries the table of registered nodes the KARAT nodes' data planes
+  // admit GPU nodes by).
   std::vector<cluster::LinkConfig> links;
   uint64_t link_seed = 1;
   // "karat" (attention on KARAT nodes) or "gpu_only" (ClusterConfig.mode):

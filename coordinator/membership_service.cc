@@ -114,9 +114,13 @@ grpc::Status MembershipService::RegisterNode(grpc::ServerContext* ctx,
                            : std::string());
   resp->set_node_id(n.id);
   resp->set_heartbeat_interval_ms(s_->options().heartbeat_interval_ms);
+  resp->set_data_plane_secret(s_->data_plane_secret_);
   s_->nodes_.emplace(n.id, std::move(n));
   s_->capacity_epoch_++;
-  if (pusher_ != nullptr && !s_->links_.empty()) pusher_->Request();
+  // Every node learns the new table of node ids, names and roles, rules or
+  // not: a KARAT node takes data-plane hellos only from the GPU nodes it
+  // names (docs/security.md "Data plane").
+  if (pusher_ != nullptr) pusher_->Request();
   if (role == NodeRole::kGpu && control_ != nullptr) {
     State* s = s_;
     control_->Post("peers", [s] { PushPeers(s); });

@@ -6,6 +6,8 @@ add_library(karat_coordinator STATIC
   coordinator/cluster_config.cc
   coordinator/control_push.cc
   coordinator/coordinator.cc
+  coordinator/data_plane_bind.cc
+  coordinator/data_plane_secret.cc
   coordinator/generate.cc
   coordinator/idle_evict.cc
   coordinator/karat_service.cc

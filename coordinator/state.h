@@ -449,6 +449,10 @@ class State {
   // Credentials of the coordinator's channels to the nodes (its own
   // certificate; insecure in plaintext). Set before the server starts.
   std::shared_ptr<grpc::ChannelCredentials> node_credentials_;
+  // The cluster's data-plane secret, handed to every node that registers
+  // (coordinator/data_plane_secret.h); empty in plaintext mode. Set before
+  // the server starts; immutable.
+  std::string data_plane_secret_;
 
   mutable absl::Mutex mu_;
   std::map<uint32_t, Node> nodes_ ABSL_GUARDED_BY(mu_);

@@ -235,6 +235,10 @@ absl::Status ExpertParallel::SetPeers(
   for (Released& r : released) {
     absl::StatusOr<FrameView> frame = DecodeFrame(r.parked.bytes.view());
     if (!frame.ok()) continue;  // decoded once on arrival
+    if (m.authenticated.load() && r.parked.from != r.peer.id) {
+      m.CountUnauthenticated(frame->header, r.parked.from);
+      continue;
+    }
     m.parked_released.fetch_add(1);
     m.OnDispatch(*frame, r.rank, r.peer, r.parked.seq);
   }
@@ -262,6 +266,10 @@ void ExpertParallel::OnMessage(std::string_view message, PeerId from) {
     return;
   }
   impl_->Receive(*frame, from, &message);
+}
+
+void ExpertParallel::set_authenticated(bool on) {
+  impl_->authenticated.store(on);
 }
 
 void ExpertParallel::OnFrame(const FrameView& frame, PeerId from) {
@@ -322,6 +330,7 @@ std::map<std::string, double> ExpertParallel::Stats() const {
       {"moe_rows_served", double(m.rows_served.load())},
       {"moe_frames_invalid", double(m.frames_invalid.load())},
       {"moe_frames_unknown_sender", double(m.frames_unknown_sender.load())},
+      {"moe_frames_unauthenticated", double(m.frames_unauthenticated.load())},
       {"moe_frames_stale", double(m.frames_stale.load())},
       {"moe_send_errors", double(m.send_errors.load())},
       {"moe_calls", double(m.calls.load())},

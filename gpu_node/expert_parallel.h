@@ -122,6 +122,14 @@ class ExpertParallel {
   // This node's id (from registration), sent as src_node. The other ranks
   // accept frames only from the node ids of their rank table.
   void set_node_id(uint32_t id);
+  // With a data-plane secret (docs/security.md "Data plane"; off by
+  // default: plaintext mode): a frame is taken only when the transport
+  // attributes it to the peer the rank table names for its src_node (the
+  // address the coordinator registered for that node); others are dropped
+  // and counted (frames_unauthenticated). A dispatch from a node id outside
+  // the table is then parked only when the transport names its sender, and
+  // served on release only when the table names that same peer.
+  void set_authenticated(bool on);
   // The rank's worker, on which other ranks' dispatches are computed (the
   // service takes a turn per dispatch; DESIGN.md §4: one worker runs all
   // of the rank's operations). Null (the default): computed beside it.
@@ -183,6 +191,7 @@ class ExpertParallel {
   // Counters, keys prefixed "moe_": frames_sent, bytes_sent,
   // frames_received, bytes_received, dispatches_sent, dispatches_served,
   // rows_sent, rows_served, frames_invalid, frames_unknown_sender,
+  // frames_unauthenticated (set_authenticated),
   // frames_stale, send_errors, calls, calls_failed, waits, wait_seconds,
   // dispatches_parked (parked on arrival), parked_released (queued once
   // their sender became known), parked_expired (still unknown after

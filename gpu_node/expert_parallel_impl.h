@@ -224,6 +224,9 @@ struct ExpertParallel::Impl {
   void SendAgain(const Resend& resend);
   void ServiceLoop();
   void CountInvalid(const FrameHeader& h, std::string_view why);
+  // Counts and logs a frame dropped because its transport sender is not
+  // the peer the rank table names for its src_node (`authenticated`).
+  void CountUnauthenticated(const FrameHeader& h, PeerId from);
 
   const ModelRunner* const runner;
   Transport* const transport;
@@ -232,6 +235,8 @@ struct ExpertParallel::Impl {
   const int ranks;
   const int hidden;
   std::atomic<uint32_t> node_id{0};
+  // set_authenticated(): frames only from the rank table's transport peers.
+  std::atomic<bool> authenticated{false};
   std::atomic<ServiceGate*> service_gate{nullptr};
   std::atomic<uint64_t> next_request{1};
 
@@ -273,7 +278,7 @@ struct ExpertParallel::Impl {
       frames_stale{0}, send_errors{0}, calls{0}, calls_failed{0}, waits{0},
       wait_ns{0}, dispatches_parked{0}, parked_released{0}, parked_expired{0},
       parked_refused{0}, parked_answered{0}, retransmits{0},
-      duplicates_served{0}, duplicates_joined{0};
+      duplicates_served{0}, duplicates_joined{0}, frames_unauthenticated{0};
 };
 
 }  // namespace karat

@@ -47,6 +47,16 @@ void ExpertParallel::Impl::CountInvalid(const FrameHeader& h,
       << ", layer " << h.layer << "): " << why;
 }
 
+void ExpertParallel::Impl::CountUnauthenticated(const FrameHeader& h,
+                                                PeerId from) {
+  frames_unauthenticated.fetch_add(1);
+  const std::string sender = transport->PeerName(from);
+  EP_LOG(this, Warning, absl::StrCat("unauthenticated/", sender))
+      << "rank " << rank << ": dropping a " << FrameTypeName(h.type)
+      << " frame claiming node " << h.src_node << " from " << sender
+      << ": not the transport peer the rank table names for that node";
+}
+
 DispatchKey ExpertParallel::Impl::KeyOf(const FrameHeader& h) {
   return DispatchKey{h.session, h.step, h.layer, h.micro_batch};
 }
@@ -187,6 +197,13 @@ void ExpertParallel::Impl::Receive(const FrameView& frame, PeerId from,
     if (it != rank_of_node.end()) {
       from_rank = it->second;
       peer = peers[size_t(from_rank)];
+    } else if (type == FrameType::kMoeDispatch && authenticated.load() &&
+               from == kUnknownPeer) {
+      // A sender the transport cannot name could never be checked against
+      // the table SetPeers brings: dropped, not parked (the dispatching
+      // rank sends it again after its RTO).
+      CountUnauthenticated(h, from);
+      return;
     } else if (type == FrameType::kMoeDispatch) {
       Parked p;
       p.header = h;
@@ -231,6 +248,10 @@ void ExpertParallel::Impl::Receive(const FrameView& frame, PeerId from,
   if (from_rank < 0) {
     frames_unknown_sender.fetch_add(1);
     CountInvalid(h, "the node id is not in the GPU rank table");
+    return;
+  }
+  if (authenticated.load() && from != peer.id) {
+    CountUnauthenticated(h, from);
     return;
   }
   if (type == FrameType::kMoeDispatch) {

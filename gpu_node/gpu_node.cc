@@ -620,8 +620,14 @@ absl::StatusOr<std::unique_ptr<GpuNodeDaemon>> GpuNodeDaemon::Start(
     impl->service->Fill(r->mutable_stats());
     impl->service->FillDevices(r->mutable_devices());
   };
-  reg.on_registered = [impl](uint32_t id) {
+  reg.on_registered = [impl](const cluster::RegisterNodeResponse& response) {
+    const uint32_t id = response.node_id();
     impl->registered_once = true;
+    // The data-plane secret first: the handshakes under the new id carry
+    // proofs made with it, and the other ranks' frames are checked.
+    const std::string& secret = response.data_plane_secret();
+    if (impl->backend) impl->backend->set_data_plane_secret(secret);
+    if (impl->experts) impl->experts->set_authenticated(!secret.empty());
     impl->service->set_node_id(id);
     if (impl->backend) impl->backend->set_node_id(id);
     impl->SetNodeId(id);

@@ -5,12 +5,8 @@
 #include <cstring>
 #include <memory>
 #include <string>
-#include <tuple>
 #include <utility>
 
-#include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/frame.h"
@@ -18,171 +14,9 @@
 #include "common/log_ids.h"
 #include "common/log_limiter.h"
 #include "common/status_macros.h"
-#include "gpu_node/moe_retransmit.h"
+#include "gpu_node/remote_attention_impl.h"
 
 namespace karat {
-namespace {
-
-std::string NodeName(const cluster::KaratPlacement& p) {
-  return p.node_name().empty() ? absl::StrCat("node-", p.node_id())
-                               : p.node_name();
-}
-
-}  // namespace
-
-struct RemoteAttentionBackend::Impl {
-  Impl(const AttnShapes& s, Transport* t, const RemoteAttentionOptions& o)
-      : shapes(s), transport(t), options(o) {}
-  // The callbacks of frames still with the transport refer to this object:
-  // wait for their outcomes (none once the transport is shut down, as the
-  // daemon does first; otherwise at the latest after its send timeout).
-  ~Impl() {
-    absl::MutexLock lock(&mu);
-    auto reported = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu) {
-      return sends_in_flight == 0;
-    };
-    mu.Await(absl::Condition(&reported));
-  }
-
-  void OnMessage(std::string_view message, PeerId from);
-  absl::StatusOr<PeerId> EnsurePeer(const cluster::KaratPlacement& p);
-  void MarkNotReady(const std::string& fabric_address);
-  struct Slot;
-  // After `answered` came back: resends the earlier segments to its device
-  // that are still unanswered (FastResendLocked in the .cc).
-  void FastResendLocked(const Slot& answered) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
-  using Key = std::tuple<uint32_t, uint64_t, uint32_t,
-                         uint64_t>;  // micro-batch, step, layer, session
-  // Sends (again) the request frames of the segment awaited as `key`
-  // without waiting for their completions. A send the link refuses
-  // (UNAVAILABLE: down, or the peer's endpoint not there) is left to the
-  // retransmission timer; any other refusal fails the segment.
-  void SendSlot(const Key& key);
-  absl::Status RunLayer(int mb, WaitHooks* hooks, int layer,
-                        const std::vector<Segment>& segs,
-                        LayerTraffic* traffic);
-  // The frame buffer for a new frame of micro-batch `mb` (see RunLayer).
-  std::shared_ptr<std::string> Buffer(int mb);
-
-  class View : public AttentionBackend {
-   public:
-    View(Impl* impl, int mb, WaitHooks* hooks)
-        : impl_(impl), mb_(mb), hooks_(hooks) {}
-    absl::Status RunLayer(int layer, const std::vector<Segment>& segs,
-                          LayerTraffic* traffic) override {
-      return impl_->RunLayer(mb_, hooks_, layer, segs, traffic);
-    }
-    WaitHooks* hooks() const { return hooks_; }
-
-   private:
-    Impl* const impl_;
-    const int mb_;
-    WaitHooks* const hooks_;
-  };
-  std::unique_ptr<View> views[2];
-
-  const AttnShapes shapes;
-  Transport* const transport;
-  const RemoteAttentionOptions options;
-  std::atomic<uint32_t> node_id{0};
-  std::atomic<uint64_t> id_generation{0};
-  std::atomic<uint64_t> bytes_sent{0};
-  std::atomic<uint64_t> bytes_received{0};
-  std::atomic<uint64_t> frames_invalid{0};
-  std::atomic<uint64_t> retransmits{0};
-  std::atomic<uint64_t> fast_resends{0};
-  std::atomic<uint64_t> resend_requests{0};
-  std::atomic<uint64_t> stale_answers{0};
-  std::atomic<uint64_t> segments_failed{0};
-  LogLimiter log_limiter{absl::Seconds(10)};
-
-  struct Peer {
-    PeerId id = kUnknownPeer;
-    std::string name;
-    uint32_t node_id = 0;  // the incarnation greeted
-    bool ready = false;    // handshake done
-  };
-  // Both micro-batches' threads; held across a handshake.
-  absl::Mutex peers_mu;
-  absl::flat_hash_map<std::string, Peer> peers
-      ABSL_GUARDED_BY(peers_mu);  // by fabric address
-  uint64_t handshake_generation ABSL_GUARDED_BY(peers_mu) =
-      0;  // id_generation the peers were greeted with
-  uint64_t hello_nonce ABSL_GUARDED_BY(peers_mu) = 0;
-  // Written by the decode loop between steps, read during steps.
-  struct Placement {
-    cluster::KaratPlacement where;
-    uint64_t turn_epoch = 0;
-  };
-  absl::flat_hash_map<uint64_t, Placement> placements;
-  std::atomic<uint64_t> step{0};
-  // Per micro-batch: the last layer run, and the frame encoding buffers
-  // (see Buffer()).
-  int last_layer[2] = {-1, -1};
-  std::vector<std::shared_ptr<std::string>> buffers[2];
-
-  // Shared with the receive handler and the send callbacks.
-  struct Slot {
-    float* out = nullptr;
-    size_t expected_bytes = 0;
-    std::string node;
-    std::string address;  // the node's fabric address (FailNode)
-    int mb = 0;
-    bool done = false;
-    absl::Status status;
-    // Retransmission: the request frames, where they go, when they were
-    // first sent, how often, and when they go again.
-    PeerId peer = kUnknownPeer;
-    std::vector<std::shared_ptr<std::string>> frames;
-    bool decode = true;  // estimator class: a decode-sized segment
-    absl::Time first_sent;
-    int sends = 0;
-    absl::Duration rto;  // this segment's wait, doubled per resend
-    absl::Time resend_at = absl::InfiniteFuture();
-    uint32_t device = 0;
-    uint64_t seq = 0;  // Impl::send_seq of its last send
-  };
-  absl::Mutex mu;
-  absl::flat_hash_map<Key, Slot> pending ABSL_GUARDED_BY(mu);
-  int outstanding[2] ABSL_GUARDED_BY(mu) = {0, 0};
-  // Set when a slot of the micro-batch is due for a resend before its
-  // timer (its device asked for it): wakes the wait.
-  bool resend_due[2] ABSL_GUARDED_BY(mu) = {false, false};
-  bool aborted ABSL_GUARDED_BY(mu) = false;
-  absl::flat_hash_set<uint64_t> hello_waiting ABSL_GUARDED_BY(mu);
-  // KARAT node incarnations the coordinator took for lost (FailNode):
-  // fabric address -> node id.
-  absl::flat_hash_map<std::string, uint32_t> lost_nodes ABSL_GUARDED_BY(mu);
-  // Sends in the order they went out (Slot::seq), for the fast resend.
-  uint64_t send_seq ABSL_GUARDED_BY(mu) = 0;
-  absl::flat_hash_set<uint64_t> hello_acked ABSL_GUARDED_BY(mu);
-  // Answer-time estimates per KARAT node address, [decode, prefill]
-  // (gpu_node/moe_retransmit.h: RFC 6298, Karn's rule).
-  struct Estimators {
-    explicit Estimators(const RemoteAttentionOptions& o)
-        : e{RttEstimator(
-                RtoBounds{o.rto_initial_decode, o.rto_min, o.rto_max_decode}
-                    .Sanitized()),
-            RttEstimator(RtoBounds{o.rto_initial_prefill, o.rto_min, o.rto_max}
-                             .Sanitized())} {}
-    RttEstimator e[2];
-  };
-  absl::flat_hash_map<std::string, Estimators> rto ABSL_GUARDED_BY(mu);
-  RttEstimator& RtoFor(const Slot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    auto it = rto.try_emplace(slot.address, options).first;
-    return it->second.e[slot.decode ? 0 : 1];
-  }
-  // Ends an awaited output with `status`.
-  void FailSlotLocked(Slot* slot, absl::Status status)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    if (slot->done) return;
-    slot->done = true;
-    slot->status = std::move(status);
-    --outstanding[slot->mb];
-  }
-  // Frames sent whose outcome the transport has not reported yet.
-  int sends_in_flight ABSL_GUARDED_BY(mu) = 0;
-};
 
 void RemoteAttentionBackend::Impl::OnMessage(std::string_view message,
                                              PeerId from) {
@@ -202,7 +36,7 @@ void RemoteAttentionBackend::Impl::OnMessage(std::string_view message,
   const auto type = static_cast<FrameType>(h.type);
   absl::MutexLock lock(&mu);
   if (type == FrameType::kHelloAck) {
-    if (hello_waiting.contains(h.step)) hello_acked.insert(h.step);
+    OnHelloAckLocked(*frame, from);
     return;
   }
   if (type != FrameType::kAttnOut && type != FrameType::kError) {
@@ -227,6 +61,21 @@ void RemoteAttentionBackend::Impl::OnMessage(std::string_view message,
     return;
   }
   Slot& slot = it->second;
+  // With a data-plane secret only the KARAT node's own transport peer (the
+  // address its placement names, greeted by a verified handshake) answers.
+  if (!secret.empty() && from != slot.peer) {
+    refused_answers.fetch_add(1);
+    if (const int64_t held = log_limiter.Admit(
+            absl::StrCat("refused/", transport->PeerName(from)));
+        held >= 0) {
+      KLOG(Warning, "gpu_node")
+          << "dropping a " << FrameTypeName(h.type) << " frame claiming node "
+          << h.src_node << " from " << transport->PeerName(from)
+          << ": not the transport peer of KARAT node " << slot.node
+          << HeldBackNote(held);
+    }
+    return;
+  }
   if (type == FrameType::kError) {
     const absl::StatusCode code = StatusCodeFromWire(h.status);
     if (code == absl::StatusCode::kAborted) {
@@ -370,101 +219,6 @@ void RemoteAttentionBackend::Impl::SendSlot(const Key& key) {
   }
 }
 
-void RemoteAttentionBackend::Impl::MarkNotReady(
-    const std::string& fabric_address) {
-  absl::MutexLock lock(&peers_mu);
-  auto it = peers.find(fabric_address);
-  if (it != peers.end()) it->second.ready = false;
-}
-
-absl::StatusOr<PeerId> RemoteAttentionBackend::Impl::EnsurePeer(
-    const cluster::KaratPlacement& p) {
-  absl::MutexLock peers_lock(&peers_mu);
-  const uint64_t generation = id_generation.load();
-  if (generation != handshake_generation) {
-    for (auto& [address, peer] : peers) peer.ready = false;
-    handshake_generation = generation;
-  }
-  {
-    // The incarnation the coordinator took for lost is not greeted again
-    // (its turns resume elsewhere); one restarted at the same address has
-    // another node id and is.
-    absl::MutexLock lock(&mu);
-    auto lost = lost_nodes.find(p.fabric_address());
-    if (lost != lost_nodes.end() && lost->second == p.node_id()) {
-      return absl::UnavailableError(
-          absl::StrCat("KARAT node ", NodeName(p), " (node id ", p.node_id(),
-                       ") is lost; its sessions move to other homes"));
-    }
-  }
-  Peer& peer = peers[p.fabric_address()];
-  if (peer.ready && peer.node_id == p.node_id()) return peer.id;
-  peer.ready = false;
-  peer.node_id = p.node_id();
-  peer.name = NodeName(p);
-  ASSIGN_OR_RETURN(peer.id, transport->AddPeer(peer.name, p.fabric_address()));
-  const uint64_t nonce = ++hello_nonce;
-  {
-    absl::MutexLock lock(&mu);
-    hello_waiting.insert(nonce);
-  }
-  FrameHeader header;
-  header.type = static_cast<uint16_t>(FrameType::kHello);
-  header.src_node = node_id.load();
-  header.step = nonce;
-  const std::string address = transport->LocalAddress();
-  // The handshake is encoded in a buffer of its own: the other micro-batch
-  // may be sending with its buffer meanwhile.
-  std::string hello;
-  EncodeFrame(header, {address}, &hello);
-  // Sent again, the wait doubling, until answered or the timeout: a lost
-  // Hello or HelloAck, or a link down for a while, only delays it.
-  const absl::Time deadline = absl::Now() + options.timeout;
-  absl::Duration wait = options.rto_initial_decode;
-  absl::Status sent;
-  bool acked = false;
-  while (!acked) {
-    sent = transport->Send(peer.id, hello.data(), hello.size());
-    if (!sent.ok()) {
-      sent = absl::UnavailableError(absl::StrCat(
-          "cannot send Hello to KARAT node ", peer.name, ": ", sent.message()));
-    }
-    absl::MutexLock lock(&mu);
-    auto is_lost = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu) {
-      auto it = lost_nodes.find(p.fabric_address());
-      return it != lost_nodes.end() && it->second == p.node_id();
-    };
-    auto done = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu) {
-      return hello_acked.contains(nonce) || aborted || is_lost();
-    };
-    const absl::Time until = std::min(absl::Now() + wait, deadline);
-    mu.AwaitWithDeadline(absl::Condition(&done), until);
-    acked = hello_acked.contains(nonce);
-    if (!acked && is_lost()) {
-      sent = absl::UnavailableError(
-          absl::StrCat("KARAT node ", peer.name,
-                       " was taken for lost during the handshake"));
-      break;
-    }
-    if (acked || aborted || absl::Now() >= deadline) break;
-    if (!sent.ok() && !absl::IsUnavailable(sent)) break;
-    wait = std::min(wait * 2, options.rto_max);
-  }
-  {
-    absl::MutexLock lock(&mu);
-    hello_waiting.erase(nonce);
-    hello_acked.erase(nonce);
-  }
-  if (!acked) {
-    RETURN_IF_ERROR(sent);
-    return absl::UnavailableError(absl::StrCat(
-        "KARAT node ", peer.name, " did not answer the handshake within ",
-        absl::ToInt64Milliseconds(options.timeout), " ms"));
-  }
-  peer.ready = true;
-  KLOG(Info, "gpu_node") << "connected to KARAT node " << peer.name;
-  return peer.id;
-}
 
 RemoteAttentionBackend::RemoteAttentionBackend(
     const AttnShapes& shapes, Transport* transport,
@@ -572,6 +326,11 @@ std::map<std::string, double> RemoteAttentionBackend::Counters() const {
   c["attention_resend_requests"] = double(impl_->resend_requests.load());
   c["attention_stale_answers"] = double(impl_->stale_answers.load());
   c["attention_segments_failed"] = double(impl_->segments_failed.load());
+  c["attention_frames_refused.bad_proof"] = double(impl_->refused_acks.load());
+  c["attention_frames_refused.unauthenticated"] =
+      double(impl_->refused_answers.load());
+  c["attention_frames_refused"] =
+      double(impl_->refused_acks.load() + impl_->refused_answers.load());
   c["log_lines_held_back"] = double(impl_->log_limiter.held_back());
   double rto_ms = 0;
   {
@@ -699,7 +458,7 @@ absl::Status RemoteAttentionBackend::Impl::RunLayer(
       EncodeFrame(header, sections, slot.frames.back().get());
       slot.out = traffic->OutFor(int(i), s);
       slot.expected_bytes = out_floats(i) * sizeof(float);
-      slot.node = NodeName(where);
+      slot.node = KaratNodeName(where);
       slot.address = where.fabric_address();
       slot.mb = mb;
       slot.peer = peers[i];

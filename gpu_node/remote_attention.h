@@ -5,7 +5,8 @@
 // layouts are those of karat_node/data_plane.h.
 //
 // Peers are added lazily from the sessions' placements, with a kHello /
-// kHelloAck handshake before the first data frame. The receive handler runs
+// kHelloAck handshake before the first data frame (authenticated with the
+// cluster's data-plane secret: remote_attention_handshake.cc). The receive handler runs
 // on the transport's thread and only decodes, matches and signals.
 #pragma once
 
@@ -65,6 +66,14 @@ class RemoteAttentionBackend : public StepBackend {
 
   // This node's id (from registration), sent as src_node.
   void set_node_id(uint32_t id);
+  // The cluster's data-plane secret (RegisterNodeResponse; empty, the
+  // default: plaintext mode). With one, a handshake's kHello carries a
+  // proof (common/hello_proof.h) and only a kHelloAck whose proof verifies
+  // completes it, and attention answers are taken only from the transport
+  // peer of the KARAT node they answer; other frames are dropped and
+  // counted (attention_frames_refused). A new secret means new handshakes.
+  // Any thread (remote_attention_handshake.cc).
+  void set_data_plane_secret(const std::string& secret);
 
   void SetPlacement(uint64_t session, const cluster::KaratPlacement& placement,
                     uint64_t turn_epoch) override;
@@ -105,6 +114,9 @@ class RemoteAttentionBackend : public StepBackend {
   // (a KARAT device asked for the index keys again), attention_stale_answers
   // (answers to a segment already answered), attention_segments_failed,
   // attention_rto_ms (the largest decode RTO over the KARAT nodes),
+  // attention_frames_refused and attention_frames_refused.<reason>
+  // (bad_proof: a kHelloAck whose proof did not verify; unauthenticated: an
+  // answer from another transport peer than its KARAT node's),
   // log_lines_held_back.
   std::map<std::string, double> Counters() const;
 

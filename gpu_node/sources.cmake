@@ -7,6 +7,7 @@ add_library(karat_gpu_node STATIC
   gpu_node/expert_parallel_serve.cc
   gpu_node/moe_retransmit.cc
   gpu_node/remote_attention.cc
+  gpu_node/remote_attention_handshake.cc
   gpu_node/local_attention.cc
   gpu_node/worker_token.cc
   gpu_node/gpu_node.cc)

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/hello_proof.h"
 #include "common/log.h"
 #include "common/log_ids.h"
 #include "common/log_limiter.h"
@@ -137,6 +138,7 @@ std::map<std::string, double> DataPlaneHandler::Counters() const {
   c["errors"] = double(errors_.load() + reply_failures_->load());
   c["kv_bytes_ingested"] = double(kv_bytes_ingested_.load());
   c["log_lines_held_back"] = double(log_limiter_->held_back());
+  admission_.ExportTo(&c);
   {
     absl::MutexLock lock(&invalid_mu_);
     for (const auto& [peer, n] : invalid_by_peer_) {
@@ -182,10 +184,20 @@ void DataPlaneHandler::OnMessage(PeerId from, std::string_view message) {
     return;
   }
   const FrameHeader& h = frame->header;
+  if (static_cast<FrameType>(h.type) == FrameType::kHello) {
+    control_.Post([this, from, m = std::string(message)] {
+      HandleHello(m, from);
+    });
+    return;
+  }
+  // Only from the peer a hello bound to the frame's src_node (with a
+  // data-plane secret; everyone in plaintext mode).
+  if (const Refusal why = admission_.AdmitFrame(h.src_node, from);
+      why != Refusal::kNone) {
+    Refuse(why, h, from);
+    return;
+  }
   switch (static_cast<FrameType>(h.type)) {
-    case FrameType::kHello:
-      control_.Post([this, m = std::string(message)] { HandleHello(m); });
-      return;
     case FrameType::kIndexQK:
     case FrameType::kAttnQKV: {
       if (h.device >= uint32_t(num_devices())) {
@@ -233,10 +245,30 @@ void DataPlaneHandler::OnMessage(PeerId from, std::string_view message) {
   }
 }
 
-void DataPlaneHandler::HandleHello(const std::string& message) {
+void DataPlaneHandler::Refuse(Refusal why, const FrameHeader& h,
+                              PeerId from) {
+  admission_.Count(why);
+  const std::string peer = SenderName(from);
+  if (const int64_t held = log_limiter_->Admit(
+          absl::StrCat("refused/", RefusalName(why), "/", peer));
+      held >= 0) {
+    KLOG(Warning, "karat_node")
+        << "dropping a " << FrameTypeName(h.type) << " frame claiming node "
+        << h.src_node << " from peer '" << peer << "' ("
+        << RefusalName(why) << "): " << RefusalText(why)
+        << HeldBackNote(held);
+  }
+}
+
+void DataPlaneHandler::HandleHello(const std::string& message, PeerId from) {
   absl::StatusOr<FrameView> frame = DecodeFrame(message);
   if (!frame.ok()) return;  // validated on arrival
   const FrameHeader& h = frame->header;
+  if (const Refusal why = admission_.AdmitHello(node_id_.load(), *frame);
+      why != Refusal::kNone) {
+    Refuse(why, h, from);
+    return;
+  }
   if (h.n_sections < 1 || frame->sections[0].empty()) {
     errors_.fetch_add(1);
     KLOG(Warning, "karat_node")
@@ -252,12 +284,21 @@ void DataPlaneHandler::HandleHello(const std::string& message) {
         << "cannot add peer " << name << ": " << peer.status().message();
     return;
   }
-  {
-    absl::MutexLock lock(&peers_mu_);
-    peers_[h.src_node] = *peer;
-  }
+  admission_.Bind(h.src_node, *peer);
   KLOG(Info, "karat_node") << "peer " << name << " connected";
-  Reply(h, FrameType::kHelloAck, {}, 0);
+  if (admission_.mode() != PeerAdmission::Mode::kAuthenticated) {
+    Reply(h, FrameType::kHelloAck, {}, 0);
+    return;
+  }
+  // The answer proves this node's secret over the hello's nonce and this
+  // node's own address (AdmitHello parsed the proof).
+  absl::StatusOr<HelloProof> hello =
+      ParseHelloProof(frame->sections[kHelloProofSection]);
+  if (!hello.ok()) return;
+  const std::string proof = EncodeHelloProof(MakeHelloProof(
+      admission_.secret(), FrameType::kHelloAck, node_id_.load(), h.src_node,
+      hello->nonce, transport_->LocalAddress()));
+  Reply(h, FrameType::kHelloAck, {proof}, 0);
 }
 
 void DataPlaneHandler::HandleData(KaratDevice* device, PeerId from,
@@ -303,12 +344,7 @@ void DataPlaneHandler::ReplyError(const FrameHeader& request,
 void DataPlaneHandler::Reply(const FrameHeader& request, FrameType type,
                              const std::vector<std::string_view>& sections,
                              uint32_t status_code) {
-  PeerId peer = kUnknownPeer;
-  {
-    absl::MutexLock lock(&peers_mu_);
-    auto it = peers_.find(request.src_node);
-    if (it != peers_.end()) peer = it->second;
-  }
+  const PeerId peer = admission_.PeerOf(request.src_node);
   if (peer == kUnknownPeer) {
     errors_.fetch_add(1);
     if (const int64_t held = log_limiter_->Admit(

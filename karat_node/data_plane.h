@@ -5,9 +5,16 @@
 // entries, runs Score -> Select -> Gather -> Attend and sends the attention
 // output back to the sender.
 //
-//   kHello     sections[0] = the sender's address: the sender becomes a peer
-//              known by its src_node; answered with kHelloAck (echoing
-//              step and session, so the sender can match it).
+//   kHello     sections[0] = the sender's address, sections[1] = its proof
+//              (common/hello_proof.h; absent in plaintext mode): the sender
+//              becomes a peer known by its src_node; answered with kHelloAck
+//              (echoing step and session, so the sender can match it;
+//              sections[0] = this node's proof over the hello's nonce).
+//              With a data-plane secret only a hello that passes
+//              PeerAdmission (karat_node/peer_admission.h) is taken, and
+//              only frames from the peers it bound are handled; others are
+//              dropped, counted (frames_refused.<reason>) and logged, never
+//              answered.
 //   kIndexQK   [q_codes n*Hi*Di B, q_scales n*Hi f32, weights n*Hi f32,
 //               k_codes n*Di B, k_scales n f32]
 //   kAttnQKV   [q n*H*q_dim f32, kv n*kv_dim bf16 (, flags u32)] ->
@@ -25,9 +32,10 @@
 // per sending peer frames_invalid.<peer name>) and logged with the name of
 // the peer the transport says sent it. A frame naming an unknown session or
 // device, or with a section of the wrong length, is answered with kError
-// (status code + message) and counted (errors); one from a node that sent no
-// kHello cannot be answered and is counted and logged with the transport's
-// name for its sender. Replies carry this node's id as src_node.
+// (status code + message) and counted (errors); in plaintext mode one from a
+// node that sent no kHello cannot be answered and is counted and logged with
+// the transport's name for its sender (with a secret it is refused before it
+// is handled). Replies carry this node's id as src_node.
 #pragma once
 
 #include <atomic>
@@ -49,6 +57,7 @@
 #include "common/model_config.h"
 #include "common/transport.h"
 #include "karat_node/karat_device.h"
+#include "karat_node/peer_admission.h"
 
 namespace karat {
 
@@ -89,6 +98,10 @@ class DataPlaneHandler {
   // This node's id, sent as src_node in replies.
   void set_node_id(uint32_t id) { node_id_.store(id); }
   uint32_t node_id() const { return node_id_.load(); }
+  // Which senders are taken (open by default: plaintext). The daemon closes
+  // it until its first registration, then sets the registration's secret
+  // and the coordinator's table of nodes (KaratNode.SetLinks).
+  PeerAdmission& admission() { return admission_; }
 
   struct Reserved {
     int64_t used_bytes = 0;     // the device's, afterwards
@@ -116,8 +129,9 @@ class DataPlaneHandler {
   KaratDevice* device(int i) const { return devices_[i].get(); }
   std::vector<cluster::DeviceInfo> Devices() const;
   // frames_received, frames_inline (of those, run in the receive handler),
-  // frames_invalid, frames_invalid.<peer> (per sender name), errors,
-  // kv_bytes_ingested, sessions, used_bytes, capacity_bytes.
+  // frames_invalid, frames_invalid.<peer> (per sender name), frames_refused
+  // and frames_refused.<reason> (PeerAdmission), errors, kv_bytes_ingested,
+  // sessions, used_bytes, capacity_bytes.
   std::map<std::string, double> Counters() const;
 
   // Stops accepting frames and joins the workers after their queued work.
@@ -126,7 +140,9 @@ class DataPlaneHandler {
  private:
   DataPlaneHandler(const ModelConfig& config, Transport* transport);
   void OnMessage(PeerId from, std::string_view message);
-  void HandleHello(const std::string& message);
+  void HandleHello(const std::string& message, PeerId from);
+  // Counts and logs a frame PeerAdmission refused.
+  void Refuse(Refusal why, const FrameHeader& h, PeerId from);
   void HandleData(KaratDevice* device, PeerId from, const FrameView& frame);
   // Replies to the frame's sender; counts and logs when that fails.
   void Reply(const FrameHeader& request, FrameType type,
@@ -162,9 +178,9 @@ class DataPlaneHandler {
   mutable absl::Mutex invalid_mu_;
   std::map<std::string, uint64_t> invalid_by_peer_ ABSL_GUARDED_BY(invalid_mu_);
 
-  // Sender node id -> transport peer, learnt from kHello.
-  mutable absl::Mutex peers_mu_;
-  absl::flat_hash_map<uint32_t, PeerId> peers_ ABSL_GUARDED_BY(peers_mu_);
+  // The senders taken, and the transport peer of each node id (learnt
+  // from kHello).
+  PeerAdmission admission_;
 
   // Session -> home device, for Reserve/FreeSession.
   mutable absl::Mutex sessions_mu_;

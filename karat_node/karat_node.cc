@@ -105,9 +105,18 @@ class KaratNodeService final : public cluster::KaratNode::Service {
 
   // Link emulation of the data plane. GPU nodes are known to the data plane
   // as "node-<id>"; the coordinator's id -> name map lets rules use names.
+  // The same table, with the nodes' roles, says which node ids may greet
+  // the data plane (karat_node/peer_admission.h).
   grpc::Status SetLinks(grpc::ServerContext*,
                         const cluster::SetLinksRequest* request,
                         cluster::SetLinksResponse*) override {
+    AnnouncedNodes announced;
+    for (const auto& [id, name] : request->node_names()) {
+      auto role = request->node_roles().find(id);
+      announced[id] = AnnouncedNode{
+          name, role == request->node_roles().end() ? "" : role->second};
+    }
+    handler_->admission().SetAnnounced(std::move(announced));
     if (links_ == nullptr) {
       return grpc::Status(grpc::StatusCode::UNAVAILABLE, "no data plane");
     }
@@ -185,6 +194,7 @@ struct KaratNodeDaemon::Impl {
   bool shut_down = false;
   // Set by the first successful registration (the registrar's thread).
   std::atomic<bool> registered_once{false};
+  bool plaintext_warned = false;  // the registrar's thread
 
   cluster::RegisterNodeRequest MakeRegistration() const {
     cluster::RegisterNodeRequest r;
@@ -259,6 +269,9 @@ absl::StatusOr<std::unique_ptr<KaratNodeDaemon>> KaratNodeDaemon::Start(
   ASSIGN_OR_RETURN(
       impl->handler,
       DataPlaneHandler::Create(impl->config, plane, impl->transport.get()));
+  // No frame is taken before the registration says whether the cluster's
+  // data plane is authenticated (and with which secret).
+  impl->handler->admission().Close();
 
   impl->service = std::make_unique<KaratNodeService>(impl->handler.get());
   impl->service->set_links(impl->links);
@@ -302,8 +315,17 @@ absl::StatusOr<std::unique_ptr<KaratNodeDaemon>> KaratNodeDaemon::Start(
   reg.fill_heartbeat = [impl](cluster::HeartbeatRequest* r) {
     impl->FillHeartbeat(r);
   };
-  reg.on_registered = [impl](uint32_t id) {
+  reg.on_registered = [impl](const cluster::RegisterNodeResponse& response) {
+    const uint32_t id = response.node_id();
     impl->registered_once = true;
+    // The secret before the id: a hello to the new id needs it.
+    impl->handler->admission().SetSecret(response.data_plane_secret());
+    if (response.data_plane_secret().empty() && !impl->plaintext_warned) {
+      impl->plaintext_warned = true;
+      KLOG(Warning, "karat_node")
+          << "the coordinator gave no data-plane secret (plaintext mode): "
+             "data-plane hellos are taken without proof";
+    }
     impl->handler->set_node_id(id);
     KLOG(Info, "karat_node") << "ready: " << impl->options.name
                              << " node_id=" << id << " grpc=" << impl->address;

@@ -1,6 +1,12 @@
 add_unit_test(frame_test
   SOURCES tests/common/frame_test.cc
   LIBS karat_common)
+# The data-plane hello's proof (HMAC layout and coverage).
+add_unit_test(hello_proof_test
+  SOURCES tests/common/hello_proof_test.cc
+  LIBS karat_common)
+target_compile_definitions(hello_proof_test PRIVATE
+  KARAT_FRAME_CORPUS="${PROJECT_SOURCE_DIR}/tests/fuzz/frame_corpus")
 add_unit_test(fake_transport_test
   SOURCES tests/common/fake_transport_test.cc
   LIBS karat_common)

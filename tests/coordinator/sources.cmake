@@ -40,3 +40,13 @@ add_unit_test(coordinator_sessions_test
   LIBS karat_coordinator)
 target_compile_definitions(coordinator_sessions_test PRIVATE
   KARAT_CERTS_SCRIPT="${PROJECT_SOURCE_DIR}/deploy/karat-certs")
+# The data-plane secret (made, kept 0600, handed out) and the node table the
+# KARAT nodes admit GPU nodes by (docs/security.md "Data plane").
+add_unit_test(coordinator_data_plane_secret_test
+  SOURCES tests/coordinator/data_plane_secret_test.cc
+  LIBS karat_coordinator)
+# Where the daemons' data planes bind: the cluster file's policy, the
+# daemons' default and karatctl plan's --fabric-node.
+add_unit_test(coordinator_data_plane_bind_test
+  SOURCES tests/coordinator/data_plane_bind_test.cc
+  LIBS karatctl_lib)

@@ -48,3 +48,22 @@ add_unit_test(decode_loop_isolation_test
   SOURCES tests/gpu_node/decode_loop_isolation_test.cc
   LIBS karat_gpu_node
   LABELS unit)
+
+# Remote attention with a data-plane secret (docs/security.md "Data plane"):
+# the proven handshake, refused hellos and acks, answers from strangers.
+add_unit_test(remote_attention_auth_test
+  SOURCES tests/gpu_node/remote_attention_auth_test.cc
+  LIBS karat_gpu_node karat_karat_node
+  LABELS unit)
+# Expert-parallel MoE with a data-plane secret: frames only from the rank
+# table's transport peers.
+add_unit_test(expert_parallel_auth_test
+  SOURCES tests/gpu_node/expert_parallel_auth_test.cc
+  LIBS karat_gpu_node
+  LABELS unit)
+# The authenticated data plane over real libfabric endpoints (shm, tcp on
+# loopback): an endpoint no coordinator registered gets no attention output.
+add_unit_test(data_plane_fabric_auth_test
+  SOURCES tests/gpu_node/data_plane_fabric_auth_test.cc
+  LIBS karat_gpu_node karat_karat_node
+  LABELS unit loopback)

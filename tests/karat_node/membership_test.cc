@@ -24,6 +24,8 @@ class FakeCoordinator final : public cluster::Coordinator::Service {
                             cluster::RegisterNodeResponse* response) override {
     const int n = ++registrations;
     response->set_node_id(uint32_t(100 + n));
+    // A secret per registration, so that the test sees the latest one.
+    response->set_data_plane_secret("secret-" + std::to_string(n));
     response->set_heartbeat_interval_ms(20);
     return grpc::Status::OK;
   }
@@ -69,6 +71,8 @@ TEST_CASE("NodeRegistrar registers, heartbeats and re-registers",
 
   std::atomic<int> callbacks{0};
   std::atomic<uint32_t> last_id{0};
+  absl::Mutex secret_mu;
+  std::string last_secret;
   RegistrarOptions options;
   options.coordinator = address;
   options.make_request = [] {
@@ -80,9 +84,11 @@ TEST_CASE("NodeRegistrar registers, heartbeats and re-registers",
   options.fill_heartbeat = [](cluster::HeartbeatRequest* r) {
     (*r->mutable_stats())["x"] = 5;
   };
-  options.on_registered = [&](uint32_t id) {
+  options.on_registered = [&](const cluster::RegisterNodeResponse& r) {
     ++callbacks;
-    last_id = id;
+    last_id = r.node_id();
+    absl::MutexLock lock(&secret_mu);
+    last_secret = r.data_plane_secret();
   };
   options.interval = absl::Milliseconds(20);
   options.max_backoff = absl::Milliseconds(400);
@@ -99,6 +105,11 @@ TEST_CASE("NodeRegistrar registers, heartbeats and re-registers",
   CHECK(coordinator.registrations == 2);  // forgotten once
   CHECK(callbacks == 2);
   CHECK(last_id == 102);
+  {
+    // The answer of the latest registration reaches the node.
+    absl::MutexLock lock(&secret_mu);
+    CHECK(last_secret == "secret-2");
+  }
   CHECK((*registrar)->node_id() == std::optional<uint32_t>(102));
   CHECK(coordinator.last_stat == 5);
 

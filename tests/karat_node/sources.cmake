@@ -26,3 +26,11 @@ add_unit_test(frame_order_test SOURCES tests/karat_node/frame_order_test.cc
 add_unit_test(karat_device_order_test
               SOURCES tests/karat_node/karat_device_order_test.cc
               LIBS karat_karat_node)
+# Which senders the data plane takes (pure policy and admission state), and
+# the authenticated handshake and frames on the in-process fake transport.
+add_unit_test(peer_admission_test
+              SOURCES tests/karat_node/peer_admission_test.cc
+              LIBS karat_karat_node)
+add_unit_test(karat_node_data_plane_auth_test
+              SOURCES tests/karat_node/data_plane_auth_test.cc
+              LIBS karat_karat_node)

@@ -28,9 +28,9 @@
 #include "common/link_rules.h"
 #include "common/link_stats.h"
 #include "security/tls.h"
-#include "coordinator/cluster_config.h"
 #include "tools/karatctl/bench.h"
 #include "tools/karatctl/client.h"
+#include "tools/karatctl/plan.h"
 
 namespace karat::ctl {
 namespace {
@@ -90,6 +90,8 @@ commands:
       "karat NAME FLAGS...". GPU nodes get --rank, --ranks, --mode,
       --micro-batches, --schedule and --hbm-bytes from the config, and
       --hbm-bandwidth-gbps / --tflops when set (the rank's timing model).
+      With provider tcp every daemon gets --fabric-node: its fabric_node,
+      else the host of its listen address, else 127.0.0.1.
 
 Without --coordinator or --addr-file the address is read from
 run/coordinator.addr (written by `deploy/karat up`), and the admin API's
@@ -620,110 +622,13 @@ int Metrics(Client& client) {
 
 int Plan(const Flags& f) {
   if (!f.Has("config")) Usage("plan needs --config");
-  auto config = coordinator::LoadClusterConfig(f.Str("config"));
-  if (!config.ok()) {
+  absl::StatusOr<std::string> plan = PlanText(f.Str("config"));
+  if (!plan.ok()) {
     std::fprintf(stderr, "karatctl: %s\n",
-                 std::string(config.status().message()).c_str());
+                 std::string(plan.status().message()).c_str());
     return 2;
   }
-  if (!config->model_dir().empty()) {
-    // Checked here when the model is already there (relative to the current
-    // directory); the coordinator checks again at start.
-    absl::Status fits = coordinator::CheckClusterConfigAgainstModel(
-        *config, config->model_dir());
-    if (!fits.ok() && fits.code() != absl::StatusCode::kNotFound) {
-      std::fprintf(stderr, "karatctl: %s: %s\n", f.Str("config").c_str(),
-                   std::string(fits.message()).c_str());
-      return 2;
-    }
-  }
-  std::printf("model_dir %s\n", config->model_dir().c_str());
-  std::printf("provider %s\n",
-              config->provider().empty() ? "shm" : config->provider().c_str());
-  // TLS (docs/security.md): "plaintext", "default" (the launcher makes the
-  // files in the run directory) or "files CA CERT_DIR CLIENT_TOKENS
-  // ADMIN_TOKENS" (the config's, relative paths from the config's folder).
-  const auto& sec = config->security();
-  if (sec.plaintext()) {
-    std::printf("security plaintext\n");
-  } else if (sec.ca_cert().empty() && sec.cert_dir().empty() &&
-             sec.client_tokens().empty() && sec.admin_tokens().empty()) {
-    std::printf("security default\n");
-  } else {
-    const std::string config_path = f.Str("config");
-    const size_t slash = config_path.rfind('/');
-    const std::string base =
-        slash == std::string::npos ? "" : config_path.substr(0, slash + 1);
-    auto path = [&](const std::string& p, const char* field) {
-      if (p.empty()) {
-        std::fprintf(stderr,
-                     "karatctl: %s: security.%s: required when the security "
-                     "block names TLS files\n",
-                     config_path.c_str(), field);
-        std::exit(2);
-      }
-      return p[0] == '/' ? p : base + p;
-    };
-    std::printf("security files %s %s %s %s\n",
-                path(sec.ca_cert(), "ca_cert").c_str(),
-                path(sec.cert_dir(), "cert_dir").c_str(),
-                path(sec.client_tokens(), "client_tokens").c_str(),
-                path(sec.admin_tokens(), "admin_tokens").c_str());
-  }
-  const auto& sched = config->scheduling();
-  const std::string mode = config->mode().empty() ? "karat" : config->mode();
-  const int micro_batches =
-      sched.micro_batches() == 0 ? 2 : sched.micro_batches();
-  const std::string schedule =
-      sched.schedule().empty() ? "ofms" : sched.schedule();
-  for (int rank = 0; rank < config->gpu_nodes_size(); ++rank) {
-    const auto& g = config->gpu_nodes(rank);
-    std::string flags =
-        absl::StrCat(" --rank ", rank, " --ranks ", config->gpu_nodes_size(),
-                     " --mode ", mode, " --micro-batches ", micro_batches,
-                     " --schedule ", schedule, " --hbm-bytes ", g.hbm_bytes());
-    if (g.max_step_tokens() > 0)
-      flags += " --max-step-tokens " + std::to_string(g.max_step_tokens());
-    if (g.max_batch() > 0)
-      flags += " --max-batch " + std::to_string(g.max_batch());
-    if (g.threads() > 0) flags += " --threads " + std::to_string(g.threads());
-    if (g.hbm_bandwidth_gbps() > 0)
-      absl::StrAppend(&flags, " --hbm-bandwidth-gbps ", g.hbm_bandwidth_gbps());
-    if (g.tflops() > 0) absl::StrAppend(&flags, " --tflops ", g.tflops());
-    flags += " --listen " +
-             (g.listen().empty() ? std::string("127.0.0.1:0") : g.listen());
-    std::printf("gpu %s%s\n", g.name().c_str(), flags.c_str());
-  }
-  for (int i = 0; i < config->karat_nodes_size(); ++i) {
-    const auto& k = config->karat_nodes(i);
-    const auto& d0 = k.devices(0);
-    for (const auto& d : k.devices()) {
-      if (d.capacity_bytes() != d0.capacity_bytes() ||
-          d.cores() != d0.cores() ||
-          d.bandwidth_gbps() != d0.bandwidth_gbps() ||
-          d.tflops() != d0.tflops()) {
-        std::fprintf(
-            stderr,
-            "karatctl: %s: karat_nodes[%d]: karat-node takes one capacity, "
-            "core count and timing model for all its devices\n",
-            f.Str("config").c_str(), i);
-        return 2;
-      }
-    }
-    std::string flags = " --devices " + std::to_string(k.devices_size()) +
-                        " --device-capacity " +
-                        std::to_string(d0.capacity_bytes());
-    if (d0.cores() > 0) flags += " --cores " + std::to_string(d0.cores());
-    if (d0.bandwidth_gbps() > 0)
-      absl::StrAppend(&flags, " --device-bandwidth-gbps ", d0.bandwidth_gbps());
-    if (d0.tflops() > 0)
-      absl::StrAppend(&flags, " --device-tflops ", d0.tflops());
-    if (k.tokens_per_page() > 0)
-      flags += " --tokens-per-page " + std::to_string(k.tokens_per_page());
-    flags += " --listen " +
-             (k.listen().empty() ? std::string("127.0.0.1:0") : k.listen());
-    std::printf("karat %s%s\n", k.name().c_str(), flags.c_str());
-  }
+  std::fputs(plan->c_str(), stdout);
   return 0;
 }
 
