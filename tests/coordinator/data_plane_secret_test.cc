@@ -119,6 +119,7 @@ TEST_CASE("RegisterNode hands every node the cluster's secret",
   REQUIRE(auth.ok());
   state.auth_ = std::move(*auth);
   state.data_plane_secret_ = std::string(32, 'z');
+  state.node_credentials_ = grpc::InsecureChannelCredentials();
   MembershipService membership(&state);
   for (const char* role : {"karat", "gpu"}) {
     cl::RegisterNodeRequest req;
@@ -126,6 +127,7 @@ TEST_CASE("RegisterNode hands every node the cluster's secret",
     req.set_role(role);
     req.set_grpc_address("127.0.0.1:1");
     req.set_fabric_address("fabric");
+    req.set_model_fingerprint("test-model");
     cl::RegisterNodeResponse resp;
     grpc::ServerContext ctx;
     REQUIRE(membership.RegisterNode(&ctx, &req, &resp).ok());
