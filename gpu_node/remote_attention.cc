@@ -250,8 +250,13 @@ AttentionBackend* RemoteAttentionBackend::ForMicroBatch(int mb,
 RemoteAttentionBackend::~RemoteAttentionBackend() = default;
 
 void RemoteAttentionBackend::set_node_id(uint32_t id) {
-  // KARAT nodes know this node by its id: a new id needs new handshakes.
-  if (impl_->node_id.exchange(id) != id) impl_->id_generation.fetch_add(1);
+  // Every registration greets the KARAT nodes again, whether the id changed
+  // or not: they know this node by its id, and a coordinator that
+  // restarted may have announced a table without it meanwhile (a KARAT node
+  // then forgets the binding and refuses this node's frames, silently,
+  // until it greets again).
+  impl_->node_id.store(id);
+  impl_->id_generation.fetch_add(1);
 }
 
 void RemoteAttentionBackend::SetPlacement(

@@ -64,7 +64,9 @@ class RemoteAttentionBackend : public StepBackend {
                          bool install_handler = true);
   ~RemoteAttentionBackend() override;
 
-  // This node's id (from registration), sent as src_node.
+  // This node's id (from a registration), sent as src_node; the KARAT
+  // nodes are greeted again after it (a registration may follow a
+  // coordinator restart whose node table dropped this node meanwhile).
   void set_node_id(uint32_t id);
   // The cluster's data-plane secret (RegisterNodeResponse; empty, the
   // default: plaintext mode). With one, a handshake's kHello carries a

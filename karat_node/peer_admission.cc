@@ -105,9 +105,14 @@ void PeerAdmission::Close() {
 
 void PeerAdmission::Authenticate(std::string secret) {
   absl::MutexLock lock(&mu_);
+  // Peers bound under this secret proved it, whatever this node's id is now
+  // (a GPU node greets again when the id it knows this node by changes):
+  // they stay. A GPU node whose own id stayed the same after a coordinator
+  // restart would otherwise never greet again, and every frame of it would
+  // be refused. Under another secret they must prove the new one.
+  if (mode_ != Mode::kAuthenticated || secret_ != secret) peers_.clear();
   mode_ = Mode::kAuthenticated;
   secret_ = std::move(secret);
-  peers_.clear();
 }
 
 void PeerAdmission::SetSecret(const std::string& secret) {

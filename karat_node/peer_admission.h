@@ -98,8 +98,9 @@ class PeerAdmission {
   void Open();
   // Nothing is taken until Open() or Authenticate().
   void Close();
-  // Hellos must prove `secret` (non-empty); forgets every bound peer, since
-  // they greeted this node under its previous registration.
+  // Hellos must prove `secret` (non-empty). Bound peers stay when they
+  // proved this same secret (a registration again under the coordinator's
+  // unchanged secret), else they are forgotten.
   void Authenticate(std::string secret);
   // After a registration: Authenticate(secret), or Open() when it is empty.
   void SetSecret(const std::string& secret);

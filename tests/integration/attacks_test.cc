@@ -143,7 +143,8 @@ std::string PortOf(const std::string& address) {
   return address.substr(address.rfind(':') + 1);
 }
 
-TEST_CASE("nobody without credentials gets in", "[integration][security]") {
+TEST_CASE("nobody without credentials gets in",
+          "[integration][security][sanitized]") {
   ClusterSpec spec;
   Cluster c(spec);
   // Certificates the cluster never gave a daemon: gpu1 of its own CA, and

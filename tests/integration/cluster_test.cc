@@ -31,7 +31,7 @@ using karat::v1::GenerateResponse;
 // The harness fails a test whose daemons printed a sanitizer report (in the
 // sanitized builds of `deploy/karat test`): it must find each kind of report
 // in a log, from the line it starts on, and nothing in an ordinary log.
-TEST_CASE("sanitizer reports in a daemon's log are found", "[harness]") {
+TEST_CASE("sanitizer reports in a daemon's log are found", "[harness][sanitized]") {
   const std::string ordinary =
       "I coordinator listening on 127.0.0.1:4242\n"
       "W node gpu0: runtime 3 ms over budget\n";
@@ -73,7 +73,7 @@ Conversations TextConversations(int max_new,
 }
 
 TEST_CASE("cluster tokens equal the reference engine, greedy and sampled",
-          "[integration]") {
+          "[integration][sanitized]") {
   ClusterSpec spec;
   Cluster cluster(spec);
   constexpr int kSessions = 8, kTurns = 3, kMaxNew = 24;
@@ -132,7 +132,7 @@ TEST_CASE("every attention form: cluster tokens equal the reference engine",
 }
 
 TEST_CASE("bad requests get clear statuses and sessions survive",
-          "[integration]") {
+          "[integration][sanitized]") {
   ClusterSpec spec;
   spec.device_capacity = "2M";  // room for a few hundred tokens per device
   spec.max_new_tokens_limit = 4096;
@@ -402,7 +402,7 @@ TEST_CASE("a node that cannot reach the coordinator retries and says so",
 // engine's. In karat mode the KV lives on the KARAT node, in gpu_only mode on
 // the GPU rank.
 TEST_CASE("a restarted coordinator: cluster tokens equal the reference engine",
-          "[integration]") {
+          "[integration][sanitized]") {
   ClusterSpec spec;
   spec.coordinator_state = true;
   std::string kv_node = "karat0";
@@ -484,7 +484,7 @@ TEST_CASE("a restarted coordinator: cluster tokens equal the reference engine",
 // has its KV freed on the KARAT node; its next turn rebuilds it from the
 // token log, and the conversation's tokens stay the reference engine's.
 TEST_CASE("idle KV eviction: cluster tokens equal the reference engine",
-          "[integration]") {
+          "[integration][sanitized]") {
   ClusterSpec spec;
   spec.extra_config = "security { idle_kv_evict_s: 1 }\n";
   Cluster cluster(spec);

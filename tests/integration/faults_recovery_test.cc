@@ -191,7 +191,7 @@ void RunLossyRound(const Cluster& cluster, double loss, int sessions, int turns,
 }
 
 TEST_CASE("1% loss on every data-plane link: no turn fails, tokens exact",
-          "[integration]") {
+          "[integration][sanitized]") {
   ClusterSpec spec;
   Cluster cluster(spec);
   RunLossyRound(cluster, 0.01, /*sessions=*/6, /*turns=*/3, /*max_new=*/24);
@@ -248,7 +248,7 @@ TEST_CASE("a data-plane link down for 5 s both ways stalls turns, fails none",
 // --- 6. A fast KARAT node restart -------------------------------------------
 
 TEST_CASE("a KARAT node killed and restarted at once: turns complete in-stream",
-          "[integration]") {
+          "[integration][sanitized]") {
   ClusterSpec spec;
   SECTION("one KARAT node") {}
   SECTION("two KARAT nodes") { spec.karat_nodes = 2; }

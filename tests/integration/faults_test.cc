@@ -113,7 +113,7 @@ VictimRound DisruptOnce(const Cluster& cluster, karat::v1::Karat::Stub* stub,
 }
 
 TEST_CASE("a client that cancels, times out and closes fails no other turn",
-          "[integration]") {
+          "[integration][sanitized]") {
   ClusterSpec spec;
   Cluster cluster(spec);
   constexpr int kSessions = 8, kTurns = 3, kMaxNew = 24;
@@ -193,7 +193,7 @@ TEST_CASE("a client that cancels, times out and closes fails no other turn",
 // --- 2. Failed turns are retry-safe -----------------------------------------
 
 TEST_CASE("failed and cancelled turns are retry-safe with idempotency keys",
-          "[integration]") {
+          "[integration][sanitized]") {
   ClusterSpec spec;
   Cluster cluster(spec);
   auto stub = cluster.NewStub();
@@ -392,7 +392,7 @@ TEST_CASE("failed and cancelled turns are retry-safe with idempotency keys",
 // --- 5. Admission ----------------------------------------------------------
 
 TEST_CASE("a turn no device could hold is refused at once; others run on",
-          "[integration]") {
+          "[integration][sanitized]") {
   ClusterSpec spec;
   spec.device_capacity = "2M";  // room for a few hundred tokens per device
   spec.max_new_tokens_limit = 4096;

@@ -213,7 +213,7 @@ class NetnsGuard {
 };
 
 TEST_CASE("two network namespaces: GPU node and KARAT node over tcp",
-          "[integration][netns]") {
+          "[integration][netns][sanitized]") {
   NetnsGuard guard;
   const std::string why = guard.Setup();
   if (!why.empty()) {

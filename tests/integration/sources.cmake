@@ -1,7 +1,22 @@
+# In the sanitized builds (deploy/karat test's build-asan and build-tsan),
+# where the daemons run six to eight times slower, ctest runs the cases
+# tagged [sanitized] only: the concurrent sessions against the reference
+# engine, the error statuses, a coordinator restart and idle eviction
+# (cluster_test), every client fault (faults_test), 1% loss and a KARAT node
+# restarted at once (faults_recovery_test), two namespaces over tcp
+# (netns_test), the attacks (attacks_test), and six concurrent sessions on
+# two ranks with two micro-batches each (expert-parallel) and two KARAT
+# nodes under OFMS and SCMS, and a KARAT node lost mid-turn (scale_out_test).
+# Every executable still runs all its cases when started by hand.
+set(KARAT_INTEGRATION_ARGS "")
+if(KARAT_SANITIZE)
+  set(KARAT_INTEGRATION_ARGS "[sanitized]")
+endif()
 add_unit_test(cluster_test
   SOURCES tests/integration/cluster_test.cc tests/integration/cluster_harness.cc
   LIBS karat_common karat_proto
-  LABELS integration)
+  LABELS integration
+  ARGS ${KARAT_INTEGRATION_ARGS})
 target_compile_definitions(cluster_test PRIVATE
   KARAT_BIN_DIR="${PROJECT_BINARY_DIR}/bin")
 # The daemons and tools the test starts.
@@ -12,23 +27,14 @@ add_dependencies(cluster_test karat-coordinator karat-node karat-gpu-node
 add_unit_test(netns_test
   SOURCES tests/integration/netns_test.cc tests/integration/cluster_harness.cc
   LIBS karat_common karat_proto
-  LABELS integration)
+  LABELS integration
+  ARGS ${KARAT_INTEGRATION_ARGS})
 target_compile_definitions(netns_test PRIVATE
   KARAT_BIN_DIR="${PROJECT_BINARY_DIR}/bin")
 add_dependencies(netns_test karat-coordinator karat-node karat-gpu-node
                  karat-weights karatctl)
 # Several GPU ranks (expert-parallel MoE) and KARAT nodes, two micro-batches
 # under OFMS and SCMS, count balancing, and the gpu_only baseline.
-# In the sanitized builds (deploy/karat test's build-asan and build-tsan),
-# where the daemons run six to eight times slower, ctest runs the cases
-# tagged [sanitized] only: six concurrent sessions through the coordinator,
-# two ranks with two micro-batches each (expert-parallel) and two KARAT
-# nodes, under OFMS and SCMS; and a KARAT node lost mid-turn. The
-# executable still runs every case when started by hand.
-set(KARAT_INTEGRATION_ARGS "")
-if(KARAT_SANITIZE)
-  set(KARAT_INTEGRATION_ARGS "[sanitized]")
-endif()
 add_unit_test(scale_out_test
   SOURCES tests/integration/scale_out_test.cc
           tests/integration/cluster_harness.cc
@@ -61,7 +67,8 @@ add_unit_test(faults_test
   SOURCES tests/integration/faults_test.cc tests/integration/faults_util.cc
           tests/integration/cluster_harness.cc
   LIBS karat_common karat_proto
-  LABELS integration)
+  LABELS integration
+  ARGS ${KARAT_INTEGRATION_ARGS})
 target_compile_definitions(faults_test PRIVATE
   KARAT_BIN_DIR="${PROJECT_BINARY_DIR}/bin")
 add_dependencies(faults_test karat-coordinator karat-node karat-gpu-node
@@ -74,7 +81,8 @@ add_unit_test(faults_recovery_test
           tests/integration/faults_util.cc
           tests/integration/cluster_harness.cc
   LIBS karat_common karat_proto
-  LABELS integration)
+  LABELS integration
+  ARGS ${KARAT_INTEGRATION_ARGS})
 target_compile_definitions(faults_recovery_test PRIVATE
   KARAT_BIN_DIR="${PROJECT_BINARY_DIR}/bin")
 add_dependencies(faults_recovery_test karat-coordinator karat-node
@@ -91,7 +99,8 @@ add_unit_test(attacks_test
   SOURCES tests/integration/attacks_test.cc
           tests/integration/cluster_harness.cc
   LIBS karat_common karat_proto
-  LABELS integration)
+  LABELS integration
+  ARGS ${KARAT_INTEGRATION_ARGS})
 target_compile_definitions(attacks_test PRIVATE
   KARAT_BIN_DIR="${PROJECT_BINARY_DIR}/bin"
   KARAT_CERTS_SCRIPT="${PROJECT_SOURCE_DIR}/deploy/karat-certs")

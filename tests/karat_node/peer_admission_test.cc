@@ -164,10 +164,15 @@ TEST_CASE("PeerAdmission: modes, bound peers and the announced table",
   admission.SetAnnounced(without);
   CHECK(admission.PeerOf(kGpu) == kUnknownPeer);
   CHECK(admission.AdmitFrame(kGpu, 5) == Refusal::kUnauthenticated);
-  // So does a registration (its node id changes).
+  // A registration under the same secret keeps the bindings (a GPU node
+  // whose id did not change does not greet again); under another secret
+  // they are forgotten (every GPU node greets again with the new one).
   admission.SetAnnounced(kAnnounced);
   admission.Bind(kGpu, 5);
   admission.SetSecret(kSecret);
+  CHECK(admission.PeerOf(kGpu) == 5);
+  CHECK(admission.AdmitFrame(kGpu, 5) == Refusal::kNone);
+  admission.SetSecret(std::string(kSecret) + "x");
   CHECK(admission.PeerOf(kGpu) == kUnknownPeer);
   // Registering without a secret (plaintext cluster) opens it.
   admission.SetSecret("");
