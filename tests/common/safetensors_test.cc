@@ -250,6 +250,44 @@ TEST_CASE("reader refuses corrupt files cleanly", "[safetensors]") {
   }
 }
 
+TEST_CASE("ParseSafetensors reads bytes in memory as Open reads the file",
+          "[safetensors]") {
+  TempDir dir;
+  const std::vector<float> a = Ramp(6, 1.0f);
+  const std::string path = dir.File("m.safetensors");
+  REQUIRE(WriteSafetensors(path, {{"a", {2, 3}, a.data()}, {"z", {0}, nullptr}},
+                           DType::kF32, {{"format", "pt"}})
+              .ok());
+  const std::string bytes = ReadBytes(path);
+  absl::StatusOr<SafetensorsContents> parsed =
+      ParseSafetensors(bytes, "in-memory");
+  REQUIRE(parsed.ok());
+  auto file = SafetensorsFile::Open(path);
+  REQUIRE(file.ok());
+  CHECK(parsed->metadata == (*file)->metadata());
+  REQUIRE(parsed->tensors.size() == (*file)->tensors().size());
+  for (const auto& [name, view] : parsed->tensors) {
+    const TensorView* mapped = (*file)->Find(name);
+    REQUIRE(mapped != nullptr);
+    CHECK(view.shape == mapped->shape);
+    CHECK(view.nbytes == mapped->nbytes);
+    CHECK(view.ToFloat() == mapped->ToFloat());
+    // The view points into the bytes given.
+    CHECK(view.data >= reinterpret_cast<const uint8_t*>(bytes.data()));
+    CHECK(view.data + view.nbytes <=
+          reinterpret_cast<const uint8_t*>(bytes.data() + bytes.size()));
+  }
+  // Errors name what the caller called the bytes.
+  absl::StatusOr<SafetensorsContents> bad =
+      ParseSafetensors(bytes.substr(0, bytes.size() - 1), "in-memory");
+  REQUIRE_FALSE(bad.ok());
+  CHECK(bad.status().code() == absl::StatusCode::kDataLoss);
+  CHECK(absl::StartsWith(bad.status().message(), "in-memory: "));
+  CHECK(absl::StrContains(
+      ParseSafetensors("1234567", "in-memory").status().message(),
+      "too short"));
+}
+
 TEST_CASE("a file truncated anywhere is refused", "[safetensors]") {
   TempDir dir;
   const std::vector<float> a = Ramp(300, 1.0f), b = Ramp(77, 2.0f);
