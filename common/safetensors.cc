@@ -106,6 +106,11 @@ absl::Status ParseEntry(const std::string& path, const std::string& name,
     }
     elements *= static_cast<uint64_t>(dim);
   }
+  // The bytes, not only the elements, stay within kMaxBytes: 2^62 F32
+  // elements would wrap to 0 bytes.
+  if (elements > kMaxBytes / DTypeSize(e->dtype)) {
+    return TensorCorrupt(path, name, "shape too large");
+  }
   const JsonValue* offsets = v.Find("data_offsets");
   if (offsets == nullptr || offsets->kind != JsonValue::Kind::kArray ||
       offsets->array.size() != 2) {

@@ -241,6 +241,15 @@ TEST_CASE("reader refuses corrupt files cleanly", "[safetensors]") {
             one("F32", "[4611686018427387904, 4611686018427387904]", "[0,16]"),
             data),
         {"'t'"});
+    // 2^62 F32 elements are 2^64 bytes, which wrapped to 0 and let
+    // [0, 0] through (the safetensors fuzz target's
+    // regression_bytes_wrap).
+    ExpectCorrupt(dir,
+                  RawFile(one("F32", "[4611686018427387904]", "[0,0]"), data),
+                  {"'t'", "shape too large"});
+    ExpectCorrupt(dir,
+                  RawFile(one("BF16", "[2305843009213693953]", "[0,2]"), data),
+                  {"'t'", "shape too large"});
   }
   SECTION("overlapping tensors") {
     const std::string header =
