@@ -47,3 +47,8 @@ add_unit_test(decode_loop_isolation_test
   SOURCES tests/gpu_node/decode_loop_isolation_test.cc
   LIBS karat_gpu_node
   LABELS unit)
+# RunTurn's request check.
+add_unit_test(gpu_node_turn_request_test
+  SOURCES tests/gpu_node/turn_request_test.cc
+  LIBS karat_gpu_node
+  LABELS unit)
