@@ -1,6 +1,8 @@
 #include "gpu_node/turn_request.h"
 
 #include <cmath>
+#include <cstdint>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 
@@ -25,6 +27,15 @@ absl::Status ValidateTurnRequest(const cluster::RunTurnRequest& r,
   if (r.pos_start() < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("pos_start must be >= 0, got ", r.pos_start()));
+  }
+  // The decode loop counts positions in ints.
+  const int64_t last_position =
+      int64_t{r.pos_start()} + r.feed_tokens_size() + r.max_new_tokens();
+  if (last_position > std::numeric_limits<int>::max()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("pos_start + feed size + max_new_tokens = ", last_position,
+                     " is past the last position a turn can reach (",
+                     std::numeric_limits<int>::max(), ")"));
   }
   if (!(r.temperature() >= 0) || !std::isfinite(r.temperature())) {
     return absl::InvalidArgumentError(absl::StrCat(

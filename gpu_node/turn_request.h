@@ -33,7 +33,8 @@ struct TurnRequest {
 };
 
 // INVALID_ARGUMENT unless: feed_tokens non-empty with ids in [0, vocab),
-// max_new_tokens > 0, pos_start >= 0, temperature >= 0 and finite,
+// max_new_tokens > 0, pos_start >= 0, the turn's positions (pos_start +
+// feed size + max_new_tokens) within an int, temperature >= 0 and finite,
 // micro_batch 0 or 1, prefill_ends increasing inside the feed, and (when
 // `need_placement`, i.e. attention on KARAT nodes) a placement with a
 // fabric address and a device >= 0.
