@@ -6,6 +6,7 @@
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
 #include "common/tokenizer.h"
+#include "coordinator/client_requests.h"
 #include "coordinator/turn_plan.h"
 
 namespace karat::coordinator {
@@ -52,6 +53,8 @@ grpc::Status KaratService::CreateSession(grpc::ServerContext*,
 grpc::Status KaratService::GetSession(grpc::ServerContext*,
                                       const v1::GetSessionRequest* req,
                                       v1::Session* resp) {
+  if (absl::Status valid = ValidateGetSessionRequest(*req); !valid.ok())
+    return ToGrpc(valid);
   WaitForCancelledTurn(req->session_id(), absl::Milliseconds(50));
   absl::MutexLock lock(&s_->mu_);
   auto it = s_->sessions_.find(req->session_id());
@@ -67,6 +70,8 @@ grpc::Status KaratService::CloseSession(grpc::ServerContext*,
   std::string home_name;
   NodeRole home_role = NodeRole::kKarat;
   uint64_t key = 0;
+  if (absl::Status valid = ValidateCloseSessionRequest(*req); !valid.ok())
+    return ToGrpc(valid);
   WaitForCancelledTurn(req->session_id(), absl::Milliseconds(200));
   // A turn still running ends first (its call gets ABORTED); no new one
   // starts meanwhile.
@@ -345,32 +350,6 @@ absl::Status KaratService::LogTurnStart(const std::string& sid,
   record.mutable_started()->set_id(sid);
   *record.mutable_started()->mutable_turn() = turn;
   return s_->wal_->Append(record);
-}
-
-absl::Status KaratService::Validate(const v1::GenerateRequest& req) const {
-  int limit = s_->options().max_new_tokens_limit;
-  if (req.max_new_tokens() < 1 || req.max_new_tokens() > limit) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("max_new_tokens must be in [1, ", limit, "], got ",
-                     req.max_new_tokens()));
-  }
-  if (req.prompt().empty() && req.prompt_tokens().empty())
-    return absl::InvalidArgumentError(
-        "the prompt is empty (set prompt or prompt_tokens)");
-  if (!req.prompt().empty() && !req.prompt_tokens().empty())
-    return absl::InvalidArgumentError("set prompt or prompt_tokens, not both");
-  for (int i = 0; i < req.prompt_tokens_size(); ++i) {
-    int32_t t = req.prompt_tokens(i);
-    if (t < 0 || t >= kVocabSize)
-      return absl::InvalidArgumentError(
-          absl::StrCat("prompt_tokens[", i, "] = ", t, " is outside [0, ",
-                       kVocabSize - 1, "]"));
-  }
-  RETURN_IF_ERROR(ValidateIdempotencyKey(req.idempotency_key()));
-  if (!std::isfinite(req.temperature()) || req.temperature() < 0)
-    return absl::InvalidArgumentError(absl::StrCat(
-        "temperature must be finite and >= 0, got ", req.temperature()));
-  return absl::OkStatus();
 }
 
 absl::Status KaratService::CheckNodesLocked(bool* settling) const {

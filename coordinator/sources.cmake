@@ -3,6 +3,7 @@ add_library(karat_coordinator STATIC
   coordinator/admin_service.cc
   coordinator/admission.cc
   coordinator/client_auth.cc
+  coordinator/client_requests.cc
   coordinator/cluster_config.cc
   coordinator/control_push.cc
   coordinator/coordinator.cc
