@@ -10,6 +10,7 @@ add_library(karat_coordinator STATIC
   coordinator/generate.cc
   coordinator/karat_service.cc
   coordinator/membership_service.cc
+  coordinator/register_request.cc
   coordinator/turn_plan.cc
   coordinator/turn_resume.cc
   coordinator/admission_policy.cc

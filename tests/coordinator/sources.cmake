@@ -29,7 +29,8 @@ add_unit_test(coordinator_admission_policy_test
 add_unit_test(coordinator_retry_test
   SOURCES tests/coordinator/coordinator_retry_test.cc
   LIBS karat_coordinator gRPC::grpc++)
-# The request checks of the client API.
+# The request checks of the client API and of RegisterNode.
 add_unit_test(coordinator_requests_test
   SOURCES tests/coordinator/client_requests_test.cc
+    tests/coordinator/register_request_test.cc
   LIBS karat_coordinator)
