@@ -26,3 +26,7 @@ add_unit_test(frame_order_test SOURCES tests/karat_node/frame_order_test.cc
 add_unit_test(karat_device_order_test
               SOURCES tests/karat_node/karat_device_order_test.cc
               LIBS karat_karat_node)
+# Reserve's request check.
+add_unit_test(karat_node_reserve_request_test
+              SOURCES tests/karat_node/reserve_request_test.cc
+              LIBS karat_karat_node)
