@@ -16,6 +16,16 @@ namespace karat {
 
 struct JsonValue {
   enum class Kind { kNull, kBool, kNumber, kString, kArray, kObject };
+  // Declared here and defaulted in json.cc, where the type is complete:
+  // clang with libstdc++ refuses the implicit ones, which would need
+  // std::pair<std::string, JsonValue> while JsonValue is being defined.
+  JsonValue();
+  ~JsonValue();
+  JsonValue(const JsonValue&);
+  JsonValue(JsonValue&&) noexcept;
+  JsonValue& operator=(const JsonValue&);
+  JsonValue& operator=(JsonValue&&) noexcept;
+
   Kind kind = Kind::kNull;
   bool boolean = false;
   double number = 0.0;

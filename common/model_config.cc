@@ -251,6 +251,42 @@ std::string ReadFileOr(const std::string& path, absl::Status* status) {
   return ss.str();
 }
 
+// The bounds of model_config.h (kMaxModelDim, ...), so that the weights'
+// shapes and sizes, which multiply these, cannot overflow.
+absl::Status CheckBounds(const ModelConfig& c, const std::string& source) {
+  const struct {
+    const char* name;
+    int value;
+    int max;
+  } bounds[] = {
+      {"hidden_size", c.hidden_size, kMaxModelDim},
+      {"num_hidden_layers", c.num_hidden_layers, kMaxLayers},
+      {"q_lora_rank", c.q_lora_rank, kMaxModelDim},
+      {"kv_lora_rank", c.kv_lora_rank, kMaxModelDim},
+      {"qk_nope_head_dim", c.qk_nope_head_dim, kMaxModelDim},
+      {"qk_rope_head_dim", c.qk_rope_head_dim, kMaxModelDim},
+      {"v_head_dim", c.v_head_dim, kMaxModelDim},
+      {"num_attention_heads", c.num_attention_heads, kMaxHeads},
+      {"num_key_value_heads", c.num_key_value_heads, kMaxHeads},
+      {"head_dim", c.head_dim, kMaxModelDim},
+      {"index_n_heads", c.index_n_heads, kMaxHeads},
+      {"index_head_dim", c.index_head_dim, kMaxModelDim},
+      {"n_routed_experts", c.n_routed_experts, kMaxRoutedExperts},
+      {"n_shared_experts", c.n_shared_experts, kMaxRoutedExperts},
+      {"moe_intermediate_size", c.moe_intermediate_size, kMaxModelDim},
+      {"intermediate_size", c.intermediate_size, kMaxModelDim},
+      {"attention.lsh_tables", c.attention.lsh_tables, kMaxModelDim},
+  };
+  for (const auto& b : bounds) {
+    if (b.value > b.max) {
+      return FieldError(
+          source, b.name,
+          absl::StrCat("must be at most ", b.max, ", got ", b.value));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 const char* AttentionTypeName(AttentionType t) {
@@ -492,7 +528,7 @@ absl::Status ValidateModelConfig(const ModelConfig& c,
   if (has_dense_layer) {
     RETURN_IF_ERROR(positive("intermediate_size", c.intermediate_size));
   }
-  return absl::OkStatus();
+  return CheckBounds(c, source);
 }
 
 std::string ModelConfigToJson(const ModelConfig& c) {

@@ -78,6 +78,16 @@ struct ModelConfig {
   }
 };
 
+// Bounds ValidateModelConfig puts on a config's sizes: far beyond the models
+// this runs, and small enough that every tensor's shape, a rank's weight
+// bytes (common/weights.h) and the tensor list stay well inside int64 and
+// memory (at most 2^59 bytes of weights).
+inline constexpr int kMaxModelDim = 1 << 16;  // widths, ranks, head dims,
+                                              // intermediate sizes
+inline constexpr int kMaxHeads = 1 << 12;     // attention, KV, indexer heads
+inline constexpr int kMaxLayers = 1 << 8;
+inline constexpr int kMaxRoutedExperts = 1 << 9;  // also shared experts
+
 // Parses config.json text. `source` names the file in error messages, e.g.
 // "model/config.json: field 'kv_lora_rank': must be > 0".
 absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json,
@@ -86,7 +96,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json,
 absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& model_dir);
 // Checks shapes for consistency (every field the attention type needs is
 // positive, heads divisible by kv heads, index_head_dim a power of two for
-// mla_dsa, rope dims even, topk experts <= experts, ...).
+// mla_dsa, rope dims even, topk experts <= experts, ...) and the bounds
+// above.
 absl::Status ValidateModelConfig(const ModelConfig& config,
                                  const std::string& source);
 // Serialises with the same field names (round-trips through ParseModelConfig).

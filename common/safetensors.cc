@@ -52,6 +52,12 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
+absl::Status TooShort(const std::string& path, uint64_t size) {
+  return Corrupt(path, absl::StrCat("file of ", size,
+                                    " bytes is too short for the 8-byte "
+                                    "header length"));
+}
+
 struct Entry {
   std::string name;
   DType dtype;
@@ -99,6 +105,11 @@ absl::Status ParseEntry(const std::string& path, const std::string& name,
       return TensorCorrupt(path, name, "shape too large");
     }
     elements *= static_cast<uint64_t>(dim);
+  }
+  // The bytes, not only the elements, stay within kMaxBytes: 2^62 F32
+  // elements would wrap to 0 bytes.
+  if (elements > kMaxBytes / DTypeSize(e->dtype)) {
+    return TensorCorrupt(path, name, "shape too large");
   }
   const JsonValue* offsets = v.Find("data_offsets");
   if (offsets == nullptr || offsets->kind != JsonValue::Kind::kArray ||
@@ -181,40 +192,11 @@ std::vector<float> TensorView::ToFloat() const {
   return out;
 }
 
-absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(
-    const std::string& path) {
-  std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
-  file->path_ = path;
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    return ErrnoError(errno, path);
-  }
-  struct stat st;
-  if (::fstat(fd, &st) != 0) {
-    const int err = errno;
-    ::close(fd);
-    return absl::InternalError(
-        absl::StrCat(path, ": fstat: ", std::strerror(err)));
-  }
-  const uint64_t size = static_cast<uint64_t>(st.st_size);
-  if (size < 8) {
-    ::close(fd);
-    return Corrupt(path, absl::StrCat("file of ", size,
-                                      " bytes is too short for the 8-byte "
-                                      "header length"));
-  }
-  void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
-  const int map_err = errno;
-  ::close(fd);
-  if (map == MAP_FAILED) {
-    return absl::InternalError(
-        absl::StrCat(path, ": mmap: ", std::strerror(map_err)));
-  }
-  // Owned by `file` from here on, so every error path unmaps it.
-  file->map_ = map;
-  file->map_size_ = size;
-  const uint8_t* base = static_cast<const uint8_t*>(map);
-
+absl::StatusOr<SafetensorsContents> ParseSafetensors(std::string_view bytes,
+                                                     const std::string& path) {
+  const uint64_t size = bytes.size();
+  if (size < 8) return TooShort(path, size);
+  const uint8_t* base = reinterpret_cast<const uint8_t*>(bytes.data());
   uint64_t header_len = 0;
   for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | base[i];
   if (header_len > size - 8) {
@@ -231,6 +213,7 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(
   }
   if (!doc->is_object()) return Corrupt(path, "header is not a JSON object");
 
+  SafetensorsContents contents;
   const uint64_t data_start = 8 + header_len;
   const uint64_t data_size = size - data_start;
   std::vector<Entry> entries;
@@ -244,7 +227,7 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(
           return Corrupt(path, absl::StrCat("'__metadata__' value '", k,
                                             "' is not a string"));
         }
-        file->metadata_[k] = v.text;
+        contents.metadata[k] = v.text;
       }
       continue;
     }
@@ -271,8 +254,47 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(
     view.shape = std::move(e.shape);
     view.data = base + data_start + e.begin;
     view.nbytes = static_cast<size_t>(e.end - e.begin);
-    file->tensors_.emplace(e.name, std::move(view));
+    contents.tensors.emplace(e.name, std::move(view));
   }
+  return contents;
+}
+
+absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(
+    const std::string& path) {
+  std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
+  file->path_ = path;
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    return ErrnoError(errno, path);
+  }
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return absl::InternalError(
+        absl::StrCat(path, ": fstat: ", std::strerror(err)));
+  }
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size < 8) {
+    ::close(fd);
+    return TooShort(path, size);
+  }
+  void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+  const int map_err = errno;
+  ::close(fd);
+  if (map == MAP_FAILED) {
+    return absl::InternalError(
+        absl::StrCat(path, ": mmap: ", std::strerror(map_err)));
+  }
+  // Owned by `file` from here on, so every error path unmaps it.
+  file->map_ = map;
+  file->map_size_ = size;
+  ASSIGN_OR_RETURN(
+      SafetensorsContents contents,
+      ParseSafetensors(std::string_view(static_cast<const char*>(map), size),
+                       path));
+  file->tensors_ = std::move(contents.tensors);
+  file->metadata_ = std::move(contents.metadata);
   return file;
 }
 

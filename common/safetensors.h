@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -30,6 +31,18 @@ struct TensorView {
   // Converts to fp32 (bf16 widened exactly).
   std::vector<float> ToFloat() const;
 };
+
+// The tensors and metadata of a safetensors file held in memory (`bytes`,
+// the whole file), checked as SafetensorsFile::Open checks a file; the
+// views point into `bytes`. `path` prefixes every error (DATA_LOSS for a
+// corrupt file). Pure; what the fuzz target
+// tests/fuzz/safetensors_fuzzer.cc exercises.
+struct SafetensorsContents {
+  std::map<std::string, TensorView> tensors;  // in name order
+  std::map<std::string, std::string> metadata;
+};
+absl::StatusOr<SafetensorsContents> ParseSafetensors(std::string_view bytes,
+                                                     const std::string& path);
 
 // A memory-mapped, validated safetensors file. Open() checks the header
 // (length within the file, JSON well-formed, every tensor's dtype known,

@@ -5,6 +5,7 @@
 #include <atomic>
 
 #include "common/tokenizer.h"
+#include "coordinator/client_requests.h"
 #include "coordinator/karat_service.h"
 #include "coordinator/turn_plan.h"
 #include "security/tokens.h"
@@ -193,6 +194,7 @@ grpc::Status TurnCall::Run() {
 }
 
 grpc::Status TurnCall::Begin(bool* busy) {
+  if (absl::Status id = ValidateSessionId(sid_); !id.ok()) return ToGrpc(id);
   {
     absl::MutexLock lock(&s_->mu_);
     if (service_->OwnedLocked(sid_, caller_) == nullptr)
@@ -203,7 +205,9 @@ grpc::Status TurnCall::Begin(bool* busy) {
     absl::MutexLock lock(&s_->mu_);
     if (service_->OwnedLocked(sid_, caller_) == nullptr)
       return KaratService::NoSession(sid_);
-    if (absl::Status valid = service_->Validate(*req_); !valid.ok())
+    if (absl::Status valid =
+            ValidateGenerateRequest(*req_, s_->options().max_new_tokens_limit);
+        !valid.ok())
       return ToGrpc(valid);
   }
   // A retry of the turn a call is still running (its client went away

@@ -8,6 +8,7 @@
 #include "common/status_macros.h"
 #include "common/tokenizer.h"
 #include "coordinator/kv_release.h"
+#include "coordinator/client_requests.h"
 #include "coordinator/turn_plan.h"
 #include "security/tokens.h"
 
@@ -72,6 +73,8 @@ grpc::Status KaratService::GetSession(grpc::ServerContext* ctx,
                                       v1::Session* resp) {
   absl::StatusOr<Caller> caller = Authenticate(*ctx);
   if (!caller.ok()) return ToGrpc(caller.status());
+  if (absl::Status valid = ValidateGetSessionRequest(*req); !valid.ok())
+    return ToGrpc(valid);
   {
     absl::MutexLock lock(&s_->mu_);
     if (OwnedLocked(req->session_id(), *caller) == nullptr)
@@ -90,6 +93,8 @@ grpc::Status KaratService::CloseSession(grpc::ServerContext* ctx,
                                         v1::CloseSessionResponse*) {
   absl::StatusOr<Caller> caller = Authenticate(*ctx);
   if (!caller.ok()) return ToGrpc(caller.status());
+  if (absl::Status valid = ValidateCloseSessionRequest(*req); !valid.ok())
+    return ToGrpc(valid);
   const std::string& sid = req->session_id();
   {
     absl::MutexLock lock(&s_->mu_);
@@ -378,32 +383,6 @@ absl::Status KaratService::LogTurnStart(const std::string& sid,
   record.mutable_started()->set_id(sid);
   *record.mutable_started()->mutable_turn() = turn;
   return s_->wal_->Append(record);
-}
-
-absl::Status KaratService::Validate(const v1::GenerateRequest& req) const {
-  int limit = s_->options().max_new_tokens_limit;
-  if (req.max_new_tokens() < 1 || req.max_new_tokens() > limit) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("max_new_tokens must be in [1, ", limit, "], got ",
-                     req.max_new_tokens()));
-  }
-  if (req.prompt().empty() && req.prompt_tokens().empty())
-    return absl::InvalidArgumentError(
-        "the prompt is empty (set prompt or prompt_tokens)");
-  if (!req.prompt().empty() && !req.prompt_tokens().empty())
-    return absl::InvalidArgumentError("set prompt or prompt_tokens, not both");
-  for (int i = 0; i < req.prompt_tokens_size(); ++i) {
-    int32_t t = req.prompt_tokens(i);
-    if (t < 0 || t >= kVocabSize)
-      return absl::InvalidArgumentError(
-          absl::StrCat("prompt_tokens[", i, "] = ", t, " is outside [0, ",
-                       kVocabSize - 1, "]"));
-  }
-  RETURN_IF_ERROR(ValidateIdempotencyKey(req.idempotency_key()));
-  if (!std::isfinite(req.temperature()) || req.temperature() < 0)
-    return absl::InvalidArgumentError(absl::StrCat(
-        "temperature must be finite and >= 0, got ", req.temperature()));
-  return absl::OkStatus();
 }
 
 absl::Status KaratService::CheckNodesLocked(bool* settling) const {

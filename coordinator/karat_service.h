@@ -82,7 +82,6 @@ class KaratService final : public v1::Karat::Service {
   void WaitForCancelledTurn(const std::string& session_id,
                             absl::Duration grace) const;
 
-  absl::Status Validate(const v1::GenerateRequest& req) const;
   // Appends what the session's history, prefill ends and turn count gained
   // since its last record to the write-ahead log (nothing without one, or
   // when nothing changed). Call without the lock, while the session is busy

@@ -1,5 +1,7 @@
 #include "coordinator/membership_service.h"
 
+#include "coordinator/register_request.h"
+
 namespace karat::coordinator {
 
 grpc::Status MembershipService::RegisterNode(grpc::ServerContext* ctx,
@@ -11,24 +13,10 @@ grpc::Status MembershipService::RegisterNode(grpc::ServerContext* ctx,
           *ctx, req->name(), absl::StrCat("RegisterNode of ", req->name()));
       !who.ok())
     return ToGrpc(who);
-  NodeRole role;
-  if (req->role() == "gpu") {
-    role = NodeRole::kGpu;
-  } else if (req->role() == "karat") {
-    role = NodeRole::kKarat;
-  } else {
-    return grpc::Status(
-        grpc::StatusCode::INVALID_ARGUMENT,
-        absl::StrCat("role must be \"gpu\" or \"karat\", got \"", req->role(),
-                     "\""));
-  }
-  if (req->name().empty())
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        "node name must not be empty");
-  if (req->grpc_address().empty())
-    return grpc::Status(
-        grpc::StatusCode::INVALID_ARGUMENT,
-        absl::StrCat("node ", req->name(), ": grpc_address must not be empty"));
+  absl::StatusOr<NodeRole> checked =
+      ValidateRegisterNodeRequest(*req, s_->gpu_only());
+  if (!checked.ok()) return ToGrpc(checked.status());
+  const NodeRole role = *checked;
   if (role == NodeRole::kGpu && req->model_fingerprint().empty())
     return grpc::Status(
         grpc::StatusCode::INVALID_ARGUMENT,
@@ -52,11 +40,6 @@ grpc::Status MembershipService::RegisterNode(grpc::ServerContext* ctx,
   if (role == NodeRole::kGpu) {
     rank = req->rank();
     ranks = req->ranks() > 0 ? req->ranks() : 1;
-    if (req->ranks() < 0 || rank < 0 || rank >= ranks)
-      return grpc::Status(
-          grpc::StatusCode::INVALID_ARGUMENT,
-          absl::StrCat("node ", req->name(), ": rank ", rank,
-                       " is outside [0, ranks) with ranks ", req->ranks()));
     for (const auto& [id, n] : s_->nodes_) {
       if (n.role != NodeRole::kGpu || n.name == req->name() ||
           !s_->AliveLocked(n))
@@ -74,10 +57,6 @@ grpc::Status MembershipService::RegisterNode(grpc::ServerContext* ctx,
                          ranks, " but the alive node ", n.name,
                          " serves it; give each GPU node its own --rank"));
     }
-    if (s_->gpu_only() && req->kv_capacity_bytes() < 0)
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          absl::StrCat("node ", req->name(),
-                                       ": kv_capacity_bytes must be >= 0"));
   }
   s_->NoteStallLocked();
   for (auto it = s_->nodes_.begin(); it != s_->nodes_.end(); ++it) {

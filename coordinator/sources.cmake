@@ -3,6 +3,7 @@ add_library(karat_coordinator STATIC
   coordinator/admin_service.cc
   coordinator/admission.cc
   coordinator/client_auth.cc
+  coordinator/client_requests.cc
   coordinator/cluster_config.cc
   coordinator/control_push.cc
   coordinator/coordinator.cc
@@ -13,6 +14,7 @@ add_library(karat_coordinator STATIC
   coordinator/karat_service.cc
   coordinator/kv_release.cc
   coordinator/membership_service.cc
+  coordinator/register_request.cc
   coordinator/turn_plan.cc
   coordinator/turn_resume.cc
   coordinator/admission_policy.cc

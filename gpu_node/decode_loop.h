@@ -22,6 +22,7 @@
 #include "absl/time/time.h"
 #include "cluster.pb.h"
 #include "common/model_runner.h"
+#include "gpu_node/turn_request.h"
 #include "gpu_node/worker_token.h"
 
 namespace karat {
@@ -49,35 +50,6 @@ class StepBackend : public AttentionBackend {
 // Where micro-batch `mb`'s MoE layers run their routed experts (expert
 // parallelism); null computes them locally.
 using ExpertSource = std::function<ExpertBackend*(int mb, WaitHooks* hooks)>;
-
-// One turn as the decode loop takes it (cluster.proto RunTurnRequest).
-struct TurnRequest {
-  uint64_t session = 0;
-  uint64_t seed = 0;
-  float temperature = 0;
-  int pos_start = 0;
-  std::vector<int32_t> feed_tokens;
-  int max_new_tokens = 0;
-  cluster::KaratPlacement placement;
-  uint64_t turn_epoch = 0;
-  // Micro-batch of the session (0 or 1) until SetMicroBatches moves it.
-  int micro_batch = 0;
-  // Feed offsets (1 .. feed size) where a turn's prefill ended: prefill
-  // chunks never cross one, and each marks Segment::ends_prefill.
-  std::vector<int> prefill_ends;
-  // Whether the feed's end is one of them (RunTurnRequest.resumed_decode
-  // clears it).
-  bool feed_ends_prefill = true;
-};
-
-// INVALID_ARGUMENT unless: feed_tokens non-empty with ids in [0, vocab),
-// max_new_tokens > 0, pos_start >= 0, temperature >= 0 and finite,
-// micro_batch 0 or 1, prefill_ends increasing inside the feed, and (when
-// `need_placement`, i.e. attention on KARAT nodes) a placement with a
-// fabric address.
-absl::Status ValidateTurnRequest(const cluster::RunTurnRequest& request,
-                                 int vocab_size, bool need_placement = true);
-TurnRequest TurnRequestFromProto(const cluster::RunTurnRequest& request);
 
 // The events of one turn, from the decode loop to the RunTurn handler.
 // Thread-safe.

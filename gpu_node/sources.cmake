@@ -1,6 +1,7 @@
 # gpu_node: the GPU-node daemon (decode loop, remote attention, control).
 add_library(karat_gpu_node STATIC
   gpu_node/decode_loop.cc
+  gpu_node/turn_request.cc
   gpu_node/combine_cache.cc
   gpu_node/expert_parallel.cc
   gpu_node/expert_parallel_dispatch.cc

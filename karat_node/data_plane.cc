@@ -10,6 +10,7 @@
 #include "common/log_ids.h"
 #include "common/log_limiter.h"
 #include "common/status_macros.h"
+#include "karat_node/reserve_request.h"
 
 namespace karat {
 
@@ -72,15 +73,7 @@ void DataPlaneHandler::Stop() {
 absl::StatusOr<DataPlaneHandler::Reserved> DataPlaneHandler::Reserve(
     uint64_t session, int device, int tokens, uint64_t turn_epoch,
     int kv_tokens) {
-  if (device < 0 || device >= num_devices()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("device ", device, " does not exist (the node has ",
-                     num_devices(), ")"));
-  }
-  if (tokens <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("reserve of ", tokens, " tokens; must be > 0"));
-  }
+  RETURN_IF_ERROR(ValidateReserve(device, num_devices(), tokens));
   // Held across the device call so that two reservations of one new
   // session cannot pick two devices.
   absl::MutexLock lock(&sessions_mu_);

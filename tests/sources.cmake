@@ -10,6 +10,7 @@ include(tests/karat_node/sources.cmake OPTIONAL)
 include(tests/gpu_node/sources.cmake OPTIONAL)
 include(tests/security/sources.cmake)
 include(tests/deploy/sources.cmake)
+include(tests/fuzz/sources.cmake)
 
 # ThreadSanitizer builds: what tests/sanitizers/tsan_annotations.cc tells
 # ThreadSanitizer, checked on small programs (tsan_probe) with and without a

@@ -280,6 +280,46 @@ TEST_CASE("presets match MODEL.md", "[config]") {
         AttentionMethod::kClusterKv);
 }
 
+TEST_CASE("refuses sizes beyond the bounds", "[config]") {
+  // At the bounds: accepted.
+  CHECK(ParseModelConfig(Replace(kDsa, "\"num_hidden_layers\": 2",
+                                 "\"num_hidden_layers\": 256"),
+                         "cfg.json")
+            .ok());
+  CHECK(ParseModelConfig(
+            Replace(kDsa, "\"hidden_size\": 64", "\"hidden_size\": 65536"),
+            "cfg.json")
+            .ok());
+  // Past them: refused, naming the field and the bound.
+  ExpectRefused(
+      Replace(kDsa, "\"num_hidden_layers\": 2", "\"num_hidden_layers\": 257"),
+      "num_hidden_layers", "at most 256, got 257");
+  ExpectRefused(Replace(kDsa, "\"hidden_size\": 64", "\"hidden_size\": 65537"),
+                "hidden_size", "at most 65536");
+  ExpectRefused(Replace(kDsa, "\"num_attention_heads\": 2",
+                        "\"num_attention_heads\": 4097"),
+                "num_attention_heads", "at most 4096");
+  ExpectRefused(
+      Replace(kDsa, "\"n_routed_experts\": 4", "\"n_routed_experts\": 513"),
+      "n_routed_experts", "at most 512");
+  ExpectRefused(
+      Replace(kDsa, "\"n_shared_experts\": 1", "\"n_shared_experts\": 513"),
+      "n_shared_experts", "at most 512");
+  ExpectRefused(Replace(kLlama, "\"intermediate_size\": 96",
+                        "\"intermediate_size\": 2147483647"),
+                "intermediate_size", "at most 65536");
+  // The model_config fuzz target's inputs: sizes whose weights' byte count
+  // overflowed int64, and 2^31 - 1 layers that took the tensor list
+  // beyond any memory (tests/fuzz/model_config_corpus/regression_*).
+  ExpectRefused(Replace(Replace(kDsa, "\"hidden_size\": 64",
+                                "\"hidden_size\": 2147483647"),
+                        "\"q_lora_rank\": 32", "\"q_lora_rank\": 2147483647"),
+                "hidden_size", "at most 65536");
+  ExpectRefused(Replace(kLlama, "\"num_hidden_layers\": 3",
+                        "\"num_hidden_layers\": 2147483647"),
+                "num_hidden_layers", "at most 256");
+}
+
 TEST_CASE("ValidateModelConfig checks a hand-built struct", "[config]") {
   ModelConfig c = *PresetConfig("dsa-small");
   CHECK(ValidateModelConfig(c, "x").ok());

@@ -241,6 +241,15 @@ TEST_CASE("reader refuses corrupt files cleanly", "[safetensors]") {
             one("F32", "[4611686018427387904, 4611686018427387904]", "[0,16]"),
             data),
         {"'t'"});
+    // 2^62 F32 elements are 2^64 bytes, which wrapped to 0 and let
+    // [0, 0] through (the safetensors fuzz target's
+    // regression_bytes_wrap).
+    ExpectCorrupt(dir,
+                  RawFile(one("F32", "[4611686018427387904]", "[0,0]"), data),
+                  {"'t'", "shape too large"});
+    ExpectCorrupt(dir,
+                  RawFile(one("BF16", "[2305843009213693953]", "[0,2]"), data),
+                  {"'t'", "shape too large"});
   }
   SECTION("overlapping tensors") {
     const std::string header =
@@ -248,6 +257,44 @@ TEST_CASE("reader refuses corrupt files cleanly", "[safetensors]") {
         R"("b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})";
     ExpectCorrupt(dir, RawFile(header, data), {"'b'", "overlap", "'a'"});
   }
+}
+
+TEST_CASE("ParseSafetensors reads bytes in memory as Open reads the file",
+          "[safetensors]") {
+  TempDir dir;
+  const std::vector<float> a = Ramp(6, 1.0f);
+  const std::string path = dir.File("m.safetensors");
+  REQUIRE(WriteSafetensors(path, {{"a", {2, 3}, a.data()}, {"z", {0}, nullptr}},
+                           DType::kF32, {{"format", "pt"}})
+              .ok());
+  const std::string bytes = ReadBytes(path);
+  absl::StatusOr<SafetensorsContents> parsed =
+      ParseSafetensors(bytes, "in-memory");
+  REQUIRE(parsed.ok());
+  auto file = SafetensorsFile::Open(path);
+  REQUIRE(file.ok());
+  CHECK(parsed->metadata == (*file)->metadata());
+  REQUIRE(parsed->tensors.size() == (*file)->tensors().size());
+  for (const auto& [name, view] : parsed->tensors) {
+    const TensorView* mapped = (*file)->Find(name);
+    REQUIRE(mapped != nullptr);
+    CHECK(view.shape == mapped->shape);
+    CHECK(view.nbytes == mapped->nbytes);
+    CHECK(view.ToFloat() == mapped->ToFloat());
+    // The view points into the bytes given.
+    CHECK(view.data >= reinterpret_cast<const uint8_t*>(bytes.data()));
+    CHECK(view.data + view.nbytes <=
+          reinterpret_cast<const uint8_t*>(bytes.data() + bytes.size()));
+  }
+  // Errors name what the caller called the bytes.
+  absl::StatusOr<SafetensorsContents> bad =
+      ParseSafetensors(bytes.substr(0, bytes.size() - 1), "in-memory");
+  REQUIRE_FALSE(bad.ok());
+  CHECK(bad.status().code() == absl::StatusCode::kDataLoss);
+  CHECK(absl::StartsWith(bad.status().message(), "in-memory: "));
+  CHECK(absl::StrContains(
+      ParseSafetensors("1234567", "in-memory").status().message(),
+      "too short"));
 }
 
 TEST_CASE("a file truncated anywhere is refused", "[safetensors]") {

@@ -124,6 +124,35 @@ TEST_CASE("ExpectedTensors follows MODEL.md for gqa", "[weights]") {
       V{int64_t{mp.attention.lsh_bits} * mp.attention.lsh_tables, mp.head_dim});
 }
 
+TEST_CASE("the largest config accepted has a weight size that fits",
+          "[weights]") {
+  // Every size at its bound (common/model_config.h), with the indexer,
+  // routed and shared experts in every layer but the first.
+  ModelConfig c = *PresetConfig("dsa-tiny");
+  c.hidden_size = kMaxModelDim;
+  c.num_hidden_layers = kMaxLayers;
+  c.num_attention_heads = kMaxHeads;
+  c.q_lora_rank = c.kv_lora_rank = kMaxModelDim;
+  c.qk_nope_head_dim = c.qk_rope_head_dim = c.v_head_dim = kMaxModelDim;
+  c.index_n_heads = kMaxHeads;
+  c.index_head_dim = kMaxModelDim;
+  c.n_routed_experts = c.n_shared_experts = kMaxRoutedExperts;
+  c.moe_intermediate_size = c.intermediate_size = kMaxModelDim;
+  c.index_reuse_freq = 1;
+  REQUIRE(ValidateModelConfig(c, "max").ok());
+  // The byte count without overflow, to compare.
+  __int128 bytes = 0;
+  for (const TensorSpec& spec : ExpectedTensors(c)) {
+    __int128 n = 4;
+    for (int64_t d : spec.shape) n *= d;
+    bytes += n;
+  }
+  CHECK(bytes < (__int128{1} << 59));
+  CHECK(RankWeightBytes(c, 0, 1) == static_cast<int64_t>(bytes));
+  c.num_hidden_layers = kMaxLayers + 1;
+  CHECK_FALSE(ValidateModelConfig(c, "max").ok());
+}
+
 TEST_CASE("generated weights have the documented statistics", "[weights]") {
   ModelConfig c = *PresetConfig("dsa-small");
   auto w = GenerateWeights(c, 7);

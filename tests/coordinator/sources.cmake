@@ -50,3 +50,12 @@ add_unit_test(coordinator_data_plane_secret_test
 add_unit_test(coordinator_data_plane_bind_test
   SOURCES tests/coordinator/data_plane_bind_test.cc
   LIBS karatctl_lib)
+# The request checks of the client API and of RegisterNode.
+add_unit_test(coordinator_requests_test
+  SOURCES tests/coordinator/client_requests_test.cc
+    tests/coordinator/register_request_test.cc
+  LIBS karat_coordinator)
+# The same checks through the coordinator's handlers.
+add_unit_test(coordinator_request_checks_service_test
+  SOURCES tests/coordinator/request_checks_service_test.cc
+  LIBS karat_coordinator)

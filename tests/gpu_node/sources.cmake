@@ -67,3 +67,8 @@ add_unit_test(data_plane_fabric_auth_test
   SOURCES tests/gpu_node/data_plane_fabric_auth_test.cc
   LIBS karat_gpu_node karat_karat_node
   LABELS unit loopback)
+# RunTurn's request check.
+add_unit_test(gpu_node_turn_request_test
+  SOURCES tests/gpu_node/turn_request_test.cc
+  LIBS karat_gpu_node
+  LABELS unit)

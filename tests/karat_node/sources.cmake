@@ -34,3 +34,7 @@ add_unit_test(peer_admission_test
 add_unit_test(karat_node_data_plane_auth_test
               SOURCES tests/karat_node/data_plane_auth_test.cc
               LIBS karat_karat_node)
+# Reserve's request check.
+add_unit_test(karat_node_reserve_request_test
+              SOURCES tests/karat_node/reserve_request_test.cc
+              LIBS karat_karat_node)
