@@ -11,7 +11,8 @@
 //     anyone else is refused and the cluster's turns go on unharmed.
 //   * The admin API listens on a port of its own and takes admin tokens
 //     only; the client port does not serve it.
-//   * Every daemon listens on the ports it advertises and no other.
+//   * Every daemon completes a TLS handshake (openssl s_client) and listens
+//     on the ports it advertises and no other.
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
 
@@ -290,6 +291,30 @@ TEST_CASE("nobody without credentials gets in",
     CHECK(cl::Admin::NewStub(Channel(c, admin, "", client_token))
               ->InjectProcessFault(&ctx, req, &resp)
               .error_code() == grpc::StatusCode::UNAUTHENTICATED);
+  }
+  SECTION("openssl s_client completes a TLS handshake with every daemon") {
+    std::vector<std::pair<std::string, std::string>> servers = {
+        {"coordinator", coord}, {"admin API", c.admin_address()}};
+    for (const std::string node : {"gpu0", "karat0"}) {
+      std::string address;
+      std::ifstream(c.dir() + "/" + node + ".addr") >> address;
+      servers.push_back({node, address});
+    }
+    for (const auto& [name, address] : servers) {
+      // The nodes require a client certificate: the coordinator's.
+      std::string hs;
+      const int rc = RunCommand(
+          {"/bin/sh", "-c",
+           "openssl s_client -connect " + address + " -CAfile " +
+               c.tls_dir() + "/ca.crt -cert " + c.tls_dir() +
+               "/coordinator.crt -key " + c.tls_dir() +
+               "/coordinator.key -alpn h2 -verify_return_error -brief "
+               "</dev/null"},
+          &hs);
+      INFO(name << " at " << address << ":\n" << hs);
+      CHECK(rc == 0);
+      CHECK(hs.find("Verification: OK") != std::string::npos);
+    }
   }
   SECTION("every daemon listens where it says and nowhere else") {
     CHECK(ListeningPorts(c.pids().at("coordinator")) ==
