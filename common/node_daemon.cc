@@ -214,7 +214,7 @@ absl::StatusOr<NodeGrpcServer> StartNodeGrpcServer(
            "reaches " << listen << " (for tests only; docs/security.md)";
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds =
       security::ServerCredentials(tls,
-                                  security::ClientCertificates::kRequire,
+                                  security::ClientCertificates::kRequestAndVerify,
                                   security::PeerNameGuard({"coordinator"}));
   if (!creds.ok()) return creds.status();
   grpc::EnableDefaultHealthCheckService(true);

@@ -119,10 +119,11 @@ struct NodeGrpcServer {
 
 // Starts a gRPC server for `service` (not owned; must outlive the server)
 // on `listen`, with the default health-check service and server reflection
-// enabled. With TLS (`tls` not plaintext) every caller must present a
-// certificate of the cluster's CA whose name is the coordinator's
-// (security::PeerNameGuard): the node services take calls from the
-// coordinator only. UNAVAILABLE if the address cannot be bound; the TLS
+// enabled. With TLS (`tls` not plaintext) a caller may present a
+// certificate (verified against the cluster's CA) and every call must come
+// with the coordinator's (security::PeerNameGuard): the node services take
+// calls from the coordinator only; anyone else gets UNAUTHENTICATED with
+// the reason before any handler. UNAVAILABLE if the address cannot be bound; the TLS
 // files' errors (security::ServerCredentials) as they are.
 absl::StatusOr<NodeGrpcServer> StartNodeGrpcServer(
     grpc::Service* service, const std::string& listen,

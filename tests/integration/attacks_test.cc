@@ -213,7 +213,8 @@ TEST_CASE("nobody without credentials gets in",
                       &ctx, cl::StatsRequest(), &resp);
         CHECK(st.error_code() == grpc::StatusCode::UNAUTHENTICATED);
       }
-      // A client with a token but no certificate: no TLS handshake.
+      // A client with a token but no certificate: refused before any
+      // handler, with the reason.
       {
         grpc::ClientContext ctx;
         Deadline(&ctx);
@@ -225,7 +226,8 @@ TEST_CASE("nobody without credentials gets in",
             node == "gpu0"
                 ? cl::GpuNode::NewStub(ch)->InjectFault(&ctx, req, &resp)
                 : cl::KaratNode::NewStub(ch)->InjectFault(&ctx, req, &resp);
-        CHECK(st.error_code() == grpc::StatusCode::UNAVAILABLE);
+        CHECK(st.error_code() == grpc::StatusCode::UNAUTHENTICATED);
+        CHECK(st.error_message().find("coordinator") != std::string::npos);
       }
     }
     // A RunTurn with a chosen feed straight to the GPU node, and a Reserve /
