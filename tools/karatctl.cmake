@@ -2,6 +2,7 @@
 add_library(karatctl_lib STATIC
   tools/karatctl/bench.cc
   tools/karatctl/client.cc
+  tools/karatctl/connection.cc
   tools/karatctl/plan.cc
   tools/karatctl/retry.cc
   tools/karatctl/workload.cc

@@ -27,9 +27,9 @@
 #include "cluster.grpc.pb.h"
 #include "common/link_rules.h"
 #include "common/link_stats.h"
-#include "security/tls.h"
 #include "tools/karatctl/bench.h"
 #include "tools/karatctl/client.h"
+#include "tools/karatctl/connection.h"
 #include "tools/karatctl/plan.h"
 
 namespace karat::ctl {
@@ -729,51 +729,23 @@ int Main(int argc, char** argv) {
     }
   }
   g_coordinator = address;
-  // Defaults beside the address file `deploy/karat up` wrote.
-  std::string run_dir = ".";
-  {
-    const std::string f = addr_file.empty() ? "run/coordinator.addr"
-                                            : addr_file;
-    const size_t slash = f.rfind('/');
-    if (slash != std::string::npos) run_dir = f.substr(0, slash);
+  absl::StatusOr<Connection> conn = ResolveConnection(
+      ConnectionFlags{addr_file, tls_dir, admin_address, plaintext});
+  if (!conn.ok()) {
+    std::fprintf(stderr, "karatctl: %s\n",
+                 std::string(conn.status().message()).c_str());
+    return 2;
   }
-  if (admin_address.empty())
-    admin_address = ReadAddress(run_dir + "/coordinator-admin.addr");
-  g_admin_address = admin_address;
-  if (admin_address.empty() && (command == "link" || command == "fault")) {
+  g_admin_address = conn->admin_address;
+  g_admin_credentials = conn->admin;
+  if (g_admin_address.empty() && (command == "link" || command == "fault")) {
     std::fprintf(stderr,
                  "karatctl: no admin API address: cannot read "
                  "%s/coordinator-admin.addr (pass --admin-addr HOST:PORT)\n",
-                 run_dir.c_str());
+                 conn->run_dir.c_str());
     return 2;
   }
-  security::TlsOptions tls;
-  std::string client_token, admin_token;
-  if (plaintext) {
-    if (!tls_dir.empty()) Usage("--plaintext contradicts --tls-dir");
-    tls.plaintext = true;
-  } else {
-    if (tls_dir.empty()) tls_dir = run_dir + "/tls";
-    tls.ca_file = tls_dir + "/ca.crt";
-    if (ReadAddress(tls.ca_file).empty()) {
-      std::fprintf(stderr,
-                   "karatctl: no TLS files: cannot read %s (pass --tls-dir "
-                   "DIR, or --plaintext for a cluster without TLS)\n",
-                   tls.ca_file.c_str());
-      return 2;
-    }
-    client_token = ReadAddress(tls_dir + "/client.token");
-    admin_token = ReadAddress(tls_dir + "/admin.token");
-  }
-  auto client_creds = security::ClientCredentials(tls, client_token);
-  auto admin_creds = security::ClientCredentials(tls, admin_token);
-  if (!client_creds.ok() || !admin_creds.ok()) {
-    PrintError(!client_creds.ok() ? client_creds.status()
-                                  : admin_creds.status());
-    return 2;
-  }
-  g_admin_credentials = *admin_creds;
-  Client client(address, *client_creds);
+  Client client(address, conn->client);
   if (command == "generate") return Generate(client, flags);
   if (command == "chat") return Chat(client, flags);
   if (command == "status") return Status(client, address, flags);
