@@ -69,6 +69,7 @@ TEST_CASE("with a secret, MoE frames are taken only from the table's peers",
   if (authenticated) {
     REQUIRE(rank1_inbox.WaitFor(1));
     REQUIRE(WaitForStat(ep, "moe_frames_unauthenticated", 3));
+    REQUIRE(WaitForStat(ep, "moe_dispatches_served", 1));
     auto stats = ep.Stats();
     CHECK(stats["moe_dispatches_served"] == 1);
     CHECK(stats["moe_dispatches_parked"] == 0);
@@ -84,6 +85,8 @@ TEST_CASE("with a secret, MoE frames are taken only from the table's peers",
     // address), the forged combine counted stale, the unknown one parked.
     REQUIRE(rank1_inbox.WaitFor(2));
     REQUIRE(WaitForStat(ep, "moe_dispatches_served", 2));
+    REQUIRE(WaitForStat(ep, "moe_frames_stale", 1));
+    REQUIRE(WaitForStat(ep, "moe_dispatches_parked", 1));
     auto stats = ep.Stats();
     CHECK(stats["moe_frames_unauthenticated"] == 0);
     CHECK(stats["moe_frames_stale"] == 1);
@@ -143,6 +146,8 @@ TEST_CASE(
   REQUIRE(ep.SetPeers({p1, p2}).ok());
   REQUIRE(inbox1.WaitFor(1));
   REQUIRE(WaitForStat(ep, "moe_frames_unauthenticated", 1));
+  // The answer is sent before the dispatch is counted as served.
+  REQUIRE(WaitForStat(ep, "moe_dispatches_served", 1));
   auto stats = ep.Stats();
   CHECK(stats["moe_parked_released"] == 1);
   CHECK(stats["moe_dispatches_served"] == 1);
