@@ -28,7 +28,7 @@ namespace {
 // Only that address: a host name that resolves to several addresses would
 // also bind ports nobody is told of.
 // `max_message_bytes`: the largest request (explicit, so that the limit is
-// the documented one, README "Client API"; a larger request gets
+// the documented one, docs/client-api.md; a larger request gets
 // RESOURCE_EXHAUSTED from gRPC).
 absl::StatusOr<std::pair<std::unique_ptr<grpc::Server>, std::string>> Serve(
     const std::string& listen, std::shared_ptr<grpc::ServerCredentials> creds,

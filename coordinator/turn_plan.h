@@ -1,5 +1,5 @@
-// What a Generate call does with a session's latest turn (README "Client
-// API", retries): a request whose idempotency key is the latest turn's
+// What a Generate call does with a session's latest turn (docs/client-api.md,
+// retries): a request whose idempotency key is the latest turn's
 // continues or replays that turn instead of starting another. Pure
 // functions over cluster::LastTurn (proto/cluster.proto), which the
 // coordinator keeps per session and logs in its write-ahead log.

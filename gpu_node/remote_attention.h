@@ -31,7 +31,7 @@ struct RemoteAttentionOptions {
   // Bound on a handshake and on waiting for a segment's attention output,
   // however often its frames were resent; past it the segment fails with
   // UNAVAILABLE naming the KARAT node (a link down for less stalls the
-  // segment for about as long; README "Data plane", lossy links).
+  // segment for about as long; docs/data-plane.md, lossy links).
   absl::Duration timeout = absl::Seconds(30);
   // Retransmission (gpu_node/moe_retransmit.h): a segment whose output has not
   // come back within the RTO of its KARAT node is sent again (its index and

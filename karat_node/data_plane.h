@@ -72,8 +72,8 @@ struct DataPlaneOptions {
   // needs (MagicPIG's hyperplanes); may be empty for other methods.
   std::string model_dir;
   std::vector<DeviceOptions> devices;
-  // Short frames run on the transport's thread (README "Short frames
-  // inline"): a kIndexQK or kAttnQKV frame of at most kInlineMaxTokens
+  // Short frames run on the transport's thread (docs/data-plane.md, "Short
+  // frames inline"): a kIndexQK or kAttnQKV frame of at most kInlineMaxTokens
   // tokens whose segment ends at or before this position, for a device
   // whose worker is idle and whose timing model is off, runs in the receive
   // handler instead of waking the device's worker, which saves the wake-up

@@ -1,5 +1,5 @@
 // The order of one session's data frames on its KARAT device, so that a
-// lossy link cannot corrupt the session's KV (README "Data plane", lossy
+// lossy link cannot corrupt the session's KV (docs/data-plane.md, lossy
 // links). A GPU node resends the frames of a segment whose attention output
 // has not come back (the request, the output, or both may have been lost),
 // and a link may delay a copy behind later frames. The device therefore

@@ -1,5 +1,5 @@
 # libFuzzer targets for the inputs that come from outside the process
-# (README "Tests", docs/security.md "Fuzzing"): tests/fuzz/NAME_fuzzer.cc
+# (docs/testing.md, docs/security.md "Fuzzing"): tests/fuzz/NAME_fuzzer.cc
 # with its seed corpus tests/fuzz/NAME_corpus/ and, for text inputs, a
 # dictionary tests/fuzz/NAME.dict. The main build uses g++, so clang++
 # compiles them directly, each source once into build/fuzz/obj/ (with

@@ -1,4 +1,4 @@
-// Faults a client causes (README "Client API", "Faults"), end to end through
+// Faults a client causes (docs/client-api.md, docs/faults.md), end to end through
 // the real daemons on dsa-tiny: a client that cancels, times out and closes
 // its turns fails no turn of another session; a turn that fails or is
 // cancelled before its first token leaves its session as it was, one

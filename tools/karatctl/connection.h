@@ -1,6 +1,6 @@
-// Where karatctl finds a cluster and how it proves who it is (README
-// "Client API", docs/security.md): the admin API's address and the TLS
-// credentials with the client and admin tokens, by default from the files
+// Where karatctl finds a cluster and how it proves who it is
+// (docs/client-api.md, docs/security.md): the admin API's address and the
+// TLS credentials with the client and admin tokens, by default from the files
 // `deploy/karat up` writes beside the coordinator's address file.
 #pragma once
 
