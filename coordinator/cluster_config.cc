@@ -246,6 +246,14 @@ absl::StatusOr<cluster::ClusterConfig> ParseClusterConfig(
   return config;
 }
 
+std::string PathFromConfig(const std::string& config_path,
+                           const std::string& path) {
+  if (path.empty() || path[0] == '/') return path;
+  const size_t slash = config_path.rfind('/');
+  return slash == std::string::npos ? path
+                                    : config_path.substr(0, slash + 1) + path;
+}
+
 absl::StatusOr<cluster::ClusterConfig> LoadClusterConfig(
     const std::string& path) {
   std::ifstream in(path, std::ios::binary);

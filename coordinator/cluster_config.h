@@ -17,6 +17,11 @@ namespace karat::coordinator {
 absl::StatusOr<cluster::ClusterConfig> ParseClusterConfig(
     const std::string& text, const std::string& name);
 
+// A path named in the cluster file at `config_path`: a relative one is
+// taken from the file's folder (security's TLS and token files).
+std::string PathFromConfig(const std::string& config_path,
+                           const std::string& path);
+
 // Reads and parses the file at `path` (NOT_FOUND when it cannot be read).
 absl::StatusOr<cluster::ClusterConfig> LoadClusterConfig(
     const std::string& path);

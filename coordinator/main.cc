@@ -64,15 +64,6 @@ bool WriteFileAtomically(const std::string& path, const std::string& text) {
 
 }  // namespace
 
-// A path of the cluster file taken from the file's folder when relative.
-std::string FromConfigDir(const std::string& config_path,
-                          const std::string& path) {
-  if (path.empty() || path[0] == '/') return path;
-  const size_t slash = config_path.rfind('/');
-  return slash == std::string::npos ? path
-                                    : config_path.substr(0, slash + 1) + path;
-}
-
 int main(int argc, char** argv) {
   std::string config_path, model_dir, listen, port_file, state_dir,
       log_level = "info", tls_dir, admin_port_file, admin_listen;
@@ -157,10 +148,13 @@ int main(int argc, char** argv) {
     options.scheduling = config->scheduling();
     options.security = config->security();
     karat::cluster::SecurityConfig& sec = options.security;
-    sec.set_ca_cert(FromConfigDir(config_path, sec.ca_cert()));
-    sec.set_cert_dir(FromConfigDir(config_path, sec.cert_dir()));
-    sec.set_client_tokens(FromConfigDir(config_path, sec.client_tokens()));
-    sec.set_admin_tokens(FromConfigDir(config_path, sec.admin_tokens()));
+    auto from_config = [&](const std::string& path) {
+      return karat::coordinator::PathFromConfig(config_path, path);
+    };
+    sec.set_ca_cert(from_config(sec.ca_cert()));
+    sec.set_cert_dir(from_config(sec.cert_dir()));
+    sec.set_client_tokens(from_config(sec.client_tokens()));
+    sec.set_admin_tokens(from_config(sec.admin_tokens()));
     for (const auto& g : config->gpu_nodes())
       options.max_batch_by_rank.push_back(g.max_batch());
     // A config that cannot work with its model is refused now, with the

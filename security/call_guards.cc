@@ -51,9 +51,9 @@ class Tokens final : public grpc::AuthMetadataProcessor {
                           absl::StrCat(service_,
                                        " needs a bearer token (metadata "
                                        "`authorization: Bearer TOKEN`)"));
-    absl::string_view v(it->second.data(), it->second.size());
-    if (!absl::ConsumePrefix(&v, "Bearer ")) absl::ConsumePrefix(&v, "bearer ");
-    if (tokens_.Find(std::string(absl::StripAsciiWhitespace(v))) == nullptr)
+    const std::string token = TokenOfAuthorization(
+        absl::string_view(it->second.data(), it->second.size()));
+    if (token.empty() || tokens_.Find(token) == nullptr)
       return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
                           absl::StrCat(service_, ": unknown bearer token"));
     return grpc::Status::OK;

@@ -130,14 +130,18 @@ const Credential* TokenTable::Find(const std::string& token) const {
   return it == by_hash_.end() ? nullptr : &it->second;
 }
 
+std::string TokenOfAuthorization(absl::string_view v) {
+  if (!absl::ConsumePrefix(&v, "Bearer ") && !absl::ConsumePrefix(&v, "bearer "))
+    return "";
+  return std::string(absl::StripAsciiWhitespace(v));
+}
+
 std::string BearerToken(const grpc::ServerContext& context) {
   const auto& md = context.client_metadata();
   auto it = md.find("authorization");
   if (it == md.end()) return "";
-  absl::string_view v(it->second.data(), it->second.size());
-  if (!absl::ConsumePrefix(&v, "Bearer ") && !absl::ConsumePrefix(&v, "bearer "))
-    return "";
-  return std::string(absl::StripAsciiWhitespace(v));
+  return TokenOfAuthorization(
+      absl::string_view(it->second.data(), it->second.size()));
 }
 
 absl::StatusOr<const Credential*> Authenticate(

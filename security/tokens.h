@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/strings/string_view.h"
 #include "absl/status/statusor.h"
 #include "cluster.pb.h"
 
@@ -51,6 +52,10 @@ class TokenTable {
  private:
   absl::flat_hash_map<std::string, Credential> by_hash_;  // SHA-256 -> cred
 };
+
+// The token of an `authorization` metadata value "Bearer TOKEN" (or
+// "bearer TOKEN"); empty when it is not one.
+std::string TokenOfAuthorization(absl::string_view value);
 
 // The bearer token of a call: the `authorization` metadata "Bearer TOKEN".
 // Empty when there is none.

@@ -1,7 +1,7 @@
 // Faults of the cluster itself under running turns (docs/faults.md,
 // docs/data-plane.md), end to end through the real daemons on dsa-tiny,
-// every token checked against the reference engine: a coordinator killed during a turn
-// (its client retries with the turn's idempotency key), 1% and 20% loss on
+// every token checked against the reference engine: a coordinator killed
+// during a turn (its client retries with the turn's idempotency key), 1% and 20% loss on
 // every data-plane link, a link down for 5 s both ways, and a KARAT node
 // killed and restarted at once.
 #include <grpcpp/grpcpp.h>

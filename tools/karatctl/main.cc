@@ -632,13 +632,6 @@ int Plan(const Flags& f) {
   return 0;
 }
 
-std::string ReadAddress(const std::string& path) {
-  std::ifstream in(path);
-  std::string addr;
-  if (!in || !std::getline(in, addr)) return "";
-  return std::string(absl::StripAsciiWhitespace(addr));
-}
-
 int Main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
   std::string address, addr_file, tls_dir, admin_address;
@@ -719,7 +712,7 @@ int Main(int argc, char** argv) {
 
   if (address.empty()) {
     if (addr_file.empty()) addr_file = "run/coordinator.addr";
-    address = ReadAddress(addr_file);
+    address = ReadFirstLine(addr_file);
     if (address.empty()) {
       std::fprintf(stderr,
                    "karatctl: no coordinator address: cannot read %s (pass "

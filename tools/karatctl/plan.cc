@@ -54,9 +54,6 @@ absl::StatusOr<std::string> PlanText(const std::string& path) {
              sec.client_tokens().empty() && sec.admin_tokens().empty()) {
     absl::StrAppend(&out, "security default\n");
   } else {
-    const size_t slash = path.rfind('/');
-    const std::string base =
-        slash == std::string::npos ? "" : path.substr(0, slash + 1);
     std::string files;
     for (const auto& [p, field] :
          {std::pair{sec.ca_cert(), "ca_cert"}, {sec.cert_dir(), "cert_dir"},
@@ -67,7 +64,7 @@ absl::StatusOr<std::string> PlanText(const std::string& path) {
             absl::StrCat(path, ": security.", field,
                          ": required when the security block names TLS "
                          "files"));
-      absl::StrAppend(&files, " ", p[0] == '/' ? p : base + p);
+      absl::StrAppend(&files, " ", coordinator::PathFromConfig(path, p));
     }
     absl::StrAppend(&out, "security files", files, "\n");
   }
