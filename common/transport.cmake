@@ -1,6 +1,9 @@
 # Data plane: libfabric transport, in-process fake, frame format.
 target_sources(karat_common PRIVATE
   common/fabric_transport.cc
+  common/fabric_transport_progress.cc
+  common/fabric_transport_rma.cc
+  common/fabric_transport_send.cc
   common/fake_transport.cc
   common/frame.cc
   common/hello_proof.cc

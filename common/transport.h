@@ -1,6 +1,6 @@
 // The data-plane transport seam (CONVENTIONS.md "Seams"): reliable messages
 // between named endpoints. The real implementation is libfabric RDM
-// (fabric_transport.cc); an in-process fake serves unit tests.
+// (fabric_transport*.cc); an in-process fake serves unit tests.
 #pragma once
 
 #include <cstddef>
