@@ -25,7 +25,7 @@
 // indexer's scan multiplies (32 keys in the lanes of two vectors, one pair at a
 // time), so a scan only widens the codes and never transposes them; the slot
 // order is the one in which the widening's in-lane byte interleave leaves the
-// keys in natural order (see attention.cc).
+// keys in natural order (see WidenPairRows in attention_internal.h).
 #pragma once
 
 #include <cstddef>

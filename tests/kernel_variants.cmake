@@ -5,6 +5,13 @@
 # build fails here instead of on the next machine of the other kind.
 set(KARAT_KERNEL_VARIANT_SOURCES
   common/attention.cc
+  common/attention_indexer.cc
+  common/attention_indexer_rows.cc
+  common/attention_indexer_tiles.cc
+  common/attention_indexer_vector.cc
+  common/attention_mla.cc
+  common/attention_mla_tiles.cc
+  common/attention_topk.cc
   tests/bench/bench_kernels.cc)
 set(KARAT_VARIANT_amx -march=sapphirerapids)
 set(KARAT_VARIANT_noamx -march=sapphirerapids -mno-amx-tile -mno-amx-bf16
