@@ -154,9 +154,15 @@ TEST_CASE("an endpoint no coordinator registered gets no attention output",
     return true;
   };
 
-  // The GPU node of the same cluster.
+  // The GPU node of the same cluster. Nothing is lost on these links: no
+  // segment is sent again on a timer however slow the build (a sanitized
+  // one), so every answer that reaches it is to its own frames, once.
+  RemoteAttentionOptions options;
+  options.rto_initial_decode = options.rto_initial_prefill =
+      options.rto_min = options.rto_max_decode = options.rto_max =
+          absl::Seconds(20);
   auto backend = std::make_unique<RemoteAttentionBackend>(
-      Runner().shapes(), gpu.get(), RemoteAttentionOptions{});
+      Runner().shapes(), gpu.get(), options);
   backend->set_data_plane_secret(kSecret);
   backend->set_node_id(kGpuId);
   cluster::KaratPlacement placement;
